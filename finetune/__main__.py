@@ -1,0 +1,4 @@
+"""`python -m finetune ...` (what torchrun runs on every node: `torchrun ... -m finetune sft ...`)."""
+from .cli import main
+
+main()

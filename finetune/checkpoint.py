@@ -1,0 +1,213 @@
+"""Sharded DCP checkpoints: save (sync or async), completeness marker, retention, resume, preemption signals.
+
+Layout: <output_dir>/checkpoints/step-<N>/ holds DCP's files (`.metadata` is written last, by rank 0) and our
+marker `finetune_complete.json` written after it. Only a directory with both counts as a checkpoint; anything else
+is ignored on resume and reported. The state dict is world-size independent: model and optimizer as DTensors
+(DCP reshards on load), the scheduler, and TrainState (step, global samples seen, tokens, RNG).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .distributed import any_rank, barrier, is_main, print0, world_size
+
+MARKER = "finetune_complete.json"
+ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used for this run; the message is one line saying why."""
+
+
+class TrainState(Stateful):
+    """Loop counters and RNG: what besides model/optimizer/scheduler a resumed run needs to continue exactly."""
+
+    def __init__(self):
+        self.step = 0
+        self.samples_seen = 0  # global samples consumed: the data position, independent of world size
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+
+    def state_dict(self) -> dict:
+        sd = {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
+              "skipped_steps": self.skipped_steps, "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["rng_cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.samples_seen = int(sd["step"]), int(sd["samples_seen"])
+        self.tokens_seen, self.skipped_steps = int(sd["tokens_seen"]), int(sd["skipped_steps"])
+        torch.set_rng_state(sd["rng_cpu"])
+        if torch.cuda.is_available() and "rng_cuda" in sd:
+            torch.cuda.set_rng_state(sd["rng_cuda"])
+
+
+def is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / MARKER).is_file()
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """step-N directories under root, oldest first."""
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[5:]))
+
+
+def latest_complete(root: Path, report: bool = True) -> Path | None:
+    dirs = step_dirs(root)
+    complete = [p for p in dirs if is_complete(p)]
+    incomplete = [p.name for p in dirs if not is_complete(p)]
+    if incomplete and report:
+        print0(f"ignoring incomplete checkpoint(s) in {root}: {', '.join(incomplete)}")
+    return complete[-1] if complete else None
+
+
+def find_resume(output_dir: Path, resume: bool, resume_from: str) -> Path | None:
+    """The checkpoint this run starts from: --resume-from, else the newest complete one (unless --no-resume)."""
+    if resume_from:
+        path = Path(resume_from)
+        if not is_complete(path):
+            raise CheckpointError(f"checkpoint.resume_from: {path} is not a complete checkpoint "
+                                  f"(needs .metadata and {MARKER})")
+        return path
+    latest = latest_complete(Path(output_dir) / "checkpoints", report=resume)
+    if latest is not None and not resume:
+        raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there would "
+                              f"overwrite them: resume, pick another --output-dir, or remove them")
+    return latest
+
+
+def arch_of(hf_config) -> dict:
+    return {k: getattr(hf_config, k, None) for k in ARCH_KEYS}
+
+
+def _model_keys(model) -> set[str]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return set(get_model_state_dict(model).keys())
+
+
+def check_compatible(path: Path, model, hf_config) -> None:
+    """Same architecture and parameter names as the checkpoint, or a one-line error saying what differs."""
+    marker = json.loads((path / MARKER).read_text())
+    diffs = [f"{k}: checkpoint {v!r}, run {getattr(hf_config, k, None)!r}" for k, v in marker.get("arch", {}).items()
+             if v != getattr(hf_config, k, None)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
+    saved = {k[len("model."):] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+             if k.startswith("model.")}
+    want = _model_keys(model)
+    if saved != want:
+        missing, extra = sorted(want - saved), sorted(saved - want)
+        raise CheckpointError(f"checkpoint {path} has other parameters than the model: "
+                              f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
+    check_compatible(path, model, hf_config)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    scheduler.load_state_dict(sd["scheduler"])
+
+
+class Checkpointer:
+    """Saves step-N checkpoints; with use_async, at most one save in flight (a new save first waits for it)."""
+
+    def __init__(self, root: Path, keep: int, use_async: bool):
+        self.root, self.keep, self.use_async = Path(root), keep, use_async
+        self.pending = None
+        # async saves run collectives from a background thread: give them their own gloo group
+        self.group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
+
+    def save(self, step: int, model, optimizer, scheduler, state: TrainState, hf_config) -> Path:
+        self.wait()
+        path = self.root / f"step-{step}"
+        if is_main():
+            if path.exists():  # left over from a run that died while saving this step
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
+        marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
+                  "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
+        if self.use_async:
+            fut = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group)
+            fut = getattr(fut, "upload_completion", fut)
+            done = threading.Event()
+
+            def on_done(f):  # rank 0's save ends after DCP's .metadata is written: the marker can follow
+                try:
+                    if f.exception() is None:
+                        self._finish(path, marker)
+                finally:
+                    done.set()
+            fut.add_done_callback(on_done)
+            self.pending = (fut, done)
+        else:
+            dcp.save(sd, checkpoint_id=str(path))
+            self._finish(path, marker)
+        return path
+
+    def _finish(self, path: Path, marker: dict) -> None:
+        """Rank 0 marks the checkpoint complete, then prunes: the last complete one survives until then."""
+        if os.environ.get("FINETUNE_TEST_KILL_IN_SAVE") == str(marker["step"]):  # fault injection for the tests
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not is_main():
+            return
+        tmp = path / (MARKER + ".tmp")
+        tmp.write_text(json.dumps(marker))
+        tmp.rename(path / MARKER)
+        if self.keep > 0:
+            complete = [p for p in step_dirs(self.root) if is_complete(p)]
+            for old in complete[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written; raises its error."""
+        if self.pending is not None:
+            (fut, done), self.pending = self.pending, None
+            fut.result()
+            done.wait()
+        barrier()
+
+    def close(self) -> None:
+        self.wait()
+
+
+class SignalFlag:
+    """Remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal) so the loop can save at the next step boundary."""
+
+    def __init__(self):
+        self.name = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.name = signal.Signals(signum).name
+
+    def any_set(self, device) -> bool:
+        """True on every rank once any rank got a signal; all ranks learn its name."""
+        if not any_rank(self.name is not None, device):
+            return False
+        names = [None] * world_size() if world_size() > 1 else [self.name]
+        if world_size() > 1:
+            dist.all_gather_object(names, self.name)
+        self.name = next((n for n in names if n), "signal")
+        return True

@@ -1,0 +1,209 @@
+"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks via torchrun's engine.
+
+Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2; `--debug` shows the
+traceback instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+
+from .config import Config, ConfigError, load_config, parse_value
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
+                       "export-hf, bench.")
+
+OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.packing=true",
+                           show_default=False)
+CONFIG = typer.Option(None, "--config", "-c", help="TOML preset (default: configs/tiny.toml, the embedded demo)")
+MODEL = typer.Option(None, "--model", help="HF hub id, HF model dir or prepared checkpoint (model.path)")
+DATASET = typer.Option(None, "--dataset", help="hub id or .json/.jsonl/.parquet file or dir (data.path)")
+OUTPUT = typer.Option(None, "--output-dir", "-o", help="where metrics, config and checkpoints go (output_dir)")
+NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with torch's elastic launcher")
+DEBUG = typer.Option(False, "--debug", help="show tracebacks")
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exception types that mean bad input: one line, exit 2."""
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .model import ModelError
+    return ConfigError, DataError, ModelError, CheckpointError
+
+
+def guarded(fn: Callable, debug: bool, *args, **kwargs):
+    """Run fn; bad input becomes `error: <one line>` and exit 2 (traceback only with --debug)."""
+    try:
+        return fn(*args, **kwargs)
+    except user_errors() as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
+    """Preset + flags (--model etc.) + key=value overrides, validated."""
+    values = {key: value for key, value in flags.items() if value is not None}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        values[key.strip()] = parse_value(value.strip())
+    return load_config(config, values)
+
+
+def set_threads(nproc: int) -> None:
+    """OMP_NUM_THREADS defaults to physical cores / local ranks (oversubscription slows CPU runs a lot)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        import psutil
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+
+
+def launch(entry: Callable, args: tuple, nproc: int, debug: bool) -> None:
+    """Run entry(*args) on `nproc` local ranks (or in this process when 1, or when torchrun already launched us)."""
+    set_threads(nproc)
+    if nproc <= 1 or "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+        return rank_main(entry, args, debug)
+    import uuid
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from .distributed import _free_port
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                      rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                      monitor_interval=0.5)
+    try:
+        elastic_launch(lc, rank_main)(entry, args, debug)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        raise SystemExit(2 if 2 in codes else (codes[0] or 1)) from None
+
+
+def rank_main(entry: Callable, args: tuple, debug: bool):
+    """One rank: threads, the entry, errors as one line + exit 2, process group torn down."""
+    import torch
+    from .distributed import teardown
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        return guarded(entry, debug, *args)
+    finally:
+        teardown()
+
+
+def run_sft(cfg: Config):
+    from .train import NonFiniteError, train
+    try:
+        return train(cfg)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def preflight(cfg: Config) -> None:
+    """Fail fast, before any rank starts: model config, tokenizer with a chat template, readable data."""
+    from .data import detect_format, load_rows, columns_of
+    from .model import load_hf_config, load_tokenizer
+    load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    if not getattr(tok, "chat_template", None):
+        from .data import DataError
+        raise DataError(f"the tokenizer of '{cfg.model.path}' has no chat template (tokenizer_config.json "
+                        f"'chat_template'); instruct data cannot be rendered")
+    from .checkpoint import find_resume
+    find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from)
+    rows = load_rows(cfg.data.path, split=cfg.data.split, name=cfg.data.name or None, streaming=cfg.data.streaming)
+    detect_format(columns_of(rows), cfg.data.format)
+
+
+@app.command()
+def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
+        dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC,
+        no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist"),
+        resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint dir"),
+        debug: bool = DEBUG):
+    """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
+    def prepare():
+        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
+                                                 "checkpoint.resume_from": resume_from})
+        if no_resume:
+            cfg.checkpoint.resume = False
+        preflight(cfg)
+        return cfg
+    cfg = guarded(prepare, debug)
+    launch(run_sft, (cfg,), nproc_per_node, debug)
+
+
+@app.command("preview-data")
+def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
+                 model: Optional[str] = MODEL, dataset: Optional[str] = DATASET,
+                 num: int = typer.Option(3, "--num", "-n", help="samples to show"),
+                 json_out: bool = typer.Option(False, "--json", help='one {"input_ids", "labels"} object per line'),
+                 debug: bool = DEBUG):
+    """Show the first samples in dataset order as the trainer sees them: text with trained tokens highlighted."""
+    def run():
+        import json
+        from .data import build_samples, format_preview
+        from .model import load_tokenizer
+        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
+        d = cfg.data
+        tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        samples = build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None, streaming=d.streaming,
+                                max_seq_len=d.max_seq_len, packing=d.packing, seed=cfg.train.seed, shuffle=False,
+                                epoch_limit=1)
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        for i, sample in zip(range(num), samples):
+            if json_out:
+                print(json.dumps({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])}))
+            else:
+                print(f"--- sample {i}\n{format_preview(tok, sample, color=color)}")
+    guarded(run, debug)
+
+
+def not_implemented(name: str):
+    print(f"error: `finetune {name}` is not implemented yet", file=sys.stderr)
+    raise SystemExit(2)
+
+
+@app.command("prepare-checkpoint")
+def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Optional[str] = MODEL,
+                       output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC, debug: bool = DEBUG):
+    """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
+    not_implemented("prepare-checkpoint")
+
+
+@app.command("export-hf")
+def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="output dir, step dir or prepared dir"),
+              output_dir: Optional[str] = OUTPUT, debug: bool = DEBUG):
+    """Turn a checkpoint into a Hugging Face model directory, verified by reloading it."""
+    not_implemented("export-hf")
+
+
+@app.command()
+def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
+          debug: bool = DEBUG):
+    """Measure step time and memory across activation-checkpointing ratios."""
+    not_implemented("bench")
+
+
+def quiet_libraries() -> None:
+    """Our progress bar and log lines only: no per-load bars from transformers/datasets."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main():
+    quiet_libraries()
+    app()
+
+
+if __name__ == "__main__":
+    main()

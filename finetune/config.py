@@ -1,0 +1,253 @@
+"""Typed run configuration: dataclasses with defaults and docs, TOML presets, dotted overrides, validation.
+
+A run's config is built once: preset (configs/tiny.toml unless --config) -> CLI flags -> `section.key=value`
+overrides -> `validate()`. Errors are `ConfigError`s whose message is one line naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_args, get_type_hints, Literal
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PRESET = REPO_ROOT / "configs" / "tiny.toml"
+
+
+class ConfigError(ValueError):
+    """A bad key or value; the message is one line that names it."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF hub id, HF model dir, or a prepared checkpoint dir
+    attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flash_attention_2"
+    liger: bool = False  # patch in Liger kernels (CUDA only; needs the `gpu` extra)
+    compile: bool = False  # torch.compile each decoder block (regional compile)
+    trust_remote_code: bool = False  # passed to from_pretrained
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # hub id (optionally "id:split"), .json/.jsonl/.parquet file or dir
+    split: str = "train"  # dataset split when loading from the hub or a dir
+    name: str = ""  # dataset config name on the hub ("" = default)
+    format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"  # row format; auto detects from columns
+    streaming: bool = False  # stream rows instead of loading them (file order, no shuffle)
+    max_seq_len: int = 2048  # truncate samples (keeping the head) / pack to this many tokens
+    packing: bool = False  # concatenate samples into rows of max_seq_len (position_ids restart per sample)
+    pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes for benchmarks)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000  # optimizer steps
+    seed: int = 0  # data order, init of anything random
+    micro_batch_size: int = 1  # samples per rank per forward
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (global batch = micro * accum * world)
+    lr: float = 2e-5  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 0  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW decay (never on embeddings, norms, biases)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW eps
+    max_grad_norm: float = 1.0  # clip the global grad norm to this (0 = no clipping)
+    mixed_precision: Literal["bf16", "fp32"] = "bf16"  # bf16: bf16 compute, fp32 master weights and reduce
+    nan_policy: Literal["stop", "skip"] = "stop"  # on non-finite loss/grad norm: stop, or skip the update
+    log_interval: int = 1  # print a line every N steps (metrics.jsonl gets every step)
+
+
+@dataclass
+class ACConfig:
+    ratio: float = 0.0  # fraction of decoder blocks under activation checkpointing, spread evenly (0..1)
+    mode: Literal["block", "op"] = "block"  # block: recompute whole block; op: keep matmul/attention outputs
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # save every N steps (0 = only at the end and on SIGTERM/SIGUSR1)
+    keep: int = 2  # keep the newest K complete checkpoints (0 = keep all)
+    async_: bool = False  # TOML key `async`: save in the background (at most one save in flight)
+    resume: bool = True  # resume from the newest complete checkpoint in output_dir
+    resume_from: str = ""  # resume from this checkpoint directory instead
+
+
+@dataclass
+class EvalConfig:
+    path: str = ""  # held-out file in any data format ("" = no evaluation)
+    num_samples: int = 100  # held-out conversations to score
+    max_new_tokens: int = 32  # greedy generation budget for exact match
+
+
+@dataclass
+class LogConfig:
+    wandb: bool = False  # log to Weights & Biases (offline mode without WANDB_API_KEY)
+    wandb_project: str = "finetune"  # wandb project name
+    progress: bool = True  # show a progress bar on rank 0
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/run"  # metrics.jsonl, config.toml, checkpoints/
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ac: ACConfig = field(default_factory=ACConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+_ALIASES = {"async": "async_"}  # TOML keys that are Python keywords
+PATH_KEYS = ("model.path", "data.path", "eval.path")
+
+
+def _closest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check `value` against the field type; ints are accepted for floats. Raises ConfigError."""
+    if getattr(typ, "__origin__", None) is Literal:
+        choices = get_args(typ)
+        if value not in choices:
+            hint = _closest(str(value), choices) if isinstance(value, str) else ""
+            raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}")
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, bool) if typ is bool else isinstance(value, typ) and not isinstance(value, bool)
+    if not ok:
+        raise ConfigError(f"{key} must be {typ.__name__}, got {value!r}")
+    return value
+
+
+def set_key(cfg: Config, dotted: str, value: Any) -> None:
+    """Set `section.key` (or a top-level key) on cfg, checking that the key exists and the type fits."""
+    parts = dotted.split(".")
+    target = cfg
+    for i, part in enumerate(parts):
+        name = _ALIASES.get(part, part)
+        names = {f.name for f in fields(target)}
+        if name not in names:
+            where = ".".join(parts[:i]) or "the top level"
+            shown = sorted(n.rstrip("_") for n in names)
+            raise ConfigError(f"unknown config key '{dotted}'{_closest(part, shown)}; keys in {where}: {', '.join(shown)}")
+        if i < len(parts) - 1:
+            target = getattr(target, name)
+            if not dataclasses.is_dataclass(target):
+                raise ConfigError(f"unknown config key '{dotted}': '{'.'.join(parts[:i + 1])}' is not a section")
+        else:
+            typ = get_type_hints(type(target))[name]
+            if dataclasses.is_dataclass(typ):
+                raise ConfigError(f"'{dotted}' is a section; set one of its keys, e.g. {dotted}.{fields(typ)[0].name}=...")
+            setattr(target, name, _coerce(dotted, value, typ))
+
+
+def parse_value(text: str) -> Any:
+    """A CLI override value in TOML syntax (numbers, true/false, "strings"); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Preset (default: configs/tiny.toml) + overrides {dotted key: value} -> validated Config."""
+    cfg = Config()
+    preset = Path(path) if path else DEFAULT_PRESET
+    if path or preset.exists():
+        if not preset.is_file():
+            raise ConfigError(f"config file not found: {preset}")
+        try:
+            table = tomllib.loads(preset.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{preset}: invalid TOML ({e})") from None
+        for key, value in _flatten(table).items():
+            if key in PATH_KEYS and value:
+                value = resolve_path(value, preset.parent)
+            set_key(cfg, key, value)
+    for key, value in (overrides or {}).items():
+        set_key(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def resolve_path(value: str, base: Path) -> str:
+    """A relative path in a preset means the cwd if it exists there, else relative to the preset (or repo)."""
+    p = Path(value).expanduser()
+    if p.is_absolute() or p.exists():
+        return str(p)
+    for root in (base, base.parent, REPO_ROOT):
+        if (root / p).exists():
+            return str((root / p).resolve())
+    return value  # maybe a hub id
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that types cannot express; each error names the key and the allowed range."""
+    t, d = cfg.train, cfg.data
+    checks = [
+        ("train.max_steps", t.max_steps > 0, "> 0"),
+        ("train.micro_batch_size", t.micro_batch_size > 0, "> 0"),
+        ("train.grad_accum_steps", t.grad_accum_steps > 0, "> 0"),
+        ("train.lr", t.lr >= 0, ">= 0"),
+        ("train.warmup_steps", t.warmup_steps >= 0, ">= 0"),
+        ("train.min_lr_ratio", 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
+        ("train.weight_decay", t.weight_decay >= 0, ">= 0"),
+        ("train.beta1", 0 <= t.beta1 < 1, "in [0, 1)"),
+        ("train.beta2", 0 <= t.beta2 < 1, "in [0, 1)"),
+        ("train.max_grad_norm", t.max_grad_norm >= 0, ">= 0"),
+        ("train.log_interval", t.log_interval > 0, "> 0"),
+        ("data.max_seq_len", d.max_seq_len > 0, "> 0"),
+        ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),
+        ("checkpoint.interval", cfg.checkpoint.interval >= 0, ">= 0 (0 = no periodic checkpoint)"),
+        ("checkpoint.keep", cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
+        ("eval.num_samples", cfg.eval.num_samples >= 0, ">= 0"),
+        ("eval.max_new_tokens", cfg.eval.max_new_tokens > 0, "> 0"),
+    ]
+    for key, ok, rule in checks:
+        if not ok:
+            section, name = key.split(".")
+            raise ConfigError(f"{key} must be {rule}, got {getattr(getattr(cfg, section), name)!r}")
+    if cfg.model.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
+        raise ConfigError(f"model.attn_implementation must be one of sdpa, eager, flash_attention_2, "
+                          f"flash_attention_3, flex_attention, got {cfg.model.attn_implementation!r}")
+    for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
+        section, _, name = key.rpartition(".")
+        if not getattr(getattr(cfg, section) if section else cfg, name):
+            raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (what config.toml in the output dir holds)."""
+    def fmt(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+
+    top, sections = [], []
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            body = [f"{sf.name.rstrip('_')} = {fmt(getattr(v, sf.name))}" for sf in fields(v)]
+            sections.append(f"[{f.name}]\n" + "\n".join(body))
+        else:
+            top.append(f"{f.name} = {fmt(v)}")
+    return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"

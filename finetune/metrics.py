@@ -1,0 +1,73 @@
+"""Step metrics: throughput, MFU, peak memory, and the sinks (metrics.jsonl, console, wandb) on rank 0."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from .distributed import is_main
+
+# dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus attention scores (12 * L * d * T; PaLM appendix B)."""
+    return 6 * num_params + 12 * num_layers * hidden * seq_len
+
+
+def peak_mem_mb(device: torch.device) -> float:
+    """CUDA: max allocated since start; CPU: this process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+class MetricsLogger:
+    """Writes one JSON object per optimizer step to metrics.jsonl (append, so resumed runs continue it)."""
+
+    def __init__(self, output_dir: Path, use_wandb: bool, project: str, config: dict, start_step: int = 0):
+        self.file = None
+        self.wandb = None
+        if not is_main():
+            return
+        path = Path(output_dir) / "metrics.jsonl"
+        if path.exists() and start_step == 0:  # an earlier fresh run: keep it beside, never overwrite
+            n = 1
+            while path.with_suffix(f".jsonl.{n}").exists():
+                n += 1
+            path.rename(path.with_suffix(f".jsonl.{n}"))
+        elif path.exists():  # resuming: steps after the checkpoint are redone, so their old lines go
+            lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start_step]
+            path.write_text("".join(l + "\n" for l in lines))
+        self.file = open(path, "a")
+        if use_wandb:
+            import wandb
+            if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+                os.environ["WANDB_MODE"] = "offline"  # never fail (or prompt) for a missing key
+            self.wandb = wandb.init(project=project, dir=str(output_dir), config=config)
+
+    def log(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.wandb:
+            self.wandb.finish()

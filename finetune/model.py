@@ -1,0 +1,235 @@
+"""Build the sharded training model: skeleton, kernels -> activation checkpointing -> compile -> FSDP, weights.
+
+`build_model` is the one place where the order lives:
+  1. apply_kernels  patches modules (Liger) while they are plain HF modules;
+  2. apply_ac       wraps whole decoder blocks with torch's non-reentrant checkpoint (not HF's
+                    gradient_checkpointing, which under FSDP all-gathers each block again on recompute);
+  3. apply_compile  compiles each block (regional compile must see the block before FSDP hooks it);
+  4. apply_fsdp     shards each block, then the root (fp32 params, bf16 compute when mixed precision);
+then weights arrive: from an HF checkpoint read on rank 0 and scattered tensor by tensor, or from a prepared
+DCP checkpoint read straight into the shards. Peak host RAM per node stays near one copy of the source model.
+"""
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .distributed import is_main
+
+MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
+
+
+class ModelError(ValueError):
+    """The model cannot be loaded or does not match; the message is one line."""
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def clean_fqn(name: str) -> str:
+    """Parameter name as the HF model has it (without AC / compile wrapper prefixes)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def load_hf_config(path: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load model '{path}': {first}") from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The model's tokenizer, with a pad token (eos when the tokenizer has none)."""
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of '{path}': {str(e).strip().splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_skeleton(hf_config, attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
+    """The model with parameters on the meta device (fp32) and real buffers (rotary tables etc.) on CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
+    return model
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks: the longest ModuleList of one block class (what HF lists in _no_split_modules)."""
+    best = None
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            kinds = {type(clean_child(c)) for c in mod}  # FSDP subclasses each block class once
+            names = {cls.__name__ for kind in kinds for cls in kind.__mro__}
+            if len(kinds) == 1 and (not no_split or names & no_split) and (best is None or len(mod) > len(best)):
+                best = mod
+    if best is None:
+        raise ModelError(f"cannot find the decoder layers of {type(model).__name__}")
+    return best
+
+
+def clean_child(mod: nn.Module) -> nn.Module:
+    while hasattr(mod, "_checkpoint_wrapped_module") or hasattr(mod, "_orig_mod"):
+        mod = getattr(mod, "_checkpoint_wrapped_module", None) or mod._orig_mod
+    return mod
+
+
+def apply_kernels(model: nn.Module, liger: bool) -> None:
+    """Swap in Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy). CUDA only."""
+    if not liger:
+        return
+    if not torch.cuda.is_available():
+        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels)")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from None
+    _apply_liger_kernel_to_instance(model=model)
+
+
+def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
+    """Which blocks to checkpoint: round(ratio * n) of them, spread evenly (0.5 -> every other block)."""
+    k = round(ratio * num_layers)
+    return [i for i in range(num_layers) if (i + 1) * k // num_layers > i * k // num_layers]
+
+
+def _op_sac_policy():
+    """Op-level selective AC: keep matmul and attention outputs, recompute the cheap pointwise ops."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
+            aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_cudnn_attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def apply_ac(model: nn.Module, ratio: float, mode: str = "block") -> list[int]:
+    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices."""
+    layers = find_layers(model)
+    ids = ac_layer_ids(len(layers), ratio)
+    kwargs = {"context_fn": _op_sac_policy()} if mode == "op" else {}
+    for i in ids:
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+    return ids
+
+
+def apply_compile(model: nn.Module, enabled: bool) -> None:
+    """Compile each decoder block in place (keeps parameter names; one graph reused by every block)."""
+    if enabled:
+        for layer in find_layers(model):
+            layer.compile()
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
+    """fully_shard each block, then the root. Embeddings and lm_head stay in the root group, so tied weights
+    live in one FSDP unit (a parameter shared by two groups is rejected)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    layers = find_layers(model)
+    for i, layer in enumerate(layers):
+        # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the sharded parameters on `device`, keeping the buffers computed at construction."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str, mesh: DeviceMesh, trust_remote_code: bool = False) -> None:
+    """Rank 0 reads the HF checkpoint; each tensor is cast to fp32 and scattered to its shards in turn."""
+    full = None
+    if is_main():
+        from transformers import AutoModelForCausalLM
+        src = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
+        full = src.state_dict()
+        del src
+    names = [clean_fqn(n) for n, _ in model.named_parameters()]
+    if is_main():
+        missing = [n for n in names if n not in full]
+        if missing:
+            raise ModelError(f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}")
+    for (name, param), key in zip(model.named_parameters(), names):
+        src_t = full.pop(key).to(param.device, torch.float32) if is_main() else \
+            torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
+            param.to_local().copy_(shard.to_local())
+        else:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(src_t, 0)
+            param.copy_(src_t)
+        del src_t
+
+
+def load_prepared_weights(model: nn.Module, path: str) -> None:
+    """DCP-load a prepared checkpoint straight into the shards (any world size: DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    sd = get_model_state_dict(model)
+    dcp.load({"model": sd}, checkpoint_id=str(Path(path) / "weights"))
+    set_model_state_dict(model, sd)
+
+
+def check_manifest(path: str, hf_config) -> None:
+    """A prepared checkpoint must hold the model the config describes."""
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "tie_word_embeddings"):
+        want, got = manifest.get("config", {}).get(key), getattr(hf_config, key, None)
+        if want is not None and want != got:
+            raise ModelError(f"prepared checkpoint '{path}' does not match its config.json: {key} is {want} in the "
+                             f"manifest but {got} in the config")
+
+
+def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_precision: str = "bf16",
+                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False, liger: bool = False,
+                attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
+    """A sharded, fp32-master model ready to train, with the weights of `path` (HF dir/id or prepared dir)."""
+    hf_config = load_hf_config(path, trust_remote_code)
+    prepared = is_prepared(path)
+    if prepared:
+        check_manifest(path, hf_config)
+    model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
+    apply_kernels(model, liger)
+    apply_ac(model, ac_ratio, ac_mode)
+    apply_compile(model, compile)
+    apply_fsdp(model, mesh, mixed_precision)
+    _materialize(model, device)
+    if prepared:
+        load_prepared_weights(model, path)
+    else:
+        load_hf_weights(model, path, mesh, trust_remote_code)
+    for p in model.parameters():  # invariant: sharded master weights are fp32
+        assert p.dtype == torch.float32, p.dtype
+    model.train()
+    return model

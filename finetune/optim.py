@@ -1,0 +1,47 @@
+"""AdamW with decay/no-decay parameter groups, and the learning-rate schedule as a pure function of the step."""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: no weight decay on embeddings, norms and biases (anything not a 2-D linear weight)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+                    eps: float) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA (one kernel for all params), foreach elsewhere."""
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+                             fused=fused, foreach=None if fused else True)
+
+
+def lr_at(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine down to min_lr_ratio.
+
+    >>> lr_at(0, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
+    0.5
+    >>> lr_at(9, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
+    0.1
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(max_steps - 1 - warmup_steps, 1)
+    progress = min((step - warmup_steps) / decay_steps, 1.0)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer, *, warmup_steps: int, max_steps: int, min_lr_ratio: float):
+    """LambdaLR over lr_at, so the schedule state is checkpointed with the optimizer."""
+    fn = partial(lr_at, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

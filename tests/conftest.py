@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny offline models (Llama untied, Qwen2 tied) with chat tokenizers, and small chat data."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from _tokenizers import build_tokenizer
+
+
+def make_model_dir(path, family: str, arch: str, tied: bool, num_layers: int = 4, seed: int = 0):
+    """Save a random bf16 model of `arch` with the `family` chat tokenizer to path; returns path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    tok = build_tokenizer(family)
+    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=num_layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              tie_word_embeddings=tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](**kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("llama"), "llama3", "llama", tied=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_tied_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("qwen"), "chatml", "qwen2", tied=True, num_layers=3)
+
+
+def make_chat_rows(n: int, seed: int = 0) -> list[dict]:
+    """Conversations of varied length: some with a system prompt, some multi-turn."""
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
+    rows = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for _ in range(1 + (i % 4 == 0)):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+            a = " ".join(rng.choice(words) for _ in range(rng.randint(1, 20)))
+            msgs += [{"role": "user", "content": f"Repeat {q}?"}, {"role": "assistant", "content": a}]
+        rows.append({"messages": msgs})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_chat_rows(96)))
+    return path

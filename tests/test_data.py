@@ -1,0 +1,478 @@
+"""Tests for finetune.data: exact assistant-only labels, loading, formats, stream order, packing, collate."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from finetune.data import (
+    DataError,
+    build_samples,
+    columns_of,
+    detect_format,
+    format_preview,
+    load_rows,
+    pad_collate,
+    to_messages,
+    tokenize_messages,
+)
+
+try:
+    from tests._tokenizers import build_tokenizer
+except ImportError:
+    from _tokenizers import build_tokenizer
+
+FAMILIES = ["llama3", "chatml", "chatml_default_system"]
+EOT = {"llama3": "<|eot_id|>", "chatml": "<|im_end|>", "chatml_default_system": "<|im_end|>"}
+CODE = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```"
+
+
+def trained_spans(tok, sample):
+    """Decoded text of each run of labelled positions; also checks labels == input_ids where trained."""
+    ids, labels = sample["input_ids"], sample["labels"]
+    assert len(ids) == len(labels)
+    spans, run = [], []
+    for i, lab in zip(ids, labels):
+        if lab != -100:
+            assert lab == i
+            run.append(i)
+        elif run:
+            spans.append(run)
+            run = []
+    if run:
+        spans.append(run)
+    return [tok.decode(s, skip_special_tokens=False, clean_up_tokenization_spaces=False) for s in spans]
+
+
+def tokenize_ok(tok, messages, max_seq_len=4096):
+    sample, reason = tokenize_messages(tok, messages, max_seq_len, "test row 0")
+    assert reason is None, reason
+    # Training sees what inference sees.
+    ref = tok.apply_chat_template(messages, tokenize=True)["input_ids"]
+    assert sample["input_ids"] == ref[:max_seq_len]
+    return sample
+
+
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multi_turn_with_system(family):
+    tok, eot = build_tokenizer(family), EOT[family]
+    messages = [msg("system", "You are terse."), msg("user", "What is 2 + 2?"), msg("assistant", "4"),
+                msg("user", "What is the capital of France?"), msg("assistant", "Paris")]
+    sample = tokenize_ok(tok, messages)
+    assert trained_spans(tok, sample) == ["4" + eot, "Paris" + eot]
+    text = tok.decode(sample["input_ids"], clean_up_tokenization_spaces=False)
+    assert "You are a helpful assistant." not in text  # an explicit system prompt replaces the default
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unicode_emoji_and_code(family):
+    tok, eot = build_tokenizer(family), EOT[family]
+    messages = [msg("user", "Écris du code 🚀 日本語"), msg("assistant", "Voilà 😀👍🏽 ça marche — “ok” 中文"),
+                msg("user", "Now python please."), msg("assistant", CODE)]
+    sample = tokenize_ok(tok, messages)
+    assert trained_spans(tok, sample) == ["Voilà 😀👍🏽 ça marche — “ok” 中文" + eot, CODE + eot]
+
+
+def test_template_inserted_default_system_prompt_is_not_trained():
+    tok = build_tokenizer("chatml_default_system")
+    sample = tokenize_ok(tok, [msg("user", "Hi"), msg("assistant", "Hello there!")])
+    text = tok.decode(sample["input_ids"], clean_up_tokenization_spaces=False)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    assert trained_spans(tok, sample) == ["Hello there!<|im_end|>"]  # not the '\n' after <|im_end|>
+
+
+def test_whitespace_follows_the_template():
+    # llama3 trims content in the template, chatml keeps it; labels follow the rendered text.
+    messages = [msg("user", "Hi"), msg("assistant", "  spaced out \n")]
+    assert trained_spans(build_tokenizer("llama3"), tokenize_ok(build_tokenizer("llama3"), messages)) == [
+        "spaced out<|eot_id|>"]
+    chatml = build_tokenizer("chatml")
+    assert trained_spans(chatml, tokenize_ok(chatml, messages)) == ["  spaced out \n<|im_end|>"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conversation_ending_with_user_keeps_earlier_labels(family):
+    tok, eot = build_tokenizer(family), EOT[family]
+    messages = [msg("user", "Q1"), msg("assistant", "A1"), msg("user", "Q2 without answer")]
+    assert trained_spans(tok, tokenize_ok(tok, messages)) == ["A1" + eot]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_assistant(family):
+    tok = build_tokenizer(family)
+    assert tokenize_messages(tok, [msg("system", "s"), msg("user", "only a question")], 100) == (None, "no_assistant")
+
+
+@pytest.mark.parametrize("family", ["llama3", "chatml"])
+def test_empty_assistant_trains_only_end_of_turn(family):
+    tok = build_tokenizer(family)
+    assert trained_spans(tok, tokenize_ok(tok, [msg("user", "x"), msg("assistant", "")])) == [EOT[family]]
+
+
+@pytest.mark.parametrize("family", ["llama3", "chatml"])
+def test_assistant_first(family):
+    tok = build_tokenizer(family)
+    messages = [msg("assistant", "Hello, how can I help?"), msg("user", "x"), msg("assistant", "y")]
+    assert trained_spans(tok, tokenize_ok(tok, messages)) == ["Hello, how can I help?" + EOT[family], "y" + EOT[family]]
+
+
+def test_assistant_first_with_template_that_fails_is_a_data_error():
+    with pytest.raises(DataError, match=r"^test row 0: chat template failed"):
+        tokenize_messages(build_tokenizer("chatml_default_system"), [msg("assistant", "hi")], 100, "test row 0")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_truncation_keeps_head(family):
+    tok, eot = build_tokenizer(family), EOT[family]
+    answer = "The capital of France is Paris, of course."
+    messages = [msg("user", "What is 2 + 2?"), msg("assistant", "4"), msg("user", "And the capital of France?"),
+                msg("assistant", answer)]
+    full = tokenize_ok(tok, messages)
+    trained = [i for i, lab in enumerate(full["labels"]) if lab != -100]
+    second = [i for i in trained if i - 1 not in trained][1]  # first token of the second answer
+    cut = second + 3
+    sample = tokenize_ok(tok, messages, max_seq_len=cut)
+    assert sample["input_ids"] == full["input_ids"][:cut] and sample["labels"] == full["labels"][:cut]
+    head = tok.decode(full["input_ids"][second:cut], clean_up_tokenization_spaces=False)
+    assert trained_spans(tok, sample) == ["4" + eot, head]
+    assert answer.startswith(head) and len(head) < len(answer)
+    # Cut before the first answer: nothing left to learn.
+    assert tokenize_messages(tok, messages, trained[0]) == (None, "no_labels_after_truncation")
+
+
+def test_not_prefix_stable_template_is_rejected():
+    tok = build_tokenizer("llama3")
+    # Like templates that rewrite earlier turns (e.g. strip reasoning): the final eos only after the last message.
+    tok.chat_template = tok.chat_template + "{% if not add_generation_prompt %}<|end_of_text|>{% endif %}"
+    messages = [msg("user", "a"), msg("assistant", "b"), msg("user", "c"), msg("assistant", "d")]
+    with pytest.raises(DataError, match=r"^data\.jsonl row 3: chat template is not prefix-stable"):
+        tokenize_messages(tok, messages, 100, "data.jsonl row 3")
+
+
+def test_tokenizer_without_chat_template():
+    tok = build_tokenizer("llama3")
+    tok.chat_template = None
+    with pytest.raises(DataError, match="row 5: the tokenizer has no chat template"):
+        tokenize_messages(tok, [msg("user", "a"), msg("assistant", "b")], 100, "x.jsonl row 5")
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_detect_format():
+    assert detect_format(["messages", "id"]) == "messages"
+    assert detect_format(["conversations"]) == "sharegpt"
+    assert detect_format(["instruction", "input", "output"]) == "alpaca"
+    assert detect_format(["conversations"], "sharegpt") == "sharegpt"
+    with pytest.raises(DataError, match=r"columns \['prompt', 'completion'\].*messages.*sharegpt.*alpaca"):
+        detect_format(["prompt", "completion"])
+    with pytest.raises(DataError, match="'alpaca'"):
+        detect_format(["messages"], "alpaca")
+    with pytest.raises(DataError, match="'chatml'"):
+        detect_format(["messages"], "chatml")
+
+
+def test_detect_format_from_streaming_rows(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "i", "output": "o"}]), streaming=True)
+    assert rows.column_names is None  # a generator-backed IterableDataset has no features
+    assert columns_of(rows) == ["instruction", "output"]
+    assert detect_format(rows) == "alpaca"
+    with pytest.raises(ValueError, match="columns_of"):
+        detect_format(rows.column_names)
+
+
+def test_to_messages_all_formats():
+    w = "f.jsonl row 0"
+    sharegpt = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                                  {"from": "gpt", "value": "A"}]}
+    assert to_messages(sharegpt, "sharegpt", w) == [msg("system", "S"), msg("user", "Q"), msg("assistant", "A")]
+    alpaca = {"instruction": "Translate", "input": "bonjour", "output": "hello", "system": "Be brief."}
+    assert to_messages(alpaca, "alpaca", w) == [msg("system", "Be brief."), msg("user", "Translate\n\nbonjour"),
+                                                msg("assistant", "hello")]
+    assert to_messages({"instruction": "Hi", "input": "", "output": "Yo"}, "alpaca", w) == [
+        msg("user", "Hi"), msg("assistant", "Yo")]
+    odd = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"},
+                                                     {"type": "text", "text": "b"}]},
+                        {"role": "assistant", "content": None}]}
+    assert to_messages(odd, "messages", w) == [msg("user", "ab"), msg("assistant", "")]
+
+
+def test_unknown_role_names_row():
+    with pytest.raises(DataError, match=r"^data/train\.jsonl row 17: unknown role 'tool' in message 1"):
+        to_messages({"messages": [msg("user", "a"), msg("tool", "b")]}, "messages", "data/train.jsonl row 17")
+    with pytest.raises(DataError, match="row 2: expected a list of messages"):
+        to_messages({"messages": 5}, "messages", "f row 2")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", ["messages", "sharegpt", "alpaca"])
+def test_formats_end_to_end_labels(family, fmt):
+    tok, eot = build_tokenizer(family), EOT[family]
+    row = {
+        "messages": {"messages": [msg("system", "Sys"), msg("user", "Q?"), msg("assistant", "A 😀")]},
+        "sharegpt": {"conversations": [{"from": "system", "value": "Sys"}, {"from": "human", "value": "Q?"},
+                                       {"from": "gpt", "value": "A 😀"}]},
+        "alpaca": {"system": "Sys", "instruction": "Q?", "input": "", "output": "A 😀"},
+    }[fmt]
+    messages = to_messages(row, detect_format(list(row)), "r")
+    assert trained_spans(tok, tokenize_ok(tok, messages)) == ["A 😀" + eot]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_load_rows_local_files(tmp_path):
+    rows = [{"messages": [msg("user", f"q{i}"), msg("assistant", f"a{i}")]} for i in range(3)]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
+    (tmp_path / "b.json").write_text(json.dumps(rows), encoding="utf-8")
+    assert load_rows(jsonl)[2] == rows[2]
+    assert len(load_rows(str(tmp_path / "b.json"))) == 3
+    assert len(load_rows(str(tmp_path))) == 6  # directory
+    assert [r["messages"][1]["content"] for r in load_rows(jsonl, streaming=True)] == ["a0", "a1", "a2"]
+    load_rows(jsonl).to_parquet(str(tmp_path / "c.parquet"))
+    assert load_rows(str(tmp_path / "c.parquet"))[1] == rows[1]
+    assert list(load_rows(str(tmp_path / "c.parquet"), streaming=True))[1] == rows[1]
+
+
+def test_load_rows_mixed_content_types(tmp_path):
+    rows = [{"messages": [msg("user", "plain"), msg("assistant", "x")]},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}, msg("assistant", "y")]}]
+    ds = load_rows(write_jsonl(tmp_path / "odd.jsonl", rows))
+    assert [to_messages(r, "messages", "r")[0] for r in ds] == [msg("user", "plain"), msg("user", "parts")]
+
+
+def test_load_rows_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n\n{"messages": [}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^{bad}:3: malformed JSON \(") as err:
+        load_rows(str(bad))
+    assert "\n" not in str(err.value)
+    with pytest.raises(DataError, match=rf"^{bad}:3: malformed JSON"):
+        list(load_rows(str(bad), streaming=True))
+    arr = tmp_path / "arr.jsonl"
+    arr.write_text('{"messages": []}\n[1, 2]\n', encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^{arr}:2: expected a JSON object, got list"):
+        load_rows(str(arr))
+    with pytest.raises(DataError, match="missing.jsonl: no such file or directory"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DataError, match="no such file"):
+        load_rows("./nope")
+    txt = tmp_path / "x.txt"
+    txt.write_text("hi")
+    with pytest.raises(DataError, match="unsupported file type"):
+        load_rows(str(txt))
+
+
+# ----------------------------------------------------------------------------- stream
+
+
+def make_rows(n=31):
+    rows = []
+    for i in range(n):
+        if i % 10 == 3:
+            rows.append({"messages": [msg("user", f"question {i} without an answer")]})
+        elif i % 10 == 7:  # the prompt alone exceeds max_seq_len below
+            rows.append({"messages": [msg("user", "long " * 200), msg("assistant", f"answer {i}")]})
+        else:
+            turns = [msg("user", f"Question {i}?"), msg("assistant", f"Answer {i} " + "ok " * (i % 5))]
+            if i % 4 == 0:
+                turns += [msg("user", "More?"), msg("assistant", f"Second answer {i}")]
+            rows.append({"messages": turns})
+    return rows
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    return write_jsonl(tmp_path / "train.jsonl", make_rows())
+
+
+TOK = build_tokenizer("llama3")
+
+
+def stream(path, **kw):
+    kw.setdefault("max_seq_len", 64)
+    return build_samples(path, TOK, **kw)
+
+
+def take(s, n):
+    return list(itertools.islice(iter(s), n))
+
+
+def key(sample):
+    return tuple(sample["input_ids"]), tuple(sample["labels"]), tuple(sample.get("position_ids", ()))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_counts_and_drops(data_file, streaming):
+    s = stream(data_file, streaming=streaming, epoch_limit=1)
+    samples = list(s)
+    assert s.counts == {"rows": 31, "kept": 25, "dropped_no_assistant": 3, "dropped_no_labels_after_truncation": 3}
+    assert s.num_samples == 25 == len(samples)
+    assert all(len(x["input_ids"]) <= 64 for x in samples)
+
+
+def test_row_errors_name_the_row(tmp_path):
+    rows = make_rows(5)
+    rows[4] = {"messages": [msg("user", "a"), {"role": "robot", "content": "b"}]}
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(DataError, match=r"t\.jsonl row 4: unknown role 'robot'"):
+        stream(path)
+    with pytest.raises(DataError, match=r"t\.jsonl row 4: unknown role 'robot'"):
+        list(stream(path, streaming=True, epoch_limit=1))
+    with pytest.raises(DataError, match=r"columns \['prompt'\]"):
+        stream(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}]))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_global_order_is_world_size_independent(data_file, packing, streaming):
+    # Two epochs with an epoch length that world sizes 2 and 3 do not divide.
+    s = stream(data_file, packing=packing, streaming=streaming, epoch_limit=2)
+    ref = list(s)
+    assert len(ref) == 2 * s.num_samples
+    if not packing:
+        assert s.num_samples % 2 and s.num_samples % 3  # rank assignment must carry across the epoch boundary
+    for world in (2, 3):
+        per_rank = [list(stream(data_file, packing=packing, streaming=streaming, epoch_limit=2, rank=r,
+                                world_size=world)) for r in range(world)]
+        merged = [per_rank[g % world][g // world] for g in range(len(ref))]
+        assert [key(x) for x in merged] == [key(x) for x in ref]
+        assert sum(map(len, per_rank)) == len(ref)
+
+
+def test_epochs_reshuffle_and_shuffle_off_is_file_order(data_file):
+    s = stream(data_file, epoch_limit=2)
+    both = list(s)
+    e0, e1 = both[: s.num_samples], both[s.num_samples:]
+    assert [key(x) for x in e0] != [key(x) for x in e1]
+    assert sorted(map(key, e0)) == sorted(map(key, e1))
+    ordered = list(stream(data_file, shuffle=False, epoch_limit=1))
+    assert TOK.decode(ordered[0]["input_ids"]).count("Question 0?") == 1
+    assert sorted(map(key, ordered)) == sorted(map(key, e0))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_start_sample_resumes_at_global_sample(data_file, packing, streaming):
+    ref = list(stream(data_file, packing=packing, streaming=streaming, epoch_limit=3))
+    for k in (0, 5, len(ref) // 3 + 1, len(ref) - 2):
+        for world, rank in ((1, 0), (2, 0), (2, 1)):
+            got = list(stream(data_file, packing=packing, streaming=streaming, epoch_limit=3, start_sample=k,
+                              rank=rank, world_size=world))
+            want = [x for g, x in enumerate(ref) if g >= k and g % world == rank]
+            assert [key(x) for x in got] == [key(x) for x in want], (k, world, rank)
+
+
+def test_stream_repeats_forever_without_epoch_limit(data_file):
+    s = stream(data_file, shuffle=False)
+    got = take(s, 2 * s.num_samples + 1)
+    assert [key(x) for x in got[s.num_samples: 2 * s.num_samples]] == [key(x) for x in got[: s.num_samples]]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_streaming_matches_non_streaming_without_shuffle(data_file, packing):
+    a = take(stream(data_file, packing=packing, shuffle=False), 12)
+    b = take(stream(data_file, packing=packing, streaming=True), 12)
+    assert [key(x) for x in a] == [key(x) for x in b]
+
+
+def test_packing_invariants(data_file):
+    plain = list(stream(data_file, shuffle=False, epoch_limit=1))
+    packs = list(stream(data_file, shuffle=False, packing=True, epoch_limit=1))
+    assert len(packs) < len(plain)
+    groups = []
+    for p in packs:
+        n = len(p["input_ids"])
+        assert n <= 64 and len(p["labels"]) == n == len(p["position_ids"])
+        starts = [i for i, pos in enumerate(p["position_ids"]) if pos == 0] + [n]
+        assert starts[0] == 0
+        for a, b in zip(starts, starts[1:]):
+            assert p["position_ids"][a:b] == list(range(b - a))
+        groups.append([{"input_ids": p["input_ids"][a:b], "labels": p["labels"][a:b]}
+                       for a, b in zip(starts, starts[1:])])
+    # Whole samples, in order, with their labels.
+    assert [key(x) for g in groups for x in g] == [key(x) for x in plain]
+    assert max(map(len, groups)) > 1
+    # Greedy: the first sample of the next pack would not have fit.
+    for p, nxt in zip(packs, groups[1:]):
+        assert len(p["input_ids"]) + len(nxt[0]["input_ids"]) > 64
+
+
+def test_build_samples_needs_a_chat_template(data_file):
+    tok = build_tokenizer("chatml")
+    tok.chat_template = None
+    with pytest.raises(DataError, match="no chat template"):
+        build_samples(data_file, tok)
+
+
+# ----------------------------------------------------------------------------- collate and preview
+
+
+def test_pad_collate():
+    a = {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}
+    b = {"input_ids": [4], "labels": [4]}
+    batch = pad_collate([a, b], pad_id=9)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert batch["labels"].tolist() == [[-100, 2, 3], [4, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert pad_collate([a], pad_id=0, pad_to=5)["input_ids"].shape == (1, 5)
+    with pytest.raises(ValueError):
+        pad_collate([a], pad_id=0, pad_to=2)
+    packed = pad_collate([{"input_ids": [1, 2, 3], "labels": [1, 2, 3], "position_ids": [0, 0, 1]}, b], pad_id=0)
+    assert "attention_mask" not in packed
+    assert packed["position_ids"].tolist() == [[0, 0, 1], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_batch_loss_equals_separate(data_file, attn):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation=attn)
+    model = LlamaForCausalLM(config).eval()
+    packs = take(stream(data_file, packing=True, shuffle=False), 3)
+    assert any(p["position_ids"].count(0) > 1 for p in packs)
+
+    def token_losses(batch):
+        # use_cache=False: with a cache transformers does not detect packed sequences from position_ids.
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                           attention_mask=batch.get("attention_mask"), use_cache=False).logits
+        labels = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels, reduction="none")
+        return loss[labels != -100]
+
+    packed = token_losses(pad_collate(packs, TOK.pad_token_id))
+    singles = []
+    for p in packs:
+        starts = [i for i, pos in enumerate(p["position_ids"]) if pos == 0] + [len(p["input_ids"])]
+        singles += [{"input_ids": p["input_ids"][a:b], "labels": p["labels"][a:b]} for a, b in zip(starts, starts[1:])]
+    separate = token_losses(pad_collate(singles, TOK.pad_token_id))
+    assert packed.shape == separate.shape and packed.numel() > 0
+    torch.testing.assert_close(packed, separate, atol=1e-5, rtol=1e-5)
+
+
+def test_format_preview():
+    sample = tokenize_ok(TOK, [msg("user", "Hi"), msg("assistant", "Hello")])
+    plain = format_preview(TOK, sample, color=False)
+    assert "<|end_header_id|>\n\n[[Hello<|eot_id|>]]" in plain
+    trained = sum(x != -100 for x in sample["labels"])
+    assert plain.endswith(f"\ntrained tokens: {trained} / total: {len(sample['input_ids'])}") and trained > 1
+    colored = format_preview(TOK, sample)
+    assert "\x1b[30;42mHello<|eot_id|>\x1b[0m" in colored and "[[" not in colored

@@ -1,0 +1,107 @@
+"""End-to-end SFT: FSDP on 2 gloo ranks equals 1 process; any micro-batch/accumulation split gives the same
+losses; tied embeddings of another architecture train; AdamW groups and the schedule; config errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import losses, read_metrics, run_cli
+
+COMMON = ["train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0", "eval.path=", "log.progress=false"]
+
+
+def sft(model_dir, data, out, *extra, nproc=1):
+    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
+                   *COMMON, *extra)
+
+
+def rel_diff(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_two_ranks_equal_one_process(llama_dir, chat_file, tmp_path):
+    sft(llama_dir, chat_file, tmp_path / "one", "train.max_steps=5", "train.micro_batch_size=4")
+    sft(llama_dir, chat_file, tmp_path / "two", "train.max_steps=5", "train.micro_batch_size=2", nproc=2)
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 5
+    assert one[-1] < one[0]
+    assert rel_diff(two, one) < 1e-5, (one, two)
+    # the same global batch: same label-token counts at every step
+    assert [r["num_tokens"] for r in read_metrics(tmp_path / "one")] == \
+        [r["num_tokens"] for r in read_metrics(tmp_path / "two")]
+
+
+def test_micro_batch_and_accumulation_splits_agree(llama_dir, chat_file, tmp_path):
+    runs = {}
+    for mbs, accum in [(4, 1), (2, 2), (1, 4)]:
+        out = tmp_path / f"m{mbs}a{accum}"
+        sft(llama_dir, chat_file, out, "train.max_steps=4", f"train.micro_batch_size={mbs}",
+            f"train.grad_accum_steps={accum}")
+        runs[(mbs, accum)] = read_metrics(out)
+    ref = runs[(4, 1)]
+    for key, recs in runs.items():
+        assert [r["num_tokens"] for r in recs] == [r["num_tokens"] for r in ref], key
+        assert rel_diff([r["loss"] for r in recs], [r["loss"] for r in ref]) < 1e-5, key
+        assert rel_diff([r["grad_norm"] for r in recs], [r["grad_norm"] for r in ref]) < 1e-4, key
+
+
+def test_tied_embedding_model_of_another_architecture_trains_on_two_ranks(qwen_tied_dir, chat_file, tmp_path):
+    out = tmp_path / "qwen"
+    sft(qwen_tied_dir, chat_file, out, "train.max_steps=8", "train.micro_batch_size=4", nproc=2)
+    ls = losses(out)
+    assert len(ls) == 8 and all(x == x for x in ls)
+    assert sum(ls[-2:]) < sum(ls[:2])
+
+
+def test_adamw_groups_exclude_embeddings_norms_biases():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from finetune.optim import param_groups
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    name = {id(p): n for n, p in model.named_parameters()}
+    decayed = {name[id(p)] for p in decay["params"]}
+    kept = {name[id(p)] for p in no_decay["params"]}
+    assert "model.embed_tokens.weight" in kept  # also the tied lm_head
+    assert all(n.endswith("bias") or "norm" in n or "embed" in n for n in kept), kept
+    assert all(n.endswith(".weight") and "norm" not in n and "embed" not in n for n in decayed), decayed
+    assert "model.layers.0.self_attn.q_proj.bias" in kept  # Qwen2 has q/k/v biases
+    assert len(decayed) + len(kept) == len(list(model.parameters()))
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from finetune.optim import lr_at
+    kw = dict(warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
+    values = [lr_at(s, **kw) for s in range(20)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert values[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+    assert values[-1] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["train.lrr=1"], "unknown config key 'train.lrr' (did you mean 'lr'?)"),
+    (["train.mixed_precision=bf61"], "train.mixed_precision must be one of 'bf16', 'fp32', got 'bf61' (did you mean 'bf16'?)"),
+    (["data.max_seq_len=-1"], "data.max_seq_len must be > 0, got -1"),
+    (["ac.ratio=2"], "ac.ratio must be in [0, 1], got 2.0"),
+    (["--model", "/nonexistent/model"], "cannot load model '/nonexistent/model'"),
+    (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
+])
+def test_config_errors_are_one_clean_line(args, expect, tmp_path, llama_dir):
+    model = [] if "--model" in args else ["--model", llama_dir]
+    proc = run_cli("sft", "--output-dir", tmp_path, *model, *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_shift_labels_masks_packed_boundaries():
+    from finetune.train import shift_labels
+    labels = torch.tensor([[-100, 5, 6, -100, 8, 9]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert shift_labels(labels, pos).tolist() == [[5, 6, -100, 8, 9, -100]]
+    labels = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    assert shift_labels(labels, pos).tolist() == [[5, 6, -100, 8, 9, -100]]
