@@ -66,23 +66,32 @@ def set_threads(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
-def launch(entry: Callable, args: tuple, nproc: int, debug: bool) -> None:
-    """Run entry(*args) on `nproc` local ranks (or in this process when 1, or when torchrun already launched us)."""
+def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
+    """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
+    that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
     set_threads(nproc)
-    if nproc <= 1 or "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+    if nproc <= 1 or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     import uuid
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from .distributed import _free_port
+    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                      monitor_interval=0.5)
+                      monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:
-        elastic_launch(lc, rank_main)(entry, args, debug)
+        elastic_launch(lc, sys.executable)("-m", "finetune", *sys.argv[1:])
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         raise SystemExit(2 if 2 in codes else (codes[0] or 1)) from None
+    except SignalException as e:
+        ok = on_signal() if on_signal else False
+        print(f"finetune: {e.sigval.name} forwarded to the ranks; "
+              f"{'they saved and stopped' if ok else 'no new checkpoint was completed'}", file=sys.stderr)
+        raise SystemExit(0 if ok else 1) from None
 
 
 def rank_main(entry: Callable, args: tuple, debug: bool):
@@ -137,7 +146,10 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         preflight(cfg)
         return cfg
     cfg = guarded(prepare, debug)
-    launch(run_sft, (cfg,), nproc_per_node, debug)
+    from .checkpoint import latest_complete
+    root = Path(cfg.output_dir) / "checkpoints"
+    before = latest_complete(root, report=False)
+    launch(run_sft, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
 
 
 @app.command("preview-data")
@@ -175,21 +187,73 @@ def not_implemented(name: str):
 def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Optional[str] = MODEL,
                        output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC, debug: bool = DEBUG):
     """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
-    not_implemented("prepare-checkpoint")
+    def prepare():
+        from .model import load_hf_config
+        from .prepare import check_output_dir
+        if not model or not output_dir:
+            raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
+        cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
+        check_output_dir(Path(cfg.output_dir), cfg.model.path)
+        load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model fails here, before any rank starts
+        return cfg
+    cfg = guarded(prepare, debug)
+    from .prepare import prepare_checkpoint as run_prepare
+    launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code, cfg.model.attn_implementation),
+           nproc_per_node, debug)
 
 
 @app.command("export-hf")
 def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="output dir, step dir or prepared dir"),
-              output_dir: Optional[str] = OUTPUT, debug: bool = DEBUG):
-    """Turn a checkpoint into a Hugging Face model directory, verified by reloading it."""
-    not_implemented("export-hf")
+              output_dir: Optional[str] = OUTPUT,
+              dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of the exported weights: bfloat16 | float32"),
+              max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors file (5GB, 500MB)"),
+              verify: bool = typer.Option(True, "--verify/--no-verify",
+                                          help="reload with from_pretrained and compare logits (needs RAM for one "
+                                               "fp32 copy of the model)"),
+              debug: bool = DEBUG):
+    """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
+    def run():
+        from .export import VerifyError, export_hf as export
+        if not checkpoint or not output_dir:
+            raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
+        try:
+            export(checkpoint, output_dir, dtype, max_shard_size, verify)
+        except VerifyError as e:  # not bad input but a broken export: exit 1, nothing left in --output-dir
+            if debug:
+                raise
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+    guarded(run, debug)
 
 
 @app.command()
 def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
+          dataset: Optional[str] = DATASET,
+          sac_ratios: str = typer.Option("0,0.25,0.5,0.75,1", "--sac-ratios", help="ac.ratio values to sweep"),
+          steps: int = typer.Option(10, "--steps", help="timed optimizer steps per point (median reported)"),
+          warmup: int = typer.Option(2, "--warmup", help="untimed steps first"),
+          output_dir: str = typer.Option("outputs/bench", "--output-dir", "-o", help="bench.json/md/png go here"),
+          grad_accum: Optional[str] = typer.Option(None, "--grad-accum", help="also sweep splits of the same global "
+                                                   "batch into this many micro-batches, e.g. 1,2,4"),
+          memory_budget: Optional[float] = typer.Option(None, "--memory-budget", help="MB the recommended point "
+                                                        "must fit (default: GPU memory, or host RAM on CPU)"),
           debug: bool = DEBUG):
-    """Measure step time and memory across activation-checkpointing ratios."""
-    not_implemented("bench")
+    """Measure step time, tokens/s, MFU and memory across activation-checkpointing ratios (fresh process each)."""
+    def run():
+        from .bench import parse_list, run_bench
+        from .model import load_hf_config
+        ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
+        accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
+        for flag, ok, rule, value in (("--steps", steps > 0, "> 0", steps), ("--warmup", warmup >= 0, ">= 0", warmup),
+                                      ("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)",
+                                       memory_budget)):
+            if not ok:
+                raise ConfigError(f"{flag} must be {rule}, got {value}")
+        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
+        load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model path fails here, not per point
+        set_threads(1)
+        run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget)
+    guarded(run, debug)
 
 
 def quiet_libraries() -> None:

@@ -42,12 +42,16 @@ def clean_fqn(name: str) -> str:
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
+    """The HF config of `path`; for a prepared checkpoint also checked against its manifest."""
     from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load model '{path}': {first}") from None
+    if is_prepared(path):
+        check_manifest(path, hf_config)
+    return hf_config
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -131,7 +135,9 @@ def apply_ac(model: nn.Module, ratio: float, mode: str = "block") -> list[int]:
     """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices."""
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
-    kwargs = {"context_fn": _op_sac_policy()} if mode == "op" else {}
+    # respect_saved_tensors_hooks: the outputs op-level AC keeps go through the caller's saved_tensors_hooks
+    # (save_on_cpu, the bench's saved-bytes count) like any saved tensor; torch's legacy default bypasses them
+    kwargs = {"context_fn": _op_sac_policy(), "respect_saved_tensors_hooks": True} if mode == "op" else {}
     for i in ids:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
     return ids
@@ -204,8 +210,8 @@ def load_prepared_weights(model: nn.Module, path: str) -> None:
 def check_manifest(path: str, hf_config) -> None:
     """A prepared checkpoint must hold the model the config describes."""
     manifest = json.loads((Path(path) / MANIFEST).read_text())
-    for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "tie_word_embeddings"):
-        want, got = manifest.get("config", {}).get(key), getattr(hf_config, key, None)
+    for key, want in manifest.get("config", {}).items():  # the architecture keys prepare-checkpoint recorded
+        got = getattr(hf_config, key, None)
         if want is not None and want != got:
             raise ModelError(f"prepared checkpoint '{path}' does not match its config.json: {key} is {want} in the "
                              f"manifest but {got} in the config")
@@ -215,10 +221,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False, liger: bool = False,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
     """A sharded, fp32-master model ready to train, with the weights of `path` (HF dir/id or prepared dir)."""
-    hf_config = load_hf_config(path, trust_remote_code)
+    hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     prepared = is_prepared(path)
-    if prepared:
-        check_manifest(path, hf_config)
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     apply_kernels(model, liger)
     apply_ac(model, ac_ratio, ac_mode)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -92,7 +93,7 @@ def train(cfg: Config) -> dict:
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
     signals = ckpt.SignalFlag()
-    nan_test_step = int(os.environ.get("FINETUNE_TEST_NAN_AT_STEP", "0"))
+    faults = fault_injection()
     bar = progress_bar(t.max_steps, state.step, cfg.log.progress)
     record: dict = {}
     try:
@@ -110,8 +111,11 @@ def train(cfg: Config) -> dict:
                 model.set_is_last_backward(last)
                 batch = {k: v.to(device) for k, v in batch.items() if v is not None}
                 loss = model(**batch, num_items_in_batch=denom, use_cache=False).loss
-                if state.step + 1 == nan_test_step:  # fault injection for the tests
+                if state.step + 1 == faults.get("nan_at_step"):
                     loss = loss * float("nan")
+                if state.step + 1 == faults.get("kill_at_step"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(faults.get("step_sleep_s", 0))
                 loss.backward()
                 loss_sum += loss.detach().double()
             loss_value = all_reduce_sum(loss_sum.item(), device)
@@ -167,6 +171,12 @@ def train(cfg: Config) -> dict:
         if is_main():
             (out / "eval.json").write_text(__import__("json").dumps({"before": eval_before, "after": result}))
     return record
+
+
+def fault_injection() -> dict:
+    """Faults the tests inject: FINETUNE_TEST_FAULTS="nan_at_step=6,kill_at_step=6,step_sleep_s=0.5"."""
+    spec = os.environ.get("FINETUNE_TEST_FAULTS", "")
+    return {k: float(v) if "." in v else int(v) for k, _, v in (x.partition("=") for x in spec.split(",") if x)}
 
 
 def clip_grad_norm(model, max_norm: float) -> float:

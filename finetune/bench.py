@@ -1,0 +1,297 @@
+"""`finetune bench`: sweep the activation-checkpointing ratio (and optionally the micro-batch / accumulation split),
+one fresh process per point so peak memory is clean; writes bench.json, bench.md and bench.png.
+
+Each point builds the real model (kernels -> AC -> compile -> FSDP), runs warm-up + timed optimizer steps on the
+same fixed-shape batches (data.pad_to_max) and reports the median step time, tokens/s (padding included: the
+shapes are fixed), MFU where the device's peak FLOP/s is known, peak memory, and the bytes one forward keeps
+for backward (unique storages, parameters excluded), which is what activation checkpointing trades for time.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError, load_config, to_toml
+
+def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        raise ConfigError(f"{flag} must be comma-separated {rule}, got {text!r}")
+    return values
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        cpu = platform.processor() or "CPU"
+    return f"{cpu} (CPU)"
+
+
+def default_budget_mb() -> float:
+    """The device's memory: CUDA total memory, or host RAM on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**20
+    import psutil
+    return psutil.virtual_memory().total / 2**20
+
+
+# ----------------------------------------------------------------------------------------------- one point
+
+def saved_for_backward_mb(model, batch: dict, denom: torch.Tensor) -> float:
+    """MB that one forward keeps for backward: tensors autograd saves (and op-level AC caches) outside
+    checkpointed regions, plus the inputs a checkpointed block holds for its recompute. Unique storages;
+    parameters are excluded (they are resident anyway)."""
+    storages = {}
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            base = t._base if t._base is not None else t
+            if not (base.is_leaf and base.requires_grad):
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s
+        return t
+
+    def hold_inputs(module, args, kwargs):
+        for v in (*args, *kwargs.values()):
+            for t in (v if isinstance(v, tuple) else (v,)):
+                keep(t)
+
+    ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")]
+    handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(**batch, num_items_in_batch=denom, use_cache=False).loss
+        num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
+    finally:
+        for h in handles:
+            h.remove()
+    storages.clear()
+    loss.backward()  # completes FSDP's backward state before the process ends
+    return num_bytes / 2**20
+
+
+def train_step(model, optimizer, micro_batches: list[dict], device, max_grad_norm: float) -> None:
+    """One optimizer step as train.train does it: accumulate over micro-batches, sync on the last, clip, step."""
+    from .train import clip_grad_norm
+    num_tokens = sum(int((b["shift_labels"] != -100).sum()) for b in micro_batches)
+    denom = torch.tensor(max(num_tokens, 1.0), device=device)
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+        model(**batch, num_items_in_batch=denom, use_cache=False).loss.backward()
+    clip_grad_norm(model, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_point(cfg: Config, steps: int, warmup: int) -> dict:
+    """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
+    from .data import build_samples
+    from .distributed import init_distributed
+    from .metrics import flops_per_token, peak_flops, peak_mem_mb
+    from .model import ac_layer_ids, build_model, load_tokenizer
+    from .optim import build_optimizer
+    from .train import next_micro_batches
+    device, mesh = init_distributed()
+    t, d = cfg.train, cfg.data
+    torch.manual_seed(t.seed)
+    tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    model = build_model(cfg.model.path, device, mesh, mixed_precision=t.mixed_precision, ac_ratio=cfg.ac.ratio,
+                        ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
+                        attn_implementation=cfg.model.attn_implementation,
+                        trust_remote_code=cfg.model.trust_remote_code)
+    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+    samples = iter(build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None,
+                                 streaming=d.streaming, max_seq_len=d.max_seq_len, packing=d.packing, seed=t.seed))
+    to_dev = lambda b: {k: v.to(device) for k, v in b.items() if v is not None}  # noqa: E731
+    batches = [[to_dev(b) for b in next_micro_batches(samples, t.micro_batch_size, t.grad_accum_steps,
+                                                      tok.pad_token_id, d.max_seq_len)]
+               for _ in range(warmup + steps)]
+    times = []
+    for micro_batches in batches:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        train_step(model, optimizer, micro_batches, device, t.max_grad_norm)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_time = statistics.median(times[warmup:])
+    num_layers = model.config.num_hidden_layers  # (find_layers cannot tell mixed FSDP/AC blocks apart yet)
+    num_params = sum(p.numel() for p in model.parameters())
+    tokens_per_step = t.micro_batch_size * t.grad_accum_steps * d.max_seq_len
+    peak = peak_flops(device)
+    flops_tok = flops_per_token(num_params, num_layers, model.config.hidden_size, d.max_seq_len)
+    result = {"ac_ratio": cfg.ac.ratio, "ac_mode": cfg.ac.mode, "ac_blocks": ac_layer_ids(num_layers, cfg.ac.ratio),
+              "num_layers": num_layers, "num_params": num_params, "micro_batch_size": t.micro_batch_size,
+              "grad_accum_steps": t.grad_accum_steps, "seq_len": d.max_seq_len, "step_time_s": step_time,
+              "step_times_s": times, "tokens_per_s": tokens_per_step / step_time,
+              "mfu": tokens_per_step / step_time * flops_tok / peak if peak else None,
+              "peak_mem_mb": peak_mem_mb(device),
+              "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None}
+    first = batches[0][0]
+    denom = torch.tensor(max(float((first["shift_labels"] != -100).sum()), 1.0), device=device)
+    result["saved_mb"] = saved_for_backward_mb(model, first, denom)
+    return result
+
+
+def run_worker(job: dict) -> None:
+    """One sweep point in a child process; the result (or a one-line error) goes to job["result"]."""
+    from .distributed import teardown
+    try:
+        result = run_point(load_config(job["config"], job["overrides"]), job["steps"], job["warmup"])
+    except torch.OutOfMemoryError:
+        result = {"error": "out of memory"}
+    except Exception as e:  # reported in the table; the other points still run
+        result = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+    finally:
+        teardown()
+    Path(job["result"]).write_text(json.dumps(result))
+
+
+def start_workers(model_type: str):
+    """A fork server that has imported torch/transformers once: every point is a fresh child process (clean
+    peak memory, no CUDA state) without paying the imports again."""
+    import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["finetune.bench", "finetune.train", "finetune.model", "datasets", "accelerate",
+                                "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+                                f"transformers.models.{model_type}.modeling_{model_type}"])
+    return ctx
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+
+def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps: int, warmup: int,
+              out_dir: Path, budget_mb: float | None) -> list[dict]:
+    """Run every (ratio, accumulation) point in a fresh process; write bench.json/md/png; print the table."""
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+    accums = accums or [cfg.train.grad_accum_steps]
+    for a in accums:  # the global batch stays fixed; only its split into micro-batches changes
+        if global_batch % a:
+            raise ConfigError(f"--grad-accum {a} does not divide the global batch of {global_batch} samples "
+                              f"(train.micro_batch_size * train.grad_accum_steps)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.toml").write_text(to_toml(cfg))
+    budget_mb = budget_mb or default_budget_mb()
+    from .model import load_hf_config
+    ctx = start_workers(load_hf_config(cfg.model.path, cfg.model.trust_remote_code).model_type)
+    rows = []
+    for accum in accums:
+        for ratio in ratios:
+            tag = f"ac.ratio={ratio:g} grad_accum={accum}"
+            overrides = {"ac.ratio": ratio, "train.grad_accum_steps": accum, "data.pad_to_max": True,
+                         "train.micro_batch_size": global_batch // accum, "output_dir": str(out_dir)}
+            result_file = out_dir / f"point_r{ratio:g}_a{accum}.json"
+            result_file.unlink(missing_ok=True)
+            job = {"config": str(out_dir / "config.toml"), "overrides": overrides, "steps": steps,
+                   "warmup": warmup, "result": str(result_file)}
+            proc = ctx.Process(target=run_worker, args=(job,), name=f"bench {tag}")
+            proc.start()
+            proc.join()
+            row = json.loads(result_file.read_text()) if result_file.exists() else \
+                {"error": f"the worker died (exit code {proc.exitcode})"}
+            result_file.unlink(missing_ok=True)
+            row.update(ac_ratio=ratio, grad_accum_steps=accum)
+            rows.append(row)
+            print(f"{tag}: " + (f"{row['step_time_s']:.3f} s/step, peak {row['peak_mem_mb']:.0f} MB, "
+                                f"saved for backward {row['saved_mb']:.1f} MB" if "error" not in row
+                                else f"failed: {row['error']}"), flush=True)
+    if all("error" in r for r in rows):
+        raise SystemExit("error: every bench point failed; see the messages above")
+    for r in rows:  # overhead vs the smallest ratio (ratio 0 when swept) with the same split
+        base = min((b for b in rows if "error" not in b and b["grad_accum_steps"] == r["grad_accum_steps"]),
+                   key=lambda b: b["ac_ratio"], default=None)
+        if "error" not in r and base is not None:
+            r["overhead"] = r["step_time_s"] / base["step_time_s"] - 1
+    meta = {"model": cfg.model.path, "device": device_name(), "ac_mode": cfg.ac.mode, "seq_len": cfg.data.max_seq_len,
+            "global_batch": global_batch, "mixed_precision": cfg.train.mixed_precision, "steps": steps,
+            "warmup": warmup, "memory_budget_mb": budget_mb, "cuda": torch.cuda.is_available()}
+    meta["recommendation"] = recommend(rows, budget_mb, meta["cuda"])
+    (out_dir / "bench.json").write_text(json.dumps({**meta, "points": rows}, indent=2))
+    table = format_table(rows, meta)
+    (out_dir / "bench.md").write_text(table + "\n\n" + meta["recommendation"] + "\n")
+    plot(rows, meta, out_dir / "bench.png")
+    print("\n" + table + "\n\n" + meta["recommendation"])
+    print(f"wrote {out_dir / 'bench.json'}, bench.md, bench.png")
+    return rows
+
+
+def fit_mb(row: dict, cuda: bool) -> float:
+    """The memory that must fit: CUDA max reserved (what the allocator holds), CPU peak RSS."""
+    return row["peak_reserved_mb"] if cuda else row["peak_mem_mb"]
+
+
+def recommend(rows: list[dict], budget_mb: float, cuda: bool) -> str:
+    ok = [r for r in rows if "error" not in r]
+    fits = [r for r in ok if fit_mb(r, cuda) <= budget_mb]
+    if not fits:
+        low = min(ok, key=lambda r: fit_mb(r, cuda))
+        return (f"No point fits the memory budget of {budget_mb:,.0f} MB; the lowest peak is ac.ratio="
+                f"{low['ac_ratio']:g} (grad accum {low['grad_accum_steps']}) at {fit_mb(low, cuda):,.0f} MB.")
+    best = max(fits, key=lambda r: r["tokens_per_s"])
+    split = f" train.micro_batch_size={best['micro_batch_size']} train.grad_accum_steps={best['grad_accum_steps']}"
+    return (f"Recommendation: ac.ratio={best['ac_ratio']:g}{split}: the fastest point within the memory budget of "
+            f"{budget_mb:,.0f} MB ({best['tokens_per_s']:,.0f} tokens/s, peak {fit_mb(best, cuda):,.0f} MB).")
+
+
+def format_table(rows: list[dict], meta: dict) -> str:
+    mem = "peak alloc / reserved (MB)" if meta["cuda"] else "peak RSS (MB)"
+    lines = [f"AC sweep: {meta['model']} on {meta['device']}; seq {meta['seq_len']}, global batch "
+             f"{meta['global_batch']}, {meta['mixed_precision']}, ac.mode={meta['ac_mode']}, median of "
+             f"{meta['steps']} steps after {meta['warmup']} warm-up", "",
+             f"| ac.ratio | blocks | micro x accum | step time (s) | tokens/s | MFU | {mem} | saved for backward (MB) "
+             f"| overhead vs ratio 0 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['ac_ratio']:g} | | x{r['grad_accum_steps']} | failed: {r['error']} | | | | | |")
+            continue
+        peak = f"{r['peak_mem_mb']:,.0f}" + (f" / {r['peak_reserved_mb']:,.0f}" if meta["cuda"] else "")
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        lines.append(f"| {r['ac_ratio']:g} | {len(r['ac_blocks'])}/{r['num_layers']} | {r['micro_batch_size']} x "
+                     f"{r['grad_accum_steps']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} "
+                     f"| {r['saved_mb']:,.1f} | {r.get('overhead', 0):+.1%} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], meta: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    mem_label = "peak reserved (MB)" if meta["cuda"] else "peak RSS (MB)"
+    panels = [("step_time_s", "median step time (s)"), ("mem", mem_label), ("saved_mb", "saved for backward (MB)")]
+    for accum in sorted({r["grad_accum_steps"] for r in rows}):
+        pts = sorted((r for r in rows if r["grad_accum_steps"] == accum and "error" not in r),
+                     key=lambda r: r["ac_ratio"])
+        label = f"micro {pts[0]['micro_batch_size']} x accum {accum}" if pts else None
+        for ax, (key, _) in zip(axes, panels):
+            ys = [fit_mb(r, meta["cuda"]) if key == "mem" else r[key] for r in pts]
+            ax.plot([r["ac_ratio"] for r in pts], ys, marker="o", label=label)
+    for ax, (_, ylabel) in zip(axes, panels):
+        ax.set_xlabel("ac.ratio (fraction of decoder blocks checkpointed)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(ylabel.split(" (")[0])
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Activation checkpointing sweep (ac.mode={meta['ac_mode']}): {Path(meta['model']).name} on "
+                 f"{meta['device']}\nseq {meta['seq_len']}, global batch {meta['global_batch']}, "
+                 f"{meta['mixed_precision']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,300 @@
+"""export-hf: a DCP checkpoint (training output dir, step dir or prepared dir) -> a verified Hugging Face model dir.
+
+Tensors stream from DCP one at a time into safetensors shards whose headers are known up front (from DCP's
+metadata), so writing needs host RAM for about one fp32 tensor and its cast, whatever the model or shard size.
+The reload check afterwards holds one fp32 copy of the model (skip it with verify=False on hosts without the RAM).
+Everything is written to a sibling temp dir and moved into place only once verified.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import resource
+import shutil
+import struct
+import time
+import tomllib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .checkpoint import MARKER, CheckpointError, is_complete, latest_complete, step_dirs
+from .config import REPO_ROOT, ConfigError
+from .distributed import print0
+from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
+from .prepare import save_hf_files
+
+EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+# torch warns on every single-process load; that is exactly what we mean
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class VerifyError(RuntimeError):
+    """The exported model does not reproduce the checkpoint; the message is one line."""
+
+
+@dataclass
+class Source:
+    """Where an export reads from: DCP weights, the HF config/tokenizer source, and a label for messages."""
+    weights: Path  # DCP dir whose state dict holds {"model": <HF-named tensors>}
+    model_path: str  # HF dir/id or prepared dir with config.json and tokenizer files
+    trust_remote_code: bool
+    label: str
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
+    return DTYPES[name]
+
+
+def parse_shard_size(text: str) -> int:
+    """Bytes from '5GB', '500MB', '100KB' (decimal units, as Hugging Face) or a plain number of bytes."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+    try:
+        size = int(text) if text.strip().isdigit() else parse_size_to_int(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size must be a positive size like 5GB, 500MB or 100KB, got {text!r}")
+    return size
+
+
+def find_source(path: str) -> Source:
+    """The newest complete checkpoint of a training output dir, a step-N dir, or a prepared dir."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"no checkpoint at {p}: not a directory")
+    if is_prepared(p):
+        if not (p / "weights" / ".metadata").is_file():
+            raise CheckpointError(f"prepared checkpoint {p} has no weights/.metadata (incomplete copy?)")
+        manifest = json.loads((p / MANIFEST).read_text())
+        return Source(p / "weights", str(p), bool(manifest.get("trust_remote_code", False)), f"prepared {p}")
+    if (p / ".metadata").exists() or (p / MARKER).exists() or p.name.startswith("step-"):
+        if not is_complete(p):
+            raise CheckpointError(f"{p} is an incomplete checkpoint (needs .metadata and {MARKER}; its save did not "
+                                  f"finish)")
+        step, run_dir = p, p.parent.parent
+    elif (p / "checkpoints").is_dir():
+        step, run_dir = latest_complete(p / "checkpoints", report=False), p
+        if step is None:
+            found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
+            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} (step dirs: {found})")
+    else:
+        raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
+                              f"dir or a prepared checkpoint (with {MANIFEST})")
+    model_path, trust = run_model_path(run_dir)
+    return Source(step, model_path, trust, str(step))
+
+
+def run_model_path(run_dir: Path) -> tuple[str, bool]:
+    """model.path (and trust_remote_code) from a training output dir's config.toml: where config/tokenizer live."""
+    toml_path = run_dir / "config.toml"
+    if not toml_path.is_file():
+        raise CheckpointError(f"cannot tell which model {run_dir} trained: {toml_path} is missing (it names the "
+                              f"model whose config and tokenizer the export needs)")
+    model = tomllib.loads(toml_path.read_text()).get("model", {})
+    path = model.get("path", "")
+    # config.toml keeps paths as given: relative ones were relative to the training run's working directory
+    for base in (Path.cwd(), run_dir, REPO_ROOT):
+        if not Path(path).is_absolute() and (base / path).exists():
+            path = str((base / path).resolve())
+            break
+    return path, bool(model.get("trust_remote_code", False))
+
+
+def check_output_dir(out: Path) -> None:
+    """Empty, missing, or an earlier export (which is replaced once the new one is verified)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--output-dir {out} is a file")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise CheckpointError(f"--output-dir {out} is not empty and not an earlier export (no {EXPORT_MARKER}); "
+                              f"refusing to overwrite it: pick another directory")
+
+
+def plan_tensors(source: Source, hf_config):
+    """(skeleton on meta, {HF name: DCP metadata}) for exactly the tensors save_pretrained would write."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    from transformers.core_model_loading import revert_weight_conversion
+    md = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
+    stored = {k[len("model."):]: v for k, v in md.items()
+              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    skeleton = build_skeleton(hf_config, "sdpa", source.trust_remote_code)
+    expected = skeleton.state_dict()
+    missing = [k for k in expected if k not in stored]
+    extra = [k for k in stored if k not in expected]
+    if missing or extra:
+        raise ModelError(f"{source.label} does not hold the model of '{source.model_path}': {len(missing)} tensors "
+                         f"missing (e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
+    for k, t in expected.items():
+        if tuple(stored[k].size) != tuple(t.shape):
+            raise ModelError(f"{source.label}: {k} has shape {tuple(stored[k].size)}, the config of "
+                             f"'{source.model_path}' says {tuple(t.shape)}")
+    kept = remove_tied_weights_from_state_dict(dict(expected), skeleton)
+    if set(revert_weight_conversion(skeleton, dict(kept))) != set(kept):
+        raise ModelError(f"{type(skeleton).__name__} stores weights in another layout on disk than in memory "
+                         f"(transformers weight conversions); export-hf does not convert them yet")
+    return skeleton, {k: stored[k] for k in kept}
+
+
+def load_tensor(reader: dcp.FileSystemReader, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
+    """One full tensor (all its DCP chunks), in the dtype it was saved in."""
+    t = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
+    return t
+
+
+def out_dtype_of(meta: TensorStorageMetadata, dtype: torch.dtype) -> torch.dtype:
+    return dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
+
+
+def write_safetensors(path: Path, specs: dict, fetch) -> None:
+    """A safetensors file (u64 header length, JSON header, raw little-endian data) written tensor by tensor:
+    specs is {name: (shape, dtype)}, fetch(name) returns the tensor. safetensors' save_file needs the whole shard
+    in memory; here only one tensor is."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (shape, dtype) in specs.items():
+        num_bytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, (shape, dtype) in specs.items():
+            t = fetch(name).to(dtype).contiguous()
+            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, t.dtype)
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            del t
+
+
+def save_weights(out: Path, source: Source, plan: dict, dtype: torch.dtype, max_shard_size: int) -> dict:
+    """Shards named and split as save_pretrained does (model.safetensors, or model-0000i-of-0000N + index)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    metas = {n: torch.empty(m.size, dtype=out_dtype_of(m, dtype), device="meta") for n, m in plan.items()}
+    split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    reader = dcp.FileSystemReader(str(source.weights))
+    for filename, names in split.filename_to_tensors.items():
+        specs = {n: (tuple(metas[n].shape), metas[n].dtype) for n in names}
+        write_safetensors(out / filename, specs, lambda n: load_tensor(reader, n, plan[n]))
+    if split.is_sharded:
+        num_params = sum(t.numel() for t in metas.values())
+        index = {"metadata": {"total_parameters": num_params, **split.metadata}, "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return split.filename_to_tensors
+
+
+@torch.no_grad()
+def verify_export(out: Path, source: Source, skeleton, plan: dict, dtype: torch.dtype, shards: dict) -> float:
+    """Every exported tensor equals the checkpoint's (rounded to dtype), and from_pretrained(out, fp32) gives the
+    logits of the source config's model built from the checkpoint's tensors. Returns the max abs logit diff."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    reader = dcp.FileSystemReader(str(source.weights))
+    ref_sd = {}
+    for name, meta in plan.items():
+        t = load_tensor(reader, name, meta)
+        ref_sd[name] = t.to(out_dtype_of(meta, dtype)).to(t.dtype)
+        del t
+    skeleton.load_state_dict(ref_sd, strict=False, assign=True)
+    skeleton.tie_weights()
+    still_meta = [n for n, p in skeleton.named_parameters() if p.is_meta]
+    if still_meta:
+        raise VerifyError(f"export check: {len(still_meta)} parameters are neither exported nor tied, e.g. "
+                          f"{still_meta[0]}")
+    for filename, names in shards.items():
+        with safe_open(str(out / filename), framework="pt") as f:
+            for name in names:
+                got, want = f.get_tensor(name), ref_sd[name]
+                if got.dtype != out_dtype_of(plan[name], dtype) or not torch.equal(got.to(want.dtype), want):
+                    raise VerifyError(f"export check: {filename}:{name} differs from the checkpoint's tensor")
+    del ref_sd
+    vocab_size = skeleton.get_input_embeddings().weight.shape[0]
+    input_ids = torch.randint(vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref_logits = skeleton.float().eval()(input_ids=input_ids).logits
+    del skeleton
+    gc.collect()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa",
+                                                  trust_remote_code=source.trust_remote_code).eval()
+    if loaded.config.tie_word_embeddings and \
+            loaded.get_output_embeddings().weight is not loaded.get_input_embeddings().weight:
+        raise VerifyError("export check: from_pretrained did not tie lm_head to the input embeddings")
+    diff = (loaded(input_ids=input_ids).logits - ref_logits).abs().max().item()
+    tol = 1e-4 * max(1.0, ref_logits.abs().max().item())
+    if not diff <= tol:
+        raise VerifyError(f"export check failed: from_pretrained logits differ from the checkpoint's by {diff:.3g} "
+                          f"(tolerance {tol:.3g})")
+    return diff
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
+    parent's RSS at fork/exec time, so a child of a big process would report the parent's size.)"""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if os.uname().sysname == "Linux" else 2**20)
+
+
+def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
+              verify: bool = True) -> Path:
+    """Write the HF model dir `output_dir` from `checkpoint`; returns it. Nothing lands there unless verified."""
+    dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
+    out = Path(output_dir)
+    source = find_source(checkpoint)
+    check_output_dir(out)
+    hf_config = load_hf_config(source.model_path, source.trust_remote_code)
+    skeleton, plan = plan_tensors(source, hf_config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        t0 = time.perf_counter()
+        num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in plan.values())
+        largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
+        shards = save_weights(tmp, source, plan, dtype, shard_bytes)
+        hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
+        hf_config.architectures = [type(skeleton).__name__]
+        save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
+        print0(f"exported {source.label} -> {out}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in "
+               f"{len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
+               f"(largest stored tensor {largest_mb:.0f} MB)")
+        diff = None
+        if verify:
+            diff = verify_export(tmp, source, skeleton, plan, dtype, shards)
+            print0(f"verified: {len(plan)} tensors equal the checkpoint's; from_pretrained(dtype=float32) logits "
+                   f"max abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
+        record = {"source": str(Path(checkpoint).resolve()), "weights": str(source.weights.resolve()),
+                  "model_path": source.model_path, "dtype": str(dtype).split(".")[1], "num_shards": len(shards),
+                  "verified_max_abs_logit_diff": diff, "time": time.time()}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def replace_dir(new: Path, out: Path) -> None:
+    """Move `new` to `out`; an empty or earlier-export `out` is replaced (the old one removed only after)."""
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    elif out.is_dir():
+        out.rmdir()
+    new.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
