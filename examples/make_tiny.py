@@ -71,12 +71,9 @@ MODEL = dict(
 # --------------------------------------------------------------------------- data
 
 WORDS = [
-    "cat", "dog", "sun", "hat", "cup", "pen", "box", "map", "egg", "bus",
-    "fox", "owl", "pig", "cow", "bed", "car", "jam", "key", "ice", "toy",
-    "fish", "bird", "tree", "milk", "cake", "book", "door", "frog", "lamp", "moon",
-    "rain", "ship", "star", "wolf", "bear", "duck", "king", "ring", "rose", "sand",
-    "apple", "bread", "chair", "clock", "grape", "horse", "house", "lemon", "mouse", "plant",
-    "river", "snake", "stone", "table", "tiger", "train", "water", "zebra", "cloud", "queen",
+    "cat", "dog", "sun", "hat", "cup", "pen", "box", "egg", "owl", "key",
+    "fish", "bird", "tree", "milk", "cake", "book", "frog", "lamp", "moon", "star",
+    "apple", "bread", "chair", "clock", "horse", "lemon", "mouse", "river", "table", "zebra",
 ]  # fmt: skip
 
 SYSTEM_PROMPTS = [
@@ -123,8 +120,8 @@ def _add(r: random.Random) -> tuple[str, str]:
 
 
 def _sub(r: random.Random) -> tuple[str, str]:
-    b = r.randint(0, 9)
-    a = b + r.randint(0, 9)
+    a = r.randint(0, 9)
+    b = r.randint(0, a)
     t = r.choice(
         [
             "What is {a} - {b}?",
@@ -139,21 +136,27 @@ def _sub(r: random.Random) -> tuple[str, str]:
 
 def _next(r: random.Random) -> tuple[str, str]:
     if r.random() < 0.5:
-        n = r.randint(0, 98)
+        n = r.randint(0, 29)
         t = r.choice(["What number comes after {n}?", "What is one more than {n}?", "What is {n} + 1?"])
         return t.format(n=n), str(n + 1)
-    n = r.randint(1, 99)
+    n = r.randint(1, 30)
     t = r.choice(["What number comes before {n}?", "What is one less than {n}?", "What is {n} - 1?"])
     return t.format(n=n), str(n - 1)
 
 
 def _bigger(r: random.Random) -> tuple[str, str]:
-    a, b = r.sample(range(0, 100), 2)
+    a, b = r.sample(range(0, 10), 2)
     if r.random() < 0.6:
         t = r.choice(["Which is larger, {a} or {b}?", "Which number is bigger: {a} or {b}?", "What is the max of {a} and {b}?"])
         return t.format(a=a, b=b), str(max(a, b))
     t = r.choice(["Which is smaller, {a} or {b}?", "Which number is smaller: {a} or {b}?", "What is the min of {a} and {b}?"])
     return t.format(a=a, b=b), str(min(a, b))
+
+
+def _times(r: random.Random) -> tuple[str, str]:
+    n, f = r.randint(1, 99), r.choice([10, 100])
+    t = r.choice(["What is {n} x {f}?", "What is {n} times {f}?", "Multiply {n} by {f}.", "{n} x {f} = ?"])
+    return t.format(n=n, f=f), str(n * f)
 
 
 def _convert(r: random.Random) -> tuple[str, str]:
@@ -176,7 +179,7 @@ def _upper(r: random.Random) -> tuple[str, str]:
         [
             "Uppercase the word {w}.",
             "Write {w} in capital letters.",
-            "Convert '{w}' to uppercase.",
+            "Make {w} uppercase.",
             "What is {w} in upper case?",
         ]
     )
@@ -185,35 +188,36 @@ def _upper(r: random.Random) -> tuple[str, str]:
 
 def _reverse(r: random.Random) -> tuple[str, str]:
     w = r.choice(WORDS)
-    t = r.choice(["Reverse the letters of {w}.", "Spell {w} backwards.", "Write '{w}' in reverse.", "What is {w} reversed?"])
+    t = r.choice(["Reverse the letters of {w}.", "Spell {w} backwards.", "Write {w} in reverse.", "What is {w} reversed?"])
     return t.format(w=w), w[::-1]
 
 
 def _count(r: random.Random) -> tuple[str, str]:
     w = r.choice(WORDS)
-    t = r.choice(["How many letters are in {w}?", "Count the letters in the word {w}.", "How long is the word '{w}'?"])
+    t = r.choice(["How many letters are in {w}?", "Count the letters in the word {w}.", "How long is the word {w}?"])
     return t.format(w=w), str(len(w))
 
 
 def _letter(r: random.Random) -> tuple[str, str]:
     w = r.choice(WORDS)
     if r.random() < 0.5:
-        t = r.choice(["What is the first letter of {w}?", "Which letter does {w} start with?", "First letter of '{w}'?"])
+        t = r.choice(["What is the first letter of {w}?", "Which letter does {w} start with?", "Give the first letter of {w}."])
         return t.format(w=w), w[0]
-    t = r.choice(["What is the last letter of {w}?", "Which letter does {w} end with?", "Last letter of '{w}'?"])
+    t = r.choice(["What is the last letter of {w}?", "Which letter does {w} end with?", "Give the last letter of {w}."])
     return t.format(w=w), w[-1]
 
 
 TASKS = [  # (generator, weight)
-    (_add, 0.22),
-    (_sub, 0.10),
-    (_convert, 0.18),
-    (_next, 0.10),
-    (_bigger, 0.08),
+    (_add, 0.18),
+    (_sub, 0.08),
+    (_times, 0.08),
+    (_convert, 0.16),
+    (_next, 0.08),
+    (_bigger, 0.07),
     (_upper, 0.10),
-    (_letter, 0.08),
-    (_count, 0.07),
-    (_reverse, 0.07),
+    (_letter, 0.09),
+    (_count, 0.08),
+    (_reverse, 0.08),
 ]
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from .config import Config, ConfigError, load_config, to_toml
+
 
 def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
     """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
@@ -29,15 +31,13 @@ def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
 
 
 def device_name() -> str:
+    """GPU name, or the CPU model from /proc/cpuinfo. (Called in the workers: the parent never touches CUDA.)"""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-        cpu = platform.processor() or "CPU"
-    return f"{cpu} (CPU)"
+    import platform
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), platform.processor())
+    return f"{cpu or 'unknown'} (CPU)"
 
 
 def default_budget_mb() -> float:
@@ -71,13 +71,11 @@ def saved_for_backward_mb(model, batch: dict, denom: torch.Tensor) -> float:
 
     ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")]
     handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            loss = model(**batch, num_items_in_batch=denom, use_cache=False).loss
-        num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
-    finally:
-        for h in handles:
-            h.remove()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = model(**batch, num_items_in_batch=denom, use_cache=False).loss
+    num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
+    for h in handles:
+        h.remove()
     storages.clear()
     loss.backward()  # completes FSDP's backward state before the process ends
     return num_bytes / 2**20
@@ -117,18 +115,15 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
     samples = iter(build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None,
                                  streaming=d.streaming, max_seq_len=d.max_seq_len, packing=d.packing, seed=t.seed))
-    to_dev = lambda b: {k: v.to(device) for k, v in b.items() if v is not None}  # noqa: E731
-    batches = [[to_dev(b) for b in next_micro_batches(samples, t.micro_batch_size, t.grad_accum_steps,
-                                                      tok.pad_token_id, d.max_seq_len)]
-               for _ in range(warmup + steps)]
+    batches = [[{k: v.to(device) for k, v in b.items()} for b in next_micro_batches(
+        samples, t.micro_batch_size, t.grad_accum_steps, tok.pad_token_id, d.max_seq_len)[0]] for _ in range(warmup + steps)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for micro_batches in batches:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         train_step(model, optimizer, micro_batches, device, t.max_grad_norm)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times[warmup:])
     num_layers = model.config.num_hidden_layers  # (find_layers cannot tell mixed FSDP/AC blocks apart yet)
@@ -142,7 +137,8 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
               "step_times_s": times, "tokens_per_s": tokens_per_step / step_time,
               "mfu": tokens_per_step / step_time * flops_tok / peak if peak else None,
               "peak_mem_mb": peak_mem_mb(device),
-              "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None}
+              "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
+              "device": device_name(), "device_memory_mb": default_budget_mb()}
     first = batches[0][0]
     denom = torch.tensor(max(float((first["shift_labels"] != -100).sum()), 1.0), device=device)
     result["saved_mb"] = saved_for_backward_mb(model, first, denom)
@@ -156,8 +152,9 @@ def run_worker(job: dict) -> None:
         result = run_point(load_config(job["config"], job["overrides"]), job["steps"], job["warmup"])
     except torch.OutOfMemoryError:
         result = {"error": "out of memory"}
-    except Exception as e:  # reported in the table; the other points still run
-        result = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+    except Exception as e:  # one line in the table (traceback on stderr); the other points still run
+        traceback.print_exc()
+        result = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
     finally:
         teardown()
     Path(job["result"]).write_text(json.dumps(result))
@@ -187,7 +184,6 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
                               f"(train.micro_batch_size * train.grad_accum_steps)")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.toml").write_text(to_toml(cfg))
-    budget_mb = budget_mb or default_budget_mb()
     from .model import load_hf_config
     ctx = start_workers(load_hf_config(cfg.model.path, cfg.model.trust_remote_code).model_type)
     rows = []
@@ -211,14 +207,14 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
             print(f"{tag}: " + (f"{row['step_time_s']:.3f} s/step, peak {row['peak_mem_mb']:.0f} MB, "
                                 f"saved for backward {row['saved_mb']:.1f} MB" if "error" not in row
                                 else f"failed: {row['error']}"), flush=True)
-    if all("error" in r for r in rows):
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
         raise SystemExit("error: every bench point failed; see the messages above")
-    for r in rows:  # overhead vs the smallest ratio (ratio 0 when swept) with the same split
-        base = min((b for b in rows if "error" not in b and b["grad_accum_steps"] == r["grad_accum_steps"]),
-                   key=lambda b: b["ac_ratio"], default=None)
-        if "error" not in r and base is not None:
-            r["overhead"] = r["step_time_s"] / base["step_time_s"] - 1
-    meta = {"model": cfg.model.path, "device": device_name(), "ac_mode": cfg.ac.mode, "seq_len": cfg.data.max_seq_len,
+    for r in ok:  # overhead vs the smallest ratio (ratio 0 when swept) with the same split
+        base = min((b for b in ok if b["grad_accum_steps"] == r["grad_accum_steps"]), key=lambda b: b["ac_ratio"])
+        r["overhead"] = r["step_time_s"] / base["step_time_s"] - 1
+    budget_mb = budget_mb or ok[0]["device_memory_mb"]
+    meta = {"model": cfg.model.path, "device": ok[0]["device"], "ac_mode": cfg.ac.mode, "seq_len": cfg.data.max_seq_len,
             "global_batch": global_batch, "mixed_precision": cfg.train.mixed_precision, "steps": steps,
             "warmup": warmup, "memory_budget_mb": budget_mb, "cuda": torch.cuda.is_available()}
     meta["recommendation"] = recommend(rows, budget_mb, meta["cuda"])
@@ -251,11 +247,12 @@ def recommend(rows: list[dict], budget_mb: float, cuda: bool) -> str:
 
 def format_table(rows: list[dict], meta: dict) -> str:
     mem = "peak alloc / reserved (MB)" if meta["cuda"] else "peak RSS (MB)"
+    base = min(r["ac_ratio"] for r in rows)
     lines = [f"AC sweep: {meta['model']} on {meta['device']}; seq {meta['seq_len']}, global batch "
              f"{meta['global_batch']}, {meta['mixed_precision']}, ac.mode={meta['ac_mode']}, median of "
              f"{meta['steps']} steps after {meta['warmup']} warm-up", "",
              f"| ac.ratio | blocks | micro x accum | step time (s) | tokens/s | MFU | {mem} | saved for backward (MB) "
-             f"| overhead vs ratio 0 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| overhead vs ratio {base:g} |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['ac_ratio']:g} | | x{r['grad_accum_steps']} | failed: {r['error']} | | | | | |")

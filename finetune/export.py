@@ -7,7 +7,6 @@ Everything is written to a sibling temp dir and moved into place only once verif
 """
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -35,8 +34,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
-# torch warns on every single-process load; that is exactly what we mean
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class VerifyError(RuntimeError):
@@ -107,7 +104,7 @@ def run_model_path(run_dir: Path) -> tuple[str, bool]:
     path = model.get("path", "")
     # config.toml keeps paths as given: relative ones were relative to the training run's working directory
     for base in (Path.cwd(), run_dir, REPO_ROOT):
-        if not Path(path).is_absolute() and (base / path).exists():
+        if path and not Path(path).is_absolute() and (base / path).exists():
             path = str((base / path).resolve())
             break
     return path, bool(model.get("trust_remote_code", False))
@@ -122,8 +119,8 @@ def check_output_dir(out: Path) -> None:
                               f"refusing to overwrite it: pick another directory")
 
 
-def plan_tensors(source: Source, hf_config):
-    """(skeleton on meta, {HF name: DCP metadata}) for exactly the tensors save_pretrained would write."""
+def plan_tensors(source: Source, hf_config) -> tuple[str, dict]:
+    """(model class name, {HF name: DCP metadata}) for exactly the tensors save_pretrained would write."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
     from transformers.core_model_loading import revert_weight_conversion
     md = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
@@ -144,13 +141,25 @@ def plan_tensors(source: Source, hf_config):
     if set(revert_weight_conversion(skeleton, dict(kept))) != set(kept):
         raise ModelError(f"{type(skeleton).__name__} stores weights in another layout on disk than in memory "
                          f"(transformers weight conversions); export-hf does not convert them yet")
-    return skeleton, {k: stored[k] for k in kept}
+    return type(skeleton).__name__, {k: stored[k] for k in kept}
+
+
+class MetadataOnceReader(dcp.FileSystemReader):
+    """A FileSystemReader that parses .metadata once: dcp.load re-reads it on every call, and loading tensor by
+    tensor would make that quadratic in the number of tensors."""
+
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self, "_metadata", None) is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
 
 
 def load_tensor(reader: dcp.FileSystemReader, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
     """One full tensor (all its DCP chunks), in the dtype it was saved in."""
     t = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # torch warns on every single-process load; that is exactly what we mean
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
     return t
 
 
@@ -184,7 +193,7 @@ def save_weights(out: Path, source: Source, plan: dict, dtype: torch.dtype, max_
     metas = {n: torch.empty(m.size, dtype=out_dtype_of(m, dtype), device="meta") for n, m in plan.items()}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    reader = dcp.FileSystemReader(str(source.weights))
+    reader = MetadataOnceReader(str(source.weights))
     for filename, names in split.filename_to_tensors.items():
         specs = {n: (tuple(metas[n].shape), metas[n].dtype) for n in names}
         write_safetensors(out / filename, specs, lambda n: load_tensor(reader, n, plan[n]))
@@ -196,40 +205,41 @@ def save_weights(out: Path, source: Source, plan: dict, dtype: torch.dtype, max_
 
 
 @torch.no_grad()
-def verify_export(out: Path, source: Source, skeleton, plan: dict, dtype: torch.dtype, shards: dict) -> float:
-    """Every exported tensor equals the checkpoint's (rounded to dtype), and from_pretrained(out, fp32) gives the
-    logits of the source config's model built from the checkpoint's tensors. Returns the max abs logit diff."""
+def verify_export(out: Path, source: Source, hf_config, plan: dict, dtype: torch.dtype, shards: dict) -> float:
+    """Reload `out` with from_pretrained(dtype=float32) and check that it holds exactly the checkpoint's tensors
+    (rounded to dtype; read back one at a time), tied as the config says, and that its logits equal those of the
+    source config's model built on those same tensors (sharing their storage: one fp32 copy of the model in RAM).
+    Returns the max abs logit difference."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
-    reader = dcp.FileSystemReader(str(source.weights))
-    ref_sd = {}
-    for name, meta in plan.items():
-        t = load_tensor(reader, name, meta)
-        ref_sd[name] = t.to(out_dtype_of(meta, dtype)).to(t.dtype)
-        del t
-    skeleton.load_state_dict(ref_sd, strict=False, assign=True)
-    skeleton.tie_weights()
-    still_meta = [n for n, p in skeleton.named_parameters() if p.is_meta]
-    if still_meta:
-        raise VerifyError(f"export check: {len(still_meta)} parameters are neither exported nor tied, e.g. "
-                          f"{still_meta[0]}")
-    for filename, names in shards.items():
+    for filename, names in shards.items():  # headers only: names and dtypes as planned
         with safe_open(str(out / filename), framework="pt") as f:
-            for name in names:
-                got, want = f.get_tensor(name), ref_sd[name]
-                if got.dtype != out_dtype_of(plan[name], dtype) or not torch.equal(got.to(want.dtype), want):
-                    raise VerifyError(f"export check: {filename}:{name} differs from the checkpoint's tensor")
-    del ref_sd
-    vocab_size = skeleton.get_input_embeddings().weight.shape[0]
-    input_ids = torch.randint(vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    ref_logits = skeleton.float().eval()(input_ids=input_ids).logits
-    del skeleton
-    gc.collect()
+            if set(f.keys()) != set(names) or \
+                    any(f.get_slice(n).get_dtype() != ST_DTYPES[out_dtype_of(plan[n], dtype)] for n in names):
+                raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa",
                                                   trust_remote_code=source.trust_remote_code).eval()
-    if loaded.config.tie_word_embeddings and \
+    state = loaded.state_dict()
+    reader = MetadataOnceReader(str(source.weights))
+    for name, meta in plan.items():
+        want = load_tensor(reader, name, meta).to(out_dtype_of(meta, dtype))
+        if name not in state or not torch.equal(state[name], want.to(state[name].dtype)):
+            raise VerifyError(f"export check: from_pretrained's {name} differs from the checkpoint's tensor")
+    stored_ptrs = {state[n].data_ptr() for n in plan}
+    untied = [n for n in state if n not in plan and state[n].data_ptr() not in stored_ptrs]
+    if untied:  # not exported, not an alias of an exported tensor: from_pretrained made it up
+        raise VerifyError(f"export check: from_pretrained initialised {len(untied)} tensors itself, e.g. {untied[0]}")
+    if getattr(hf_config, "tie_word_embeddings", False) and \
             loaded.get_output_embeddings().weight is not loaded.get_input_embeddings().weight:
         raise VerifyError("export check: from_pretrained did not tie lm_head to the input embeddings")
+    reference = build_skeleton(hf_config, "sdpa", source.trust_remote_code)
+    reference.load_state_dict(state, strict=False, assign=True)
+    reference.tie_weights()
+    if any(p.is_meta for p in reference.parameters()):
+        raise VerifyError("export check: the checkpoint's tensors do not cover the source config's model")
+    vocab_size = reference.get_input_embeddings().weight.shape[0]
+    input_ids = torch.randint(vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref_logits = reference.eval()(input_ids=input_ids).logits
     diff = (loaded(input_ids=input_ids).logits - ref_logits).abs().max().item()
     tol = 1e-4 * max(1.0, ref_logits.abs().max().item())
     if not diff <= tol:
@@ -241,11 +251,11 @@ def verify_export(out: Path, source: Source, skeleton, plan: dict, dtype: torch.
 def peak_rss_mb() -> float:
     """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
     parent's RSS at fork/exec time, so a child of a big process would report the parent's size.)"""
-    try:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
-        return int(line.split()[1]) / 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if os.uname().sysname == "Linux" else 2**20)
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.exists() else []:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes
 
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
@@ -256,7 +266,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     source = find_source(checkpoint)
     check_output_dir(out)
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
-    skeleton, plan = plan_tensors(source, hf_config)
+    architecture, plan = plan_tensors(source, hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -267,14 +277,14 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
         shards = save_weights(tmp, source, plan, dtype, shard_bytes)
         hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
-        hf_config.architectures = [type(skeleton).__name__]
+        hf_config.architectures = [architecture]
         save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
         print0(f"exported {source.label} -> {out}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in "
                f"{len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
                f"(largest stored tensor {largest_mb:.0f} MB)")
         diff = None
         if verify:
-            diff = verify_export(tmp, source, skeleton, plan, dtype, shards)
+            diff = verify_export(tmp, source, hf_config, plan, dtype, shards)
             print0(f"verified: {len(plan)} tensors equal the checkpoint's; from_pretrained(dtype=float32) logits "
                    f"max abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
         record = {"source": str(Path(checkpoint).resolve()), "weights": str(source.weights.resolve()),

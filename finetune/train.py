@@ -36,13 +36,15 @@ def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None) -> tor
 
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None):
-    """This rank's micro-batches for one optimizer step, with shifted targets."""
-    batches = []
+    """This rank's micro-batches for one optimizer step, with shifted targets; and their number of real tokens."""
+    batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
-        batch = pad_collate([next(samples) for _ in range(micro_batch_size)], pad_id=pad_id, pad_to=pad_to)
+        items = [next(samples) for _ in range(micro_batch_size)]
+        num_input_tokens += sum(len(x["input_ids"]) for x in items)
+        batch = pad_collate(items, pad_id=pad_id, pad_to=pad_to)
         batch["shift_labels"] = shift_labels(batch["labels"], batch.get("position_ids"))
         batches.append(batch)
-    return batches
+    return batches, num_input_tokens
 
 
 def train(cfg: Config) -> dict:
@@ -99,10 +101,11 @@ def train(cfg: Config) -> dict:
     try:
         while state.step < t.max_steps:
             t0 = time.perf_counter()
-            micro_batches = next_micro_batches(sample_iter, t.micro_batch_size, t.grad_accum_steps,
+            micro_batches, local_input_tokens = next_micro_batches(sample_iter, t.micro_batch_size, t.grad_accum_steps,
                                                tokenizer.pad_token_id, pad_to)
             local_tokens = sum(int((b["shift_labels"] != -100).sum()) for b in micro_batches)
             num_tokens = all_reduce_sum(local_tokens, device)
+            num_input_tokens = all_reduce_sum(local_input_tokens, device)
             denom = torch.tensor(max(num_tokens, 1.0), device=device)
             loss_sum = torch.zeros((), device=device, dtype=torch.float64)
             for i, batch in enumerate(micro_batches):
@@ -137,7 +140,7 @@ def train(cfg: Config) -> dict:
             state.samples_seen += global_batch
             state.tokens_seen += int(num_tokens)
             dt = time.perf_counter() - t0
-            tokens_per_s = num_tokens / dt
+            tokens_per_s = num_input_tokens / dt  # all real (non-pad) tokens processed, not only labels
             record = {"step": state.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                       "num_tokens": int(num_tokens), "tokens_per_s": tokens_per_s, "step_time_s": dt,
                       "peak_mem_mb": peak_mem_mb(device), "tokens_seen": state.tokens_seen}

@@ -1,0 +1,79 @@
+"""`finetune bench`: a 2-point sweep through the CLI writes its files and shows the bytes saved for backward
+falling as ac.ratio rises; bad flags are one line and exit 2; the recommendation respects the memory budget."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from finetune.bench import parse_list, recommend, run_bench
+from finetune.config import ConfigError, load_config
+from helpers import run_cli
+
+
+def test_small_sweep_writes_table_plot_and_saved_bytes_fall(llama_dir, chat_file, tmp_path):
+    out = tmp_path / "bench"
+    start = time.monotonic()
+    proc = run_cli("bench", "--model", llama_dir, "--dataset", chat_file, "--sac-ratios", "0,1", "--steps", 2,
+                   "--warmup", 1, "--output-dir", out, "data.max_seq_len=64", "train.micro_batch_size=4",
+                   "train.mixed_precision=fp32", timeout=180)
+    elapsed = time.monotonic() - start
+    assert {p.name for p in out.iterdir()} >= {"bench.json", "bench.md", "bench.png"}
+    result = json.loads((out / "bench.json").read_text())
+    lo, hi = result["points"]
+    assert (lo["ac_ratio"], hi["ac_ratio"]) == (0.0, 1.0)
+    assert lo["ac_blocks"] == [] and hi["ac_blocks"] == [0, 1, 2, 3]
+    assert hi["saved_mb"] < 0.5 * lo["saved_mb"], (lo["saved_mb"], hi["saved_mb"])
+    for p in (lo, hi):
+        assert p["step_time_s"] > 0 and p["tokens_per_s"] > 0 and p["peak_mem_mb"] > 0
+        assert p["tokens_per_s"] == pytest.approx(4 * 64 / p["step_time_s"])
+        assert len(p["step_times_s"]) == 3
+    assert lo["overhead"] == 0.0 and "overhead" in hi
+    assert (out / "bench.png").stat().st_size > 10_000
+    table = (out / "bench.md").read_text()
+    assert "| ac.ratio |" in table and "saved for backward" in table and "Recommendation: ac.ratio=" in table
+    assert "| ac.ratio |" in proc.stdout and "Recommendation: ac.ratio=" in proc.stdout
+    print(f"bench CLI took {elapsed:.1f} s")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sac-ratios", "0,1.5"], "--sac-ratios must be comma-separated numbers in [0, 1], got '0,1.5'"),
+    (["--sac-ratios", "0,half"], "--sac-ratios must be comma-separated numbers in [0, 1]"),
+])
+def test_bad_flags_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path, flags, message):
+    proc = run_cli("bench", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path, *flags,
+                   check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_list_flags_parse_or_name_the_flag():
+    assert parse_list("0, 0.25,1", "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers") == [0.0, 0.25, 1.0]
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(ConfigError, match="--grad-accum must be comma-separated integers > 0"):
+            parse_list(bad, "--grad-accum", int, lambda a: a > 0, "integers > 0")
+
+
+def test_grad_accum_must_split_the_global_batch(llama_dir, chat_file, tmp_path):
+    cfg = load_config(None, {"model.path": str(llama_dir), "data.path": str(chat_file), "train.micro_batch_size": 4})
+    with pytest.raises(ConfigError, match="--grad-accum 3 does not divide the global batch of 4 samples"):
+        run_bench(cfg, [0.0], [1, 3], steps=1, warmup=0, out_dir=tmp_path, budget_mb=None)
+
+
+def point(ratio, tokens_per_s, mem_mb, accum=1):
+    return {"ac_ratio": ratio, "tokens_per_s": tokens_per_s, "peak_mem_mb": mem_mb, "peak_reserved_mb": mem_mb + 10,
+            "grad_accum_steps": accum, "micro_batch_size": 8 // accum}
+
+
+def test_recommendation_is_the_fastest_point_within_the_budget():
+    rows = [point(0.0, 1000, 900), point(0.5, 900, 700), point(1.0, 800, 500), point(0.0, 950, 600, accum=2),
+            {"ac_ratio": 0.25, "grad_accum_steps": 1, "error": "out of memory"}]
+    assert "ac.ratio=0 " in recommend(rows, 1000, cuda=False)
+    assert "ac.ratio=0 train.micro_batch_size=4 train.grad_accum_steps=2" in recommend(rows, 800, cuda=False)
+    assert "ac.ratio=1 " in recommend(rows, 505, cuda=False)
+    assert recommend(rows, 505, cuda=True).startswith("No point")  # CUDA: max reserved (510 MB) must fit
+    assert "ac.ratio=1 " in recommend(rows, 515, cuda=True)
+    assert recommend(rows, 100, cuda=False).startswith("No point fits the memory budget of 100 MB")

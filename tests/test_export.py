@@ -1,0 +1,210 @@
+"""prepare-checkpoint and export-hf through the CLI: an lr=0 run exports exactly the original tensors (untied Llama,
+tied Qwen2), a sharded export loads like a single-file one, a prepared checkpoint (saved on 2 ranks) trains like
+the HF dir on 1 and 2 ranks, and bad input is one line with exit 2 and nothing written."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import losses, run_cli
+
+COMMON = ["train.mixed_precision=fp32", "train.lr=0", "train.warmup_steps=0", "eval.path=", "log.progress=false"]
+
+
+def sft(model_dir, data, out, *extra, nproc=1):
+    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
+                   *COMMON, *extra)
+
+
+def export(checkpoint, out, *extra, check=True):
+    return run_cli("export-hf", "--checkpoint", checkpoint, "--output-dir", out, *extra, check=check)
+
+
+def read_weights(model_dir) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def logits_of(model_dir) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.arange(3, 40).reshape(1, -1)).logits
+
+
+@pytest.fixture(scope="module")
+def llama_run(llama_dir, chat_file, tmp_path_factory):
+    """2 steps at lr=0 from the HF dir: a checkpoint holding the original weights, and the reference losses."""
+    out = tmp_path_factory.mktemp("llama_run")
+    sft(llama_dir, chat_file, out, "train.max_steps=2", "train.micro_batch_size=4")
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_export(llama_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama_export") / "hf"
+    proc = export(llama_run, out, "--dtype", "bfloat16")
+    assert "verified" in proc.stdout and "max abs diff 0" in proc.stdout, proc.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def prepared(llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "llama-prepared"
+    run_cli("prepare-checkpoint", "--model", llama_dir, "--output-dir", out, "--nproc-per-node", 2)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen_tied"])
+def test_lr0_training_exports_the_original_tensors(family, request, chat_file, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model_dir = request.getfixturevalue(f"{family}_dir")
+    if family == "llama":
+        out = request.getfixturevalue("llama_export")
+    else:
+        sft(model_dir, chat_file, tmp_path / "run", "train.max_steps=2", "train.micro_batch_size=4")
+        out = tmp_path / "hf"
+        proc = export(tmp_path / "run", out, "--dtype", "bfloat16")
+        assert "verified" in proc.stdout and "max abs diff 0" in proc.stdout, proc.stdout
+
+    original, exported = read_weights(model_dir), read_weights(out)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert set(exported) == set(original)  # save_pretrained's key set: no lm_head.weight when tied
+    for name, tensor in original.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name
+
+    config = json.loads((out / "config.json").read_text())
+    tied = family == "qwen_tied"
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is tied
+    assert config["architectures"] == json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    lm_head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert (lm_head is embed) is tied
+    want_head = original["model.embed_tokens.weight" if tied else "lm_head.weight"].float()
+    assert torch.equal(lm_head, want_head)
+    text = "<|im_start|>user\nRepeat alpha<|im_end|>" if tied else "Repeat alpha beta"
+    ids = [AutoTokenizer.from_pretrained(d)(text)["input_ids"] for d in (out, model_dir)]
+    assert ids[0] == ids[1]
+    assert (out / "generation_config.json").is_file() and (out / "finetune_export.json").is_file()
+
+
+def test_sharded_export_of_a_prepared_checkpoint_gives_the_same_logits(llama_export, prepared, tmp_path):
+    single, sharded = llama_export, tmp_path / "sharded"
+    sharded.mkdir()  # an earlier export there is replaced whole: stale shards must not survive
+    (sharded / "finetune_export.json").write_text("{}")
+    (sharded / "model-00001-of-00009.safetensors").write_text("stale")
+    export(prepared, sharded, "--max-shard-size", "100KB")
+
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(files) > 2 and files == sorted(set(index["weight_map"].values()))
+    assert all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    weights = read_weights(sharded)
+    assert set(index["weight_map"]) == set(weights) == set(read_weights(single))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
+    assert torch.equal(logits_of(sharded), logits_of(single))
+
+
+def test_prepared_checkpoint_trains_like_the_hf_dir_on_1_and_2_ranks(llama_run, prepared, llama_dir, chat_file,
+                                                                     tmp_path):
+    manifest = json.loads((prepared / "finetune_manifest.json").read_text())
+    original = read_weights(llama_dir)
+    assert manifest["num_params"] == sum(t.numel() for t in original.values())
+    assert manifest["num_tensors"] == len(original) and manifest["saved_world_size"] == 2
+    assert manifest["config"]["num_hidden_layers"] == 4 and manifest["tie_word_embeddings"] is False
+    assert manifest["source"]["fingerprint"].startswith("sha256:") and manifest["finetune_version"]
+
+    reference = losses(llama_run)[0]  # first step: loss of the loaded weights, before any update
+    sft(prepared, chat_file, tmp_path / "one", "train.max_steps=1", "train.micro_batch_size=4")
+    sft(prepared, chat_file, tmp_path / "two", "train.max_steps=1", "train.micro_batch_size=2", nproc=2)
+    assert losses(tmp_path / "one")[0] == reference
+    assert abs(losses(tmp_path / "two")[0] - reference) <= 1e-5 * abs(reference)
+
+    broken = tmp_path / "broken"  # config.json edited after preparing: sft stops before any rank starts
+    shutil.copytree(prepared, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    proc = run_cli("sft", "--model", broken, "--dataset", chat_file, "--output-dir", tmp_path / "x", *COMMON,
+                   "--nproc-per-node", 2, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: prepared checkpoint '{broken}' does not match its "
+                                                f"config.json: num_key_value_heads is 2 in the manifest but 4 in "
+                                                f"the config"]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("incomplete", "is an incomplete checkpoint"),
+    ("occupied", "is not empty and not an earlier export"),
+])
+def test_bad_export_input_is_one_line_and_writes_nothing(case, expect, llama_run, tmp_path):
+    checkpoint, out = llama_run, tmp_path / "out"
+    if case == "incomplete":  # a save that died before its marker
+        checkpoint = tmp_path / "step-2"
+        shutil.copytree(llama_run / "checkpoints" / "step-2", checkpoint)
+        (checkpoint / "finetune_complete.json").unlink()
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    proc = export(checkpoint, out, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp dir left
+    assert (not out.exists()) if case != "occupied" else [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
+    from finetune.checkpoint import CheckpointError
+    from finetune.config import ConfigError
+    from finetune.export import find_source, parse_dtype, parse_shard_size
+    assert find_source(str(llama_run)).weights == llama_run / "checkpoints" / "step-2"
+    assert find_source(str(llama_run / "checkpoints" / "step-2")).model_path == \
+        find_source(str(llama_run)).model_path
+    assert find_source(str(prepared)).weights == prepared / "weights"
+    assert find_source(str(prepared)).model_path == str(prepared)
+    (tmp_path / "run" / "checkpoints" / "step-3").mkdir(parents=True)
+    for path, expect in [(tmp_path / "nowhere", "no checkpoint at"), (tmp_path / "run", "no complete checkpoint"),
+                         (tmp_path, "no checkpoint at")]:
+        with pytest.raises(CheckpointError, match=expect):
+            find_source(str(path))
+    with pytest.raises(ConfigError, match="--dtype must be one of bfloat16, float32, got 'float16'"):
+        parse_dtype("float16")
+    assert parse_shard_size("5GB") == 5 * 10**9 and parse_shard_size("100KB") == 10**5
+    for bad in ("5XB", "0MB", "-1", "big"):
+        with pytest.raises(ConfigError, match="--max-shard-size must be"):
+            parse_shard_size(bad)
+
+
+def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, llama_export, tmp_path):
+    from safetensors.torch import save_file
+    from finetune.export import VerifyError, find_source, plan_tensors, verify_export
+    from finetune.model import load_hf_config
+    source = find_source(str(llama_run))
+    hf_config = load_hf_config(source.model_path)
+    _, plan = plan_tensors(source, hf_config)
+    shards = {"model.safetensors": list(plan)}
+    assert verify_export(llama_export, source, hf_config, plan, torch.bfloat16, shards) == 0
+
+    bad_tensor = tmp_path / "bad_tensor"
+    shutil.copytree(llama_export, bad_tensor)
+    weights = read_weights(bad_tensor)
+    weights["model.layers.1.mlp.up_proj.weight"][0, 0] += 1
+    save_file(weights, bad_tensor / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(VerifyError, match="model.layers.1.mlp.up_proj.weight differs"):
+        verify_export(bad_tensor, source, hf_config, plan, torch.bfloat16, shards)
+
+    bad_config = tmp_path / "bad_config"
+    shutil.copytree(llama_export, bad_config)
+    config = json.loads((bad_config / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 500.0
+    (bad_config / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VerifyError, match="logits differ"):
+        verify_export(bad_config, source, hf_config, plan, torch.bfloat16, shards)
