@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import is_main
@@ -83,7 +83,8 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     for _, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            kinds = {type(clean_child(c)) for c in mod}  # FSDP subclasses each block class once
+            # the block class itself, not FSDP's subclass of it (wrapped and unwrapped blocks must agree)
+            kinds = {next(k for k in type(clean_child(c)).__mro__ if not issubclass(k, FSDPModule)) for c in mod}
             names = {cls.__name__ for kind in kinds for cls in kind.__mro__}
             if len(kinds) == 1 and (not no_split or names & no_split) and (best is None or len(mod) > len(best)):
                 best = mod

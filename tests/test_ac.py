@@ -124,10 +124,6 @@ def llama8_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("llama8"), "llama3", "llama", tied=False, num_layers=8)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="find_layers() rejects a model whose blocks are partly AC-wrapped after fully_shard "
-                          "(FSDPLlamaDecoderLayer vs the unwrapped LlamaDecoderLayer); train.py calls it after "
-                          "build_model, so sft with 0 < ac.ratio < 1 exits. Remove this mark when fixed.")
 @pytest.mark.parametrize("ratio, mode, nproc", [(0.5, "block", 2), (0.75, "op", 1)])
 def test_sft_with_ac_matches_sft_without(llama8_dir, chat_file, tmp_path_factory, ratio, mode, nproc):
     """The real path (FSDP2 + CLI): the same losses and grad norms with and without checkpointing."""
