@@ -29,6 +29,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 HEADING = "## prepare-checkpoint and export-hf"
+# one load in a fresh process, for its peak RSS
+LOAD_CHILD = ("import sys; from finetune.distributed import init_distributed; from finetune.model import build_model; "
+              "device, mesh = init_distributed(); build_model(sys.argv[1], device, mesh, mixed_precision='fp32')")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONUNBUFFERED": "1"}
 
@@ -126,6 +129,9 @@ def main() -> None:
                                          "--output-dir", str(prepared)])
         print(f"prepare-checkpoint: {prep_s:.1f}s, peak RSS {prep_rss:.0f} MB", flush=True)
         times = time_loads(hf_dir, prepared, args.reps)
+        load_rss = {name: run_child(["-c", LOAD_CHILD, str(path)])[1] for name, path in
+                    (("hf", hf_dir), ("prepared", prepared))}
+        print(f"peak RSS of one load (fresh process): {load_rss}", flush=True)
         floor_s, floor_rss, _ = run_child(["-c", "import transformers, finetune.cli, finetune.export; "
                                                  "from transformers import LlamaForCausalLM"])
         exports = {}
@@ -152,17 +158,22 @@ def main() -> None:
         f"Load into the sharded fp32 model (`build_model`, world size 1, the sft path), median of {args.reps}, "
         f"alternating, warm page cache:",
         "",
-        "| source | median s | runs (s) |",
-        "|---|---|---|",
-        f"| HF dir (bf16 safetensors: from_pretrained on rank 0, cast, scatter) | {hf_med:.2f} | {fmt(times['hf'])} |",
-        f"| prepared dir (fp32 DCP straight into the shards) | {prep_med:.2f} | {fmt(times['prepared'])} |",
+        "| source | median s | min s | runs (s) | peak RSS of one load, fresh process (GiB) |",
+        "|---|---|---|---|---|",
+        f"| HF dir (bf16 safetensors: from_pretrained on rank 0, cast, scatter) | {hf_med:.2f} | "
+        f"{min(times['hf']):.2f} | {fmt(times['hf'])} | {load_rss['hf'] / 1024:.2f} |",
+        f"| prepared dir (fp32 DCP straight into the shards) | {prep_med:.2f} | {min(times['prepared']):.2f} | "
+        f"{fmt(times['prepared'])} | {load_rss['prepared'] / 1024:.2f} |",
         "",
-        f"HF-dir load / prepared load = **{hf_med / prep_med:.1f}x**. One process, so this is the rank-0 path's "
-        f"own cost (from_pretrained, the bf16->fp32 cast, the scatter) against DCP reading twice the bytes in "
-        f"fp32; with N ranks the prepared load also spreads the reading over all ranks, where the HF path reads "
-        f"the whole model on rank 0 and sends it. Making the prepared dir (`prepare-checkpoint`, 1 process) took "
-        f"{prep_s:.0f}s wall with peak RSS {prep_rss / 1024:.2f} GiB (the sft load path: a bf16 copy on rank 0 "
-        f"plus the fp32 shards); it holds {2 * bf16_gb:.2f} GB of fp32 weights, twice the bf16 checkpoint.",
+        f"HF-dir load / prepared load = **{hf_med / prep_med:.1f}x** by median, "
+        f"{min(times['hf']) / min(times['prepared']):.1f}x by min; the prepared load needs "
+        f"{(load_rss['hf'] - load_rss['prepared']) / 1024:.2f} GiB less RAM (no full bf16 copy beside the fp32 "
+        f"shards). One process, so the time is the rank-0 path's own cost (from_pretrained, the bf16->fp32 cast, "
+        f"the scatter) against DCP reading twice the bytes in fp32; with N ranks the prepared load also spreads "
+        f"the reading over all ranks, where the HF path reads the whole model on rank 0 and sends it. Making the "
+        f"prepared dir (`prepare-checkpoint`, 1 process) took {prep_s:.0f}s wall with peak RSS "
+        f"{prep_rss / 1024:.2f} GiB (the sft load path, then the DCP save); it holds {2 * bf16_gb:.2f} GB of fp32 "
+        f"weights, twice the bf16 checkpoint.",
         "",
         "export-hf from the prepared dir (bf16 output, one process; peak RSS = the child's VmHWM):",
         "",
@@ -204,7 +215,7 @@ def write_section(path: Path, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + section.rstrip("\n") + "\n\n" + (text[end + 1:] if end >= 0 else "")
     path.write_text(text.rstrip("\n") + "\n")
     print(f"wrote {path}")
 

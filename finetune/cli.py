@@ -188,13 +188,14 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
                        output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC, debug: bool = DEBUG):
     """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
     def prepare():
-        from .model import load_hf_config
+        from .model import load_hf_config, load_tokenizer
         from .prepare import check_output_dir
         if not model or not output_dir:
             raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
         check_output_dir(Path(cfg.output_dir), cfg.model.path)
-        load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model fails here, before any rank starts
+        load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before any rank starts
+        load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         return cfg
     cfg = guarded(prepare, debug)
     from .prepare import prepare_checkpoint as run_prepare
