@@ -4,9 +4,7 @@ the HF dir on 1 and 2 ranks, and bad input is one line with exit 2 and nothing w
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,23 +14,13 @@ from safetensors.torch import load_file
 from helpers import losses, run_cli
 
 COMMON = ["train.mixed_precision=fp32", "train.lr=0", "train.warmup_steps=0", "eval.path=", "log.progress=false"]
-# Where .pyc files are forbidden (PYTHONDONTWRITEBYTECODE), each CLI child recompiles ~1.3k modules of torch and
-# transformers: about half of this file's run time. The children share a bytecode cache in a temp dir instead.
-ENV = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "finetune-pycache")} \
-    if os.environ.get("PYTHONDONTWRITEBYTECODE") else {}
-
-
-def cli(*args, check=True):
-    return run_cli(*args, env=ENV, check=check)
-
-
 def sft(model_dir, data, out, *extra, nproc=1):
-    return cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
+    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
                *COMMON, *extra)
 
 
 def export(checkpoint, out, *extra, check=True):
-    return cli("export-hf", "--checkpoint", checkpoint, "--output-dir", out, *extra, check=check)
+    return run_cli("export-hf", "--checkpoint", checkpoint, "--output-dir", out, *extra, check=check)
 
 
 def read_weights(model_dir) -> dict[str, torch.Tensor]:
@@ -68,7 +56,7 @@ def llama_export(llama_run, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared(llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared") / "llama-prepared"
-    cli("prepare-checkpoint", "--model", llama_dir, "--output-dir", out, "--nproc-per-node", 2)
+    run_cli("prepare-checkpoint", "--model", llama_dir, "--output-dir", out, "--nproc-per-node", 2)
     return out
 
 
@@ -141,8 +129,8 @@ def test_prepared_checkpoint_trains_like_the_hf_dir_on_1_and_2_ranks(llama_run, 
     shutil.copytree(prepared, broken)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
-    proc = cli("sft", "--model", broken, "--dataset", chat_file, "--output-dir", tmp_path / "x", *COMMON,
-               "--nproc-per-node", 2, check=False)
+    proc = run_cli("sft", "--model", broken, "--dataset", chat_file, "--output-dir", tmp_path / "x", *COMMON,
+                   "--nproc-per-node", 2, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: prepared checkpoint '{broken}' does not match its "
                                                 f"config.json: num_key_value_heads is 2 in the manifest but 4 in "
