@@ -1,19 +1,22 @@
 """Prepared-checkpoint load vs HF load into the sharded model, and export-hf's peak host RAM, on a random Llama.
 
-    uv run python benchmarks/load_and_export.py            # ~0.5B Llama, 3 repetitions, prints the table
-    uv run python benchmarks/load_and_export.py --write    # ... and puts it into benchmarks/RESULTS.md
+    uv run python benchmarks/load_and_export.py            # ~0.5B Llama, 5 repetitions, prints the tables
+    uv run python benchmarks/load_and_export.py --write    # ... and puts them into benchmarks/RESULTS.md
 
-In one run: a random bf16 Llama is saved to a temp dir (save_pretrained), `finetune prepare-checkpoint` turns it
-into a prepared dir, then `build_model` (world size 1, fp32 master weights, the sft load path) is timed from the HF
-dir and from the prepared dir, alternating, median of --reps. Finally `finetune export-hf` runs in child processes
-and each child's peak RSS (VmHWM) is polled: without the reload check (the streaming export alone), with
-it (the default command), and the import floor of the same modules for comparison. Both sources are read from the
-page cache (just written); a cold-cache load also pays the disk.
+In one run: a random bf16 Llama is saved to a temp dir (save_pretrained), `finetune prepare-checkpoint
+--nproc-per-node 2` turns it into a prepared dir, then `build_model` (fp32 master weights, the sft load path) is
+timed from the HF dir and from the prepared dir in fresh torchrun processes at 1 and 2 ranks, alternating, median of
+--reps (between barriers, so imports and process start, the same for both, are left out). Each rank's peak RSS of
+one load is read in separate fresh processes and summed over the node. Finally `finetune export-hf` runs in child
+processes whose peak RSS (VmHWM) is polled: without the reload check (the streaming export alone), with it (the
+default command), and the import floor of the same modules for comparison. Both sources are read from the page
+cache (just written); a cold-cache load also pays the disk.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import re
@@ -29,9 +32,6 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 HEADING = "## prepare-checkpoint and export-hf"
-# one load in a fresh process, for its peak RSS
-LOAD_CHILD = ("import sys; from finetune.distributed import init_distributed; from finetune.model import build_model; "
-              "device, mesh = init_distributed(); build_model(sys.argv[1], device, mesh, mixed_precision='fp32')")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONUNBUFFERED": "1"}
 
@@ -77,24 +77,41 @@ def run_child(args: list[str]) -> tuple[float, float, str]:
     return wall, peak_kib / 1024, out
 
 
-def time_loads(hf_dir: Path, prepared: Path, reps: int) -> dict[str, list[float]]:
-    """Seconds for build_model (skeleton, FSDP on a mesh of 1, weights) from each source, alternating order."""
-    from finetune.distributed import init_distributed
+def load_child(sources: list[str], reps: int, warmup: bool) -> None:
+    """Run under torchrun: time build_model from each source (alternating order, between barriers), then print one
+    line `RESULT {json}` on rank 0 with the times and every rank's peak RSS (VmHWM) in MiB."""
+    import torch.distributed as dist
+    from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model
     device, mesh = init_distributed()
-    times: dict[str, list[float]] = {"hf": [], "prepared": []}
-    for path in (hf_dir, prepared):  # untimed: first-use imports and page-cache fill land here
-        build_model(str(path), device, mesh, mixed_precision="fp32")
+    times: dict[str, list[float]] = {src: [] for src in sources}
+    for src in sources if warmup else ():  # untimed: first-use imports and allocator warm-up land here
+        build_model(src, device, mesh, mixed_precision="fp32")
         gc.collect()
     for rep in range(reps):
-        for name in (("hf", "prepared") if rep % 2 == 0 else ("prepared", "hf")):
+        for src in (sources if rep % 2 == 0 else sources[::-1]):
+            dist.barrier()
             t0 = time.perf_counter()
-            model = build_model(str(hf_dir if name == "hf" else prepared), device, mesh, mixed_precision="fp32")
-            times[name].append(time.perf_counter() - t0)
+            model = build_model(src, device, mesh, mixed_precision="fp32")
+            dist.barrier()
+            times[src].append(time.perf_counter() - t0)
             del model
             gc.collect()
-            print(f"  rep {rep}: {name} load {times[name][-1]:.2f}s", flush=True)
-    return times
+    hwm = next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    hwms: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hwms, hwm / 1024)
+    if is_main():
+        print("RESULT " + json.dumps({"times": times, "rss_mib": hwms}), flush=True)
+    dist.destroy_process_group()
+
+
+def run_loads(nproc: int, sources: list[Path], reps: int, warmup: bool) -> dict:
+    """load_child in a fresh `torchrun --nproc-per-node nproc`."""
+    _, _, out = run_child(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
+                           "--child", *map(str, sources), "--reps", str(reps), *(["--warmup"] if warmup else [])])
+    result = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    result["times"] = {Path(k).name: v for k, v in result["times"].items()}
+    return result
 
 
 def machine() -> str:
@@ -114,8 +131,15 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--export-reps", type=int, default=3)
+    ap.add_argument("--nprocs", default="1,2", help="world sizes to time the loads at")
     ap.add_argument("--write", action="store_true", help="write the section into benchmarks/RESULTS.md")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return load_child(args.child, args.reps, args.warmup)
+    nprocs = [int(n) for n in args.nprocs.split(",")]
     host = machine()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
@@ -125,27 +149,34 @@ def main() -> None:
         bf16_gb = num_params * 2 / 1e9
         print(f"random Llama: {num_params / 1e9:.3f}B params, {bf16_gb:.2f} GB bf16 "
               f"({time.perf_counter() - t0:.0f}s to make)", flush=True)
-        prep_s, prep_rss, _ = run_child(["-m", "finetune", "prepare-checkpoint", "--model", str(hf_dir),
-                                         "--output-dir", str(prepared)])
-        print(f"prepare-checkpoint: {prep_s:.1f}s, peak RSS {prep_rss:.0f} MB", flush=True)
-        times = time_loads(hf_dir, prepared, args.reps)
-        load_rss = {name: run_child(["-c", LOAD_CHILD, str(path)])[1] for name, path in
-                    (("hf", hf_dir), ("prepared", prepared))}
-        print(f"peak RSS of one load (fresh process): {load_rss}", flush=True)
-        floor_s, floor_rss, _ = run_child(["-c", "import transformers, finetune.cli, finetune.export; "
-                                                 "from transformers import LlamaForCausalLM"])
-        exports = {}
-        for label, extra in (("default (export, then reload check)", []),
-                             ("--no-verify --max-shard-size 200MB", ["--no-verify", "--max-shard-size", "200MB"])):
-            wall, rss, out = run_child(["-m", "finetune", "export-hf", "--checkpoint", str(prepared), "--output-dir",
-                                        str(Path(tmp) / "export"), *extra])
-            exports[label] = (wall, rss)
-            print(f"export-hf {label}: {wall:.1f}s, peak RSS {rss:.0f} MB\n  {out.strip()}", flush=True)
-            if not extra:  # the command reports its own peak (VmHWM) once the shards are written, before the check
-                export_phase_rss = float(re.search(r"peak RSS so far (\d+) MB", out).group(1))
+        prep_s, _, _ = run_child(["-m", "finetune", "prepare-checkpoint", "--model", str(hf_dir),
+                                  "--output-dir", str(prepared), "--nproc-per-node", "2"])
+        print(f"prepare-checkpoint --nproc-per-node 2: {prep_s:.1f}s", flush=True)
+        loads = {}  # nproc -> {"times": {source: [s]}, "rss": {source: [MiB per rank]}}
+        for n in nprocs:
+            loads[n] = run_loads(n, [hf_dir, prepared], args.reps, warmup=True)
+            loads[n]["rss"] = {src.name: run_loads(n, [src], 1, warmup=False)["rss_mib"] for src in (hf_dir, prepared)}
+            print(f"{n} rank(s): {loads[n]}", flush=True)
+        variants = {  # label -> child args; each runs --export-reps times, interleaved, in fresh processes
+            "import floor (torch, transformers, finetune; no work)":
+                ["-c", "import transformers, finetune.cli, finetune.export; from transformers import LlamaForCausalLM"],
+            "default (export, then reload check): whole command": [],
+            "--no-verify --max-shard-size 200MB: whole command": ["--no-verify", "--max-shard-size", "200MB"]}
+        runs: dict[str, list[tuple[float, float]]] = {label: [] for label in variants}
+        writing: list[float] = []  # the default command's own peak once the shards are written, before its check
+        for _ in range(args.export_reps):
+            for label, extra in variants.items():
+                cmd = extra if label.startswith("import") else [
+                    "-m", "finetune", "export-hf", "--checkpoint", str(prepared), "--output-dir",
+                    str(Path(tmp) / "export"), *extra]
+                wall, rss, out = run_child(cmd)
+                runs[label].append((wall, rss))
+                print(f"{label}: {wall:.1f}s, peak RSS {rss:.0f} MB\n  {out.strip()[-400:]}", flush=True)
+                if label.startswith("default"):
+                    writing.append(float(re.search(r"peak RSS so far (\d+) MB", out).group(1)))
         largest_mb = args.vocab * args.hidden * 4 / 2**20
     total_s = time.perf_counter() - t_start
-    hf_med, prep_med = statistics.median(times["hf"]), statistics.median(times["prepared"])
+    med = statistics.median
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     lines = [
         HEADING, "",
@@ -155,50 +186,61 @@ def main() -> None:
         f"{args.vocab}, untied: **{num_params / 1e9:.3f}B params, {bf16_gb:.2f} GB in bf16, "
         f"{2 * bf16_gb:.2f} GB in fp32**. Largest tensor (embedding / lm_head) {largest_mb:.0f} MiB in fp32.",
         "",
-        f"Load into the sharded fp32 model (`build_model`, world size 1, the sft path), median of {args.reps}, "
-        f"alternating, warm page cache:",
+        f"Load into the sharded fp32 model (`build_model`, the sft load path: skeleton, FSDP, weights), timed between "
+        f"barriers in fresh `torchrun` processes (imports and process start, the same for both sources, left out), "
+        f"after one untimed load of each, {args.reps} loads alternating, warm page cache. Peak RSS: one load in a "
+        f"fresh process, summed over the node's ranks.",
         "",
-        "| source | median s | min s | runs (s) | peak RSS of one load, fresh process (GiB) |",
-        "|---|---|---|---|---|",
-        f"| HF dir (bf16 safetensors: from_pretrained on rank 0, cast, scatter) | {hf_med:.2f} | "
-        f"{min(times['hf']):.2f} | {fmt(times['hf'])} | {load_rss['hf'] / 1024:.2f} |",
-        f"| prepared dir (fp32 DCP straight into the shards) | {prep_med:.2f} | {min(times['prepared']):.2f} | "
-        f"{fmt(times['prepared'])} | {load_rss['prepared'] / 1024:.2f} |",
-        "",
-        f"HF-dir load / prepared load = **{hf_med / prep_med:.1f}x** by median, "
-        f"{min(times['hf']) / min(times['prepared']):.1f}x by min; the prepared load needs "
-        f"{(load_rss['hf'] - load_rss['prepared']) / 1024:.2f} GiB less RAM (no full bf16 copy beside the fp32 "
-        f"shards). One process, so the time is the rank-0 path's own cost (from_pretrained, the bf16->fp32 cast, "
-        f"the scatter) against DCP reading twice the bytes in fp32; with N ranks the prepared load also spreads "
-        f"the reading over all ranks, where the HF path reads the whole model on rank 0 and sends it. Making the "
-        f"prepared dir (`prepare-checkpoint`, 1 process) took {prep_s:.0f}s wall with peak RSS "
-        f"{prep_rss / 1024:.2f} GiB (the sft load path, then the DCP save); it holds {2 * bf16_gb:.2f} GB of fp32 "
-        f"weights, twice the bf16 checkpoint.",
-        "",
-        "export-hf from the prepared dir (bf16 output, one process; peak RSS = the child's VmHWM):",
-        "",
-        "| command | wall s | peak RSS MiB | vs. bf16 model size |",
-        "|---|---|---|---|",
-        f"| import floor (torch, transformers, finetune; no work) | {floor_s:.1f} | {floor_rss:.0f} | "
-        f"{floor_rss * 2**20 / (bf16_gb * 1e9):.2f}x |",
+        "| ranks | source | median s | min s | loads (s) | node peak RSS of one load (GiB) |",
+        "|---|---|---|---|---|---|",
     ]
-    default_wall, default_rss = exports["default (export, then reload check)"]
-    lines.append(f"| default: writing the shards (peak reported by the command before its check) | | "
-                 f"{export_phase_rss:.0f} | {export_phase_rss * 2**20 / (bf16_gb * 1e9):.2f}x |")
-    for label, (wall, rss) in exports.items():
-        lines.append(f"| {label}: whole command | {wall:.1f} | {rss:.0f} | {rss * 2**20 / (bf16_gb * 1e9):.2f}x |")
-    no_verify_rss = exports["--no-verify --max-shard-size 200MB"][1]
+    for n, res in loads.items():
+        for src, label in (("hf", "HF dir: from_pretrained on rank 0, cast, scatter"),
+                           ("prepared", "prepared dir: fp32 DCP into the shards")):
+            ts = res["times"][src]
+            lines.append(f"| {n} | {label} | {med(ts):.2f} | {min(ts):.2f} | {fmt(ts)} | "
+                         f"{sum(res['rss'][src]) / 1024:.2f} |")
+    lines += ["", "HF-dir load time / prepared load time, by median: " + "; ".join(
+        f"**{med(res['times']['hf']) / med(res['times']['prepared']):.1f}x at {n} rank(s)**" for n, res in
+        loads.items()) + ". " + "Node RAM of one load, HF / prepared: " + "; ".join(
+        f"{sum(res['rss']['hf']) / 1024:.2f} / {sum(res['rss']['prepared']) / 1024:.2f} GiB at {n} rank(s)"
+        for n, res in loads.items()) + ".",
+        "",
+        f"The HF path reads the whole bf16 model on rank 0 (from_pretrained), casts each tensor to fp32 and scatters "
+        f"it, so its time grows with the world size while the other ranks wait; the prepared path has every rank "
+        f"read just its own fp32 shards from DCP in parallel, with no bf16 copy of the model beside them. On one "
+        f"process both are a few memory copies of the model from the page cache. Making the prepared dir "
+        f"(`prepare-checkpoint --nproc-per-node 2`, the sft load path then a DCP save) took {prep_s:.0f}s wall; it "
+        f"holds {2 * bf16_gb:.2f} GB of fp32 weights, twice the bf16 checkpoint. Loading it at 1 rank reshards it "
+        f"from the 2 shards it was saved in.",
+        "",
+        f"export-hf from the prepared dir (bf16 output, one process; peak RSS = the child's VmHWM), each command "
+        f"{args.export_reps} times in fresh processes, interleaved; medians, with the range of the peaks:",
+        "",
+        "| command | wall s | peak RSS MiB (range) | vs. bf16 model size |",
+        "|---|---|---|---|",
+    ]
+    mib = {label: med(r for _, r in rs) for label, rs in runs.items()}
+    rng = lambda xs: f"{min(xs):.0f}-{max(xs):.0f}"  # noqa: E731
+    floor_label, default_label, no_verify_label = variants
+    for label, rs in runs.items():
+        lines.append(f"| {label} | {med(w for w, _ in rs):.1f} | {mib[label]:.0f} ({rng([r for _, r in rs])}) | "
+                     f"{mib[label] * 2**20 / (bf16_gb * 1e9):.2f}x |")
+        if label == default_label:
+            lines.append(f"| default: writing the shards (peak reported by the command before its check) | | "
+                         f"{med(writing):.0f} ({rng(writing)}) | {med(writing) * 2**20 / (bf16_gb * 1e9):.2f}x |")
+    floor = mib[floor_label]
     lines += [
         "",
         f"Writing the shards streams one tensor at a time: the command's own peak while writing is "
-        f"{export_phase_rss - floor_rss:+.0f} MiB over the import floor with one 1 GB shard and "
-        f"{no_verify_rss - floor_rss:+.0f} MiB with 200 MB shards (the floor itself varies by ~100 MiB between "
-        f"processes); the extra is about one fp32 copy of the largest tensor ({largest_mb:.0f} MiB) plus its "
-        f"bf16 cast and DCP's read buffer, whatever the model or shard size. The reload check "
-        f"(`from_pretrained(dtype=float32)`, every tensor compared with the checkpoint's one by one, logits "
-        f"against the source config's model on the same storage) holds one fp32 copy of the model plus what "
-        f"from_pretrained needs while loading: {(default_rss - floor_rss) / 1024:.2f} GiB over the floor for a "
-        f"{2 * bf16_gb:.2f} GB fp32 model. `--no-verify` skips it on hosts without that RAM.",
+        f"{med(writing) - floor:+.0f} MiB over the import floor with one {bf16_gb:.1f} GB shard and "
+        f"{mib[no_verify_label] - floor:+.0f} MiB for the whole `--no-verify` command with 200 MB shards (medians; "
+        f"the ranges are in the table); the extra is about one fp32 copy of the largest "
+        f"tensor ({largest_mb:.0f} MiB) plus its bf16 cast and DCP's read buffers, not the model or shard size. The "
+        f"reload check (`from_pretrained(dtype=float32)`, every tensor compared with the checkpoint's one by one, "
+        f"logits against the source config's model on the same storage) holds one fp32 copy of the model plus "
+        f"what from_pretrained needs while loading: {(mib[default_label] - floor) / 1024:.2f} GiB over the floor for "
+        f"a {2 * bf16_gb:.2f} GB fp32 model. `--no-verify` skips it on hosts without that RAM.",
         "",
     ]
     section = "\n".join(lines)

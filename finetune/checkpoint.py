@@ -77,15 +77,16 @@ def latest_complete(root: Path, report: bool = True) -> Path | None:
     return complete[-1] if complete else None
 
 
-def find_resume(output_dir: Path, resume: bool, resume_from: str) -> Path | None:
-    """The checkpoint this run starts from: --resume-from, else the newest complete one (unless --no-resume)."""
+def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool = True) -> Path | None:
+    """The checkpoint this run starts from: --resume-from, else the newest complete one (unless --no-resume).
+    `report` prints the incomplete step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
     if resume_from:
         path = Path(resume_from)
         if not is_complete(path):
             raise CheckpointError(f"checkpoint.resume_from: {path} is not a complete checkpoint "
                                   f"(needs .metadata and {MARKER})")
         return path
-    latest = latest_complete(Path(output_dir) / "checkpoints", report=resume)
+    latest = latest_complete(Path(output_dir) / "checkpoints", report=resume and report)
     if latest is not None and not resume:
         raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there would "
                               f"overwrite them: resume, pick another --output-dir, or remove them")

@@ -126,7 +126,7 @@ def preflight(cfg: Config) -> None:
         raise DataError(f"the tokenizer of '{cfg.model.path}' has no chat template (tokenizer_config.json "
                         f"'chat_template'); instruct data cannot be rendered")
     from .checkpoint import find_resume
-    find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from)
+    find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
     rows = load_rows(cfg.data.path, split=cfg.data.split, name=cfg.data.name or None, streaming=cfg.data.streaming)
     detect_format(columns_of(rows), cfg.data.format)
 

@@ -59,7 +59,8 @@ def test_kill_while_saving_then_resume(llama_dir, chat_file, tmp_path, straight)
     assert proc.returncode != 0
     assert steps(out) == [4] and (out / "checkpoints" / "step-8" / ".metadata").exists()  # written, not complete
     proc = sft(llama_dir, chat_file, out, "train.max_steps=8", "checkpoint.interval=4")
-    assert "ignoring incomplete checkpoint(s)" in proc.stdout and "step-4" in proc.stdout
+    assert proc.stdout.count("ignoring incomplete checkpoint(s)") == 1 and "step-8" in proc.stdout
+    assert "resumed from" in proc.stdout and "step-4" in proc.stdout
     assert losses(out)[-4:] == straight[-4:]
     assert steps(out) == [4, 8]
 
