@@ -18,6 +18,7 @@ FORMATS = ("messages", "sharegpt", "alpaca")
 DROP_REASONS = ("no_assistant", "no_labels_after_truncation")
 _EXTS = (".json", ".jsonl", ".parquet")
 _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+_PROBE = "finetuneprobe"  # stands in for an assistant message's content, to find what the template writes after it
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
 
 
@@ -56,7 +57,7 @@ def _iter_file(file: str):
             for i, row in enumerate(batch.to_pylist()):
                 yield f"{file} row {b * 1024 + i}", row
         return
-    with open(file, encoding="utf-8") as f:
+    with open(file, encoding="utf-8-sig") as f:  # -sig: tolerate a BOM
         head = f.read(4096).lstrip()
         f.seek(0)
         if file.endswith(".json") and head.startswith("["):
@@ -181,6 +182,9 @@ def to_messages(row: dict, fmt: str, where: str) -> list[dict]:
         if mapped is None:
             raise DataError(f"{where}: unknown role {role!r} in message {j} "
                             f"(allowed: system, user, assistant; sharegpt also human, gpt)")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise DataError(f"{where}: message {j} has tool calls, which are not supported (its text would be "
+                            f"trained as the whole answer)")
         content = m.get("content") if m.get("content") is not None else m.get("value")
         out.append({"role": mapped, "content": _text(content, where, f"message {j} content")})
     return out
@@ -222,24 +226,38 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int,
             raise DataError(f"{where}: chat template is not prefix-stable (rendering the conversation up to "
                             f"message {i} is not a prefix of the full rendering), so labels cannot be exact")
         segment = full[len(prefix):len(upto)]
-        # Train through the end-of-turn token but not the template text after it (e.g. the '\n' after <|im_end|>).
-        cut = max((segment.rfind(t) + len(t) for t in control if t in segment), default=-1)
+        # Train through the end-of-turn token but not the template text after it (e.g. the '\n' after <|im_end|>,
+        # or Phi-3's '\n<|endoftext|>' after <|end|>): the tail the template writes after any content, up to its
+        # first control token.
+        probe = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": _PROBE}], False, where)
+        tail = probe[probe.rfind(_PROBE) + len(_PROBE):] if _PROBE in probe else None
+        if tail is not None and segment.endswith(tail):
+            first = min(((tail.find(t), -len(t)) for t in control if t in tail), default=None)
+            cut = len(segment) - len(tail) + first[0] - first[1] if first else -1
+        else:  # the template changes what follows the content: the last control token
+            cut = max((segment.rfind(t) + len(t) for t in control if t in segment), default=-1)
         end = len(prefix) + (cut if cut >= 0 else len(segment.rstrip()))
         if end > len(prefix):
             spans.append((len(prefix), end))
     # The template already holds bos etc.: this is exactly what apply_chat_template(tokenize=True) feeds the model.
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    if "offset_mapping" not in enc:
+        raise DataError(f"{where}: the tokenizer ({type(tokenizer).__name__}) gives no character offsets, so labels "
+                        f"cannot be placed; use a fast (tokenizers-backed) tokenizer")
     ids = list(enc["input_ids"])
     ref = tokenizer.apply_chat_template(messages, tokenize=True)
     if list(ref["input_ids"] if isinstance(ref, Mapping) else ref) != ids:
         raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
     labels = [IGNORE_INDEX] * len(ids)
+    added = set(tokenizer.added_tokens_decoder)
     k = 0
     for t, (s, e) in enumerate(enc["offset_mapping"]):
         while k < len(spans) and spans[k][1] <= s:
             k += 1
-        # Only tokens wholly inside a span: a token straddling prompt and answer is prompt the model is given.
-        if k < len(spans) and spans[k][0] <= s < e <= spans[k][1]:
+        # Every token that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a
+        # prompt ending in ' ', an end-of-turn token with rstrip that swallowed the '\n' after it), but never a
+        # template token that only swallowed the answer's leading whitespace (a header with rstrip).
+        if k < len(spans) and s < spans[k][1] and e > spans[k][0] and (s >= spans[k][0] or ids[t] not in added):
             labels[t] = ids[t]
     ids, labels = ids[:max_seq_len], labels[:max_seq_len]
     if all(x == IGNORE_INDEX for x in labels):

@@ -476,3 +476,60 @@ def test_format_preview():
     assert plain.endswith(f"\ntrained tokens: {trained} / total: {len(sample['input_ids'])}") and trained > 1
     colored = format_preview(TOK, sample)
     assert "\x1b[30;42mHello<|eot_id|>\x1b[0m" in colored and "[[" not in colored
+
+
+# ----------------------------------------------------------------------------- boundaries of the label spans
+
+
+def test_answer_merged_with_a_prompt_ending_in_a_space_is_trained():
+    tok = build_tokenizer("llama3")  # Vicuna-like: the generation prompt ends with ' ', BPE merges it into 'ĠParis'
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
+                         "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token + ' ' }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}")
+    messages = [msg("user", "What is 2 + 2?"), msg("assistant", "4"), msg("user", "Capital?"), msg("assistant", "Paris")]
+    assert trained_spans(tok, tokenize_ok(tok, messages)) == [" 4<|eot_id|>", " Paris<|eot_id|>"]
+
+
+def test_end_of_turn_with_rstrip_and_template_text_after_it():
+    from tokenizers import AddedToken
+    tok = build_tokenizer("chatml")  # <|im_end|> swallows the '\n' after it (rstrip), as Phi-3's <|end|> does
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken("<|im_end|>", special=True, normalized=False,
+                                                                     rstrip=True)]})
+    messages = [msg("user", "Q"), msg("assistant", "Hello"), msg("user", "Q2"), msg("assistant", "Paris")]
+    assert trained_spans(tok, tokenize_ok(tok, messages)) == ["Hello<|im_end|>", "Paris<|im_end|>"]
+    # Like Phi-3: eos after the whole conversation; the end-of-turn is <|im_end|>, not the eos after it.
+    tok = build_tokenizer("chatml")
+    tok.chat_template += "{% if not add_generation_prompt %}<|endoftext|>{% endif %}"
+    assert trained_spans(tok, tokenize_ok(tok, messages[:2])) == ["Hello<|im_end|>"]
+
+
+def test_added_token_text_inside_an_answer_does_not_end_it():
+    tok = build_tokenizer("chatml")  # the template's end of turn is plain text, the answer holds an added token
+    tok.chat_template = ("{% for m in messages %}{{ '### ' + m['role'] + ':\n' + m['content'] + '\n\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+    answer = "Documents end with <|endoftext|>, then the next one starts."
+    assert trained_spans(tok, tokenize_ok(tok, [msg("user", "How?"), msg("assistant", answer)])) == [answer]
+
+
+def test_tool_calls_bom_and_python_tokenizer(tmp_path):
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    with pytest.raises(DataError, match=r"^f row 0: message 1 has tool calls"):
+        to_messages({"messages": [msg("user", "q"), call]}, "messages", "f row 0")
+    path = tmp_path / "bom.jsonl"
+    path.write_text("\ufeff" + json.dumps({"messages": [msg("user", "q"), msg("assistant", "a")]}) + "\n",
+                    encoding="utf-8")
+    assert load_rows(str(path))[0]["messages"][1]["content"] == "a"
+    (tmp_path / "bom.json").write_text("\ufeff" + json.dumps([{"instruction": "i", "output": "o"}]), encoding="utf-8")
+    assert load_rows(str(tmp_path / "bom.json"))[0] == {"instruction": "i", "output": "o"}
+
+    class Slow:  # a Python (slow / remote-code) tokenizer returns no offsets
+        def __init__(self, fast):
+            self.fast = fast
+
+        def __getattr__(self, name):
+            return getattr(self.fast, name)
+
+        def __call__(self, text, **kw):
+            return {"input_ids": self.fast(text, add_special_tokens=False)["input_ids"]}
+    with pytest.raises(DataError, match=r"^r 0: the tokenizer .* gives no character offsets"):
+        tokenize_messages(Slow(build_tokenizer("chatml")), [msg("user", "q"), msg("assistant", "a")], 100, "r 0")
