@@ -119,14 +119,15 @@ def check_output_dir(out: Path) -> None:
                               f"refusing to overwrite it: pick another directory")
 
 
-def plan_tensors(source: Source, hf_config) -> tuple[str, dict]:
-    """(model class name, {HF name: DCP metadata}) for exactly the tensors save_pretrained would write."""
+def plan_tensors(source: Source, hf_config) -> tuple[str, dict, dict]:
+    """(model class name, {HF name: DCP metadata} for exactly the tensors save_pretrained would keep, and
+    {on-disk name: (HF name, shape)}: where transformers stores weights in another layout on disk than in memory
+    (renamings such as GPT-NeoX's embed_out, fused MoE experts), the names and shapes save_pretrained writes)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    from transformers.core_model_loading import revert_weight_conversion
     md = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
     stored = {k[len("model."):]: v for k, v in md.items()
               if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    skeleton = build_skeleton(hf_config, "sdpa", source.trust_remote_code)
+    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
     expected = skeleton.state_dict()
     missing = [k for k in expected if k not in stored]
     extra = [k for k in stored if k not in expected]
@@ -138,10 +139,22 @@ def plan_tensors(source: Source, hf_config) -> tuple[str, dict]:
             raise ModelError(f"{source.label}: {k} has shape {tuple(stored[k].size)}, the config of "
                              f"'{source.model_path}' says {tuple(t.shape)}")
     kept = remove_tied_weights_from_state_dict(dict(expected), skeleton)
-    if set(revert_weight_conversion(skeleton, dict(kept))) != set(kept):
-        raise ModelError(f"{type(skeleton).__name__} stores weights in another layout on disk than in memory "
-                         f"(transformers weight conversions); export-hf does not convert them yet")
-    return type(skeleton).__name__, {k: stored[k] for k in kept}
+    disk = {}
+    for k in kept:  # each in-memory tensor converts on its own (meta tensors: names and shapes only)
+        for d, t in to_disk(skeleton, k, torch.empty(stored[k].size, device="meta")).items():
+            disk[d] = (k, tuple(t.shape))
+    whole = to_disk(skeleton, None, {k: torch.empty(stored[k].size, device="meta") for k in kept})
+    if {d: tuple(t.shape) for d, t in whole.items()} != {d: shape for d, (_, shape) in disk.items()}:
+        raise ModelError(f"{type(skeleton).__name__} stores weights in another layout on disk than in memory that "
+                         f"does not convert tensor by tensor (transformers weight conversions); export-hf cannot "
+                         f"write it yet")
+    return type(skeleton).__name__, {k: stored[k] for k in kept}, disk
+
+
+def to_disk(skeleton, name: str | None, tensor) -> dict:
+    """{on-disk name: tensor} that save_pretrained writes for the in-memory tensor `name` (or for a dict of them)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    return dict(revert_weight_conversion(skeleton, dict(tensor) if name is None else {name: tensor}))
 
 
 class MetadataOnceReader(dcp.FileSystemReader):
@@ -187,16 +200,29 @@ def write_safetensors(path: Path, specs: dict, fetch) -> None:
             del t
 
 
-def save_weights(out: Path, source: Source, plan: dict, dtype: torch.dtype, max_shard_size: int) -> dict:
+def save_weights(out: Path, source: Source, plan: dict, disk: dict, hf_config, dtype: torch.dtype,
+                 max_shard_size: int) -> dict:
     """Shards named and split as save_pretrained does (model.safetensors, or model-0000i-of-0000N + index)."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    metas = {n: torch.empty(m.size, dtype=out_dtype_of(m, dtype), device="meta") for n, m in plan.items()}
+    metas = {d: torch.empty(shape, dtype=out_dtype_of(plan[k], dtype), device="meta") for d, (k, shape) in disk.items()}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     reader = MetadataOnceReader(str(source.weights))
+    skeleton = build_skeleton(hf_config, None, source.trust_remote_code) if any(d != k for d, (k, _) in disk.items()) \
+        else None
+    last: dict = {}  # the converted pieces of the last in-memory tensor read (one fused MoE tensor -> many on disk)
+
+    def fetch(d: str) -> torch.Tensor:
+        k = disk[d][0]
+        if skeleton is None:
+            return load_tensor(reader, k, plan[k])
+        if last.get("name") != k:
+            last.update(name=k, pieces=to_disk(skeleton, k, load_tensor(reader, k, plan[k])))
+        return last["pieces"][d]
+
     for filename, names in split.filename_to_tensors.items():
         specs = {n: (tuple(metas[n].shape), metas[n].dtype) for n in names}
-        write_safetensors(out / filename, specs, lambda n: load_tensor(reader, n, plan[n]))
+        write_safetensors(out / filename, specs, fetch)
     if split.is_sharded:
         num_params = sum(t.numel() for t in metas.values())
         index = {"metadata": {"total_parameters": num_params, **split.metadata}, "weight_map": split.tensor_to_filename}
@@ -205,7 +231,8 @@ def save_weights(out: Path, source: Source, plan: dict, dtype: torch.dtype, max_
 
 
 @torch.no_grad()
-def verify_export(out: Path, source: Source, hf_config, plan: dict, dtype: torch.dtype, shards: dict) -> float:
+def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, dtype: torch.dtype,
+                  shards: dict) -> float:
     """Reload `out` with from_pretrained(dtype=float32) and check that it holds exactly the checkpoint's tensors
     (rounded to dtype; read back one at a time), tied as the config says, and that its logits equal those of the
     source config's model built on those same tensors (sharing their storage: one fp32 copy of the model in RAM).
@@ -215,9 +242,11 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, dtype: torch
     for filename, names in shards.items():  # headers only: names and dtypes as planned
         with safe_open(str(out / filename), framework="pt") as f:
             if set(f.keys()) != set(names) or \
-                    any(f.get_slice(n).get_dtype() != ST_DTYPES[out_dtype_of(plan[n], dtype)] for n in names):
+                    any(f.get_slice(n).get_dtype() != ST_DTYPES[out_dtype_of(plan[disk[n][0]], dtype)] for n in names):
                 raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
-    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="sdpa",
+    reference = build_skeleton(hf_config, None, source.trust_remote_code)  # sdpa, or eager where unsupported
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                  attn_implementation=reference.config._attn_implementation,
                                                   trust_remote_code=source.trust_remote_code).eval()
     state = loaded.state_dict()
     reader = MetadataOnceReader(str(source.weights))
@@ -232,7 +261,6 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, dtype: torch
     if getattr(hf_config, "tie_word_embeddings", False) and \
             loaded.get_output_embeddings().weight is not loaded.get_input_embeddings().weight:
         raise VerifyError("export check: from_pretrained did not tie lm_head to the input embeddings")
-    reference = build_skeleton(hf_config, "sdpa", source.trust_remote_code)
     reference.load_state_dict(state, strict=False, assign=True)
     reference.tie_weights()
     if any(p.is_meta for p in reference.parameters()):
@@ -266,7 +294,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     source = find_source(checkpoint)
     check_output_dir(out)
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
-    architecture, plan = plan_tensors(source, hf_config)
+    architecture, plan, disk = plan_tensors(source, hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -275,7 +303,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         t0 = time.perf_counter()
         num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in plan.values())
         largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
-        shards = save_weights(tmp, source, plan, dtype, shard_bytes)
+        shards = save_weights(tmp, source, plan, disk, hf_config, dtype, shard_bytes)
         hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
         hf_config.architectures = [architecture]
         save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
@@ -284,7 +312,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
                f"(largest stored tensor {largest_mb:.0f} MB)")
         diff = None
         if verify:
-            diff = verify_export(tmp, source, hf_config, plan, dtype, shards)
+            diff = verify_export(tmp, source, hf_config, plan, disk, dtype, shards)
             print0(f"verified: {len(plan)} tensors equal the checkpoint's; from_pretrained(dtype=float32) logits "
                    f"max abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
         record = {"source": str(Path(checkpoint).resolve()), "weights": str(source.weights.resolve()),

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .distributed import is_main
+from .distributed import is_main, print0
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
@@ -66,10 +66,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def build_skeleton(hf_config, attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
+def resolve_attn_implementation(hf_config, requested: str | None) -> str:
+    """`requested` (None: sdpa), except sdpa for a model class without an sdpa path (Gemma2: attention logit
+    soft-capping), which gets eager: transformers would refuse to build it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    if requested not in (None, "sdpa"):
+        return requested
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)] if type(hf_config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+        if requested is not None:
+            print0(f"{cls.__name__} has no sdpa attention in transformers; using eager (set model.attn_implementation)")
+        return "eager"
+    return "sdpa"
+
+
+def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_remote_code: bool = False) -> nn.Module:
     """The model with parameters on the meta device (fp32) and real buffers (rotary tables etc.) on CPU."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+    attn_implementation = resolve_attn_implementation(hf_config, attn_implementation)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)

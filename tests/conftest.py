@@ -12,13 +12,21 @@ from _tokenizers import build_tokenizer
 
 def make_model_dir(path, family: str, arch: str, tied: bool, num_layers: int = 4, seed: int = 0):
     """Save a random bf16 model of `arch` with the `family` chat tokenizer to path; returns path."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    import transformers as T
+    from transformers import AutoModelForCausalLM
     tok = build_tokenizer(family)
     kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=num_layers,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               tie_word_embeddings=tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
               pad_token_id=tok.pad_token_id)
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](**kw)
+    extra = {  # architectures whose attention or on-disk layout differs from Llama's
+        "gemma2": dict(head_dim=16, sliding_window=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+        "gpt_neox": dict(num_key_value_heads=None),  # lm_head is stored as embed_out
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # experts fused in memory, per expert on disk
+    }.get(arch, {})
+    kw = {k: v for k, v in {**kw, **extra}.items() if v is not None}
+    config = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "gemma2": T.Gemma2Config, "gpt_neox": T.GPTNeoXConfig,
+              "mixtral": T.MixtralConfig}[arch](**kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(path)

@@ -93,6 +93,23 @@ def test_lr0_training_exports_the_original_tensors(family, request, chat_file, t
     assert (out / "generation_config.json").is_file() and (out / "finetune_export.json").is_file()
 
 
+
+@pytest.mark.parametrize("arch,tied", [("gemma2", True), ("gpt_neox", False), ("mixtral", False)])
+def test_lr0_export_of_other_architectures_matches_save_pretrained(arch, tied, chat_file, tmp_path):
+    """Gemma2 has no sdpa path (eager is used); GPT-NeoX renames lm_head to embed_out on disk; Mixtral fuses its
+    experts in memory and stores them one by one: the export holds save_pretrained's names, shapes and values."""
+    from conftest import make_model_dir
+    model_dir = make_model_dir(tmp_path / "model", "chatml", arch, tied=tied, num_layers=2)
+    proc = sft(model_dir, chat_file, tmp_path / "run", "train.max_steps=2", "train.micro_batch_size=4")
+    out = tmp_path / "hf"
+    proc = export(tmp_path / "run", out, "--dtype", "bfloat16", "--max-shard-size", "60KB")
+    assert "verified" in proc.stdout and "max abs diff 0" in proc.stdout, proc.stdout
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    original, exported = read_weights(model_dir), read_weights(out)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name
+
 def test_sharded_export_of_a_prepared_checkpoint_gives_the_same_logits(llama_export, prepared, tmp_path):
     single, sharded = llama_export, tmp_path / "sharded"
     sharded.mkdir()  # an earlier export there is replaced whole: stale shards must not survive
@@ -187,9 +204,9 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     from finetune.model import load_hf_config
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)
-    _, plan = plan_tensors(source, hf_config)
+    _, plan, disk = plan_tensors(source, hf_config)
     shards = {"model.safetensors": list(plan)}
-    assert verify_export(llama_export, source, hf_config, plan, torch.bfloat16, shards) == 0
+    assert verify_export(llama_export, source, hf_config, plan, disk, torch.bfloat16, shards) == 0
 
     bad_tensor = tmp_path / "bad_tensor"
     shutil.copytree(llama_export, bad_tensor)
@@ -197,7 +214,7 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     weights["model.layers.1.mlp.up_proj.weight"][0, 0] += 1
     save_file(weights, bad_tensor / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(VerifyError, match="model.layers.1.mlp.up_proj.weight differs"):
-        verify_export(bad_tensor, source, hf_config, plan, torch.bfloat16, shards)
+        verify_export(bad_tensor, source, hf_config, plan, disk, torch.bfloat16, shards)
 
     bad_config = tmp_path / "bad_config"
     shutil.copytree(llama_export, bad_config)
@@ -205,4 +222,4 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     config["rope_parameters"]["rope_theta"] = 500.0
     (bad_config / "config.json").write_text(json.dumps(config))
     with pytest.raises(VerifyError, match="logits differ"):
-        verify_export(bad_config, source, hf_config, plan, torch.bfloat16, shards)
+        verify_export(bad_config, source, hf_config, plan, disk, torch.bfloat16, shards)
