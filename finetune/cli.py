@@ -69,6 +69,9 @@ def set_threads(nproc: int) -> None:
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
     that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
+    if nproc < 1:
+        print(f"error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     set_threads(nproc)
     if nproc <= 1 or "RANK" in os.environ:
         return rank_main(entry, args, debug)

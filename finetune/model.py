@@ -44,6 +44,8 @@ def clean_fqn(name: str) -> str:
 def load_hf_config(path: str, trust_remote_code: bool = False):
     """The HF config of `path`; for a prepared checkpoint also checked against its manifest."""
     from transformers import AutoConfig
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().exists():
+        raise ModelError(f"model path '{path}' does not exist")
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:

@@ -86,7 +86,8 @@ def test_lr_schedule_warmup_then_cosine():
     (["train.mixed_precision=bf61"], "train.mixed_precision must be one of 'bf16', 'fp32', got 'bf61' (did you mean 'bf16'?)"),
     (["data.max_seq_len=-1"], "data.max_seq_len must be > 0, got -1"),
     (["ac.ratio=2"], "ac.ratio must be in [0, 1], got 2.0"),
-    (["--model", "/nonexistent/model"], "cannot load model '/nonexistent/model'"),
+    (["--model", "/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
     (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
 ])
 def test_config_errors_are_one_clean_line(args, expect, tmp_path, llama_dir):
