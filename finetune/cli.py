@@ -167,6 +167,8 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
         from .data import build_samples, format_preview
         from .model import load_tokenizer
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
+        if num < 1:
+            raise ConfigError(f"--num must be >= 1, got {num}")
         d = cfg.data
         tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         samples = build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None, streaming=d.streaming,

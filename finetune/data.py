@@ -73,6 +73,9 @@ def _iter_file(file: str):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if n == 1 and head.startswith("{") and not line.rstrip().endswith("}"):  # a pretty-printed object
+                        raise DataError(f"{file}: holds one multi-line JSON object; expected JSON Lines (one row "
+                                        f"object per line) or a JSON array of row objects") from None
                     raise DataError(f"{file}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
                 yield f"{file}:{n}", row
 

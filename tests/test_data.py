@@ -268,6 +268,10 @@ def test_load_rows_errors(tmp_path):
         load_rows(str(arr))
     with pytest.raises(DataError, match="missing.jsonl: no such file or directory"):
         load_rows(str(tmp_path / "missing.jsonl"))
+    obj = tmp_path / "obj.json"  # a pretty-printed object (e.g. a config.json passed by mistake)
+    obj.write_text(json.dumps({"model_type": "llama", "rows": [1]}, indent=2), encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^{obj}: holds one multi-line JSON object; expected JSON Lines"):
+        load_rows(str(obj))
     with pytest.raises(DataError, match="no such file"):
         load_rows("./nope")
     txt = tmp_path / "x.txt"
