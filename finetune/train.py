@@ -83,6 +83,9 @@ def train(cfg: Config) -> dict:
     sample_iter = iter(samples)
     pad_to = d.max_seq_len if d.pad_to_max else None
     global_batch = t.micro_batch_size * t.grad_accum_steps * world_size()
+    if state.step and state.samples_seen != state.step * global_batch:  # allowed, but then not the same run
+        print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
+               f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
 
     num_params = sum(p.numel() for p in model.parameters())
     cfg_hf = model.config

@@ -47,6 +47,7 @@ def test_resume_is_exact_same_and_other_world_size(llama_dir, chat_file, tmp_pat
     one = tmp_path / "one"
     proc = sft(llama_dir, chat_file, one, "train.max_steps=8", "train.grad_accum_steps=2",
                "--resume-from", out / "checkpoints" / "step-4", nproc=1)
+    assert "note: the global batch" not in proc.stdout  # 1 rank x accum 2 == 2 ranks x accum 1: the same batch
     tail = losses(one)
     assert len(tail) == 4
     assert max(abs(a - b) / b for a, b in zip(tail, straight[4:])) < 1e-5
