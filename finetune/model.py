@@ -72,6 +72,12 @@ def resolve_attn_implementation(hf_config, requested: str | None) -> str:
     """`requested` (None: sdpa), except sdpa for a model class without an sdpa path (Gemma2: attention logit
     soft-capping), which gets eager: transformers would refuse to build it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    if requested in ("flash_attention_2", "flash_attention_3"):
+        import importlib.util
+        package = "flash_attn" if requested == "flash_attention_2" else "flash_attn_interface"
+        if not torch.cuda.is_available() or importlib.util.find_spec(package) is None:
+            raise ModelError(f"model.attn_implementation={requested} needs a CUDA device and the {package} package "
+                             f"(uv sync --extra gpu); use sdpa otherwise")
     if requested not in (None, "sdpa"):
         return requested
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)] if type(hf_config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
