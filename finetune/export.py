@@ -119,8 +119,8 @@ def check_output_dir(out: Path) -> None:
                               f"refusing to overwrite it: pick another directory")
 
 
-def plan_tensors(source: Source, hf_config) -> tuple[str, dict, dict]:
-    """(model class name, {HF name: DCP metadata} for exactly the tensors save_pretrained would keep, and
+def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict]:
+    """(the model on the meta device, {HF name: DCP metadata} for exactly the tensors save_pretrained would keep, and
     {on-disk name: (HF name, shape)}: where transformers stores weights in another layout on disk than in memory
     (renamings such as GPT-NeoX's embed_out, fused MoE experts), the names and shapes save_pretrained writes)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -139,22 +139,23 @@ def plan_tensors(source: Source, hf_config) -> tuple[str, dict, dict]:
             raise ModelError(f"{source.label}: {k} has shape {tuple(stored[k].size)}, the config of "
                              f"'{source.model_path}' says {tuple(t.shape)}")
     kept = remove_tied_weights_from_state_dict(dict(expected), skeleton)
+    metas = {k: torch.empty(stored[k].size, device="meta") for k in kept}  # names and shapes only
     disk = {}
-    for k in kept:  # each in-memory tensor converts on its own (meta tensors: names and shapes only)
-        for d, t in to_disk(skeleton, k, torch.empty(stored[k].size, device="meta")).items():
+    for k, meta in metas.items():  # each in-memory tensor converts on its own
+        for d, t in to_disk(skeleton, {k: meta}).items():
             disk[d] = (k, tuple(t.shape))
-    whole = to_disk(skeleton, None, {k: torch.empty(stored[k].size, device="meta") for k in kept})
+    whole = to_disk(skeleton, metas)
     if {d: tuple(t.shape) for d, t in whole.items()} != {d: shape for d, (_, shape) in disk.items()}:
         raise ModelError(f"{type(skeleton).__name__} stores weights in another layout on disk than in memory that "
                          f"does not convert tensor by tensor (transformers weight conversions); export-hf cannot "
                          f"write it yet")
-    return type(skeleton).__name__, {k: stored[k] for k in kept}, disk
+    return skeleton, {k: stored[k] for k in kept}, disk
 
 
-def to_disk(skeleton, name: str | None, tensor) -> dict:
-    """{on-disk name: tensor} that save_pretrained writes for the in-memory tensor `name` (or for a dict of them)."""
+def to_disk(skeleton, tensors: dict) -> dict:
+    """{on-disk name: tensor} that save_pretrained writes for these in-memory {name: tensor}."""
     from transformers.core_model_loading import revert_weight_conversion
-    return dict(revert_weight_conversion(skeleton, dict(tensor) if name is None else {name: tensor}))
+    return dict(revert_weight_conversion(skeleton, dict(tensors)))
 
 
 class MetadataOnceReader(dcp.FileSystemReader):
@@ -200,7 +201,7 @@ def write_safetensors(path: Path, specs: dict, fetch) -> None:
             del t
 
 
-def save_weights(out: Path, source: Source, plan: dict, disk: dict, hf_config, dtype: torch.dtype,
+def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dtype: torch.dtype,
                  max_shard_size: int) -> dict:
     """Shards named and split as save_pretrained does (model.safetensors, or model-0000i-of-0000N + index)."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -208,17 +209,16 @@ def save_weights(out: Path, source: Source, plan: dict, disk: dict, hf_config, d
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     reader = MetadataOnceReader(str(source.weights))
-    skeleton = build_skeleton(hf_config, None, source.trust_remote_code) if any(d != k for d, (k, _) in disk.items()) \
-        else None
-    last: dict = {}  # the converted pieces of the last in-memory tensor read (one fused MoE tensor -> many on disk)
+    converted = any(d != k for d, (k, _) in disk.items())
+    last: dict = {}  # the on-disk pieces of the last in-memory tensor read (one fused MoE tensor -> many on disk)
 
     def fetch(d: str) -> torch.Tensor:
         k = disk[d][0]
-        if skeleton is None:
-            return load_tensor(reader, k, plan[k])
         if last.get("name") != k:
-            last.update(name=k, pieces=to_disk(skeleton, k, load_tensor(reader, k, plan[k])))
-        return last["pieces"][d]
+            last.clear()  # free the previous tensor before reading the next: one in RAM at a time
+            t = load_tensor(reader, k, plan[k])
+            last.update(name=k, pieces=to_disk(skeleton, {k: t}) if converted else {k: t})
+        return last["pieces"].pop(d)  # each piece is written once: dropping it here frees it after its write
 
     for filename, names in split.filename_to_tensors.items():
         specs = {n: (tuple(metas[n].shape), metas[n].dtype) for n in names}
@@ -294,7 +294,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     source = find_source(checkpoint)
     check_output_dir(out)
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
-    architecture, plan, disk = plan_tensors(source, hf_config)
+    skeleton, plan, disk = plan_tensors(source, hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -303,9 +303,9 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         t0 = time.perf_counter()
         num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in plan.values())
         largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
-        shards = save_weights(tmp, source, plan, disk, hf_config, dtype, shard_bytes)
+        shards = save_weights(tmp, source, skeleton, plan, disk, dtype, shard_bytes)
         hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
-        hf_config.architectures = [architecture]
+        hf_config.architectures = [type(skeleton).__name__]
         save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
         print0(f"exported {source.label} -> {out}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in "
                f"{len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
