@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, NoReturn, Optional
 
 import typer
 
@@ -36,6 +36,12 @@ def user_errors() -> tuple[type[Exception], ...]:
     return ConfigError, DataError, ModelError, CheckpointError
 
 
+def fail(message, code: int = 2) -> NoReturn:
+    """`error: <one line>` on stderr, then exit `code` (2: bad input)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
 def guarded(fn: Callable, debug: bool, *args, **kwargs):
     """Run fn; bad input becomes `error: <one line>` and exit 2 (traceback only with --debug)."""
     try:
@@ -43,8 +49,7 @@ def guarded(fn: Callable, debug: bool, *args, **kwargs):
     except user_errors() as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        fail(e)
 
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
@@ -70,8 +75,7 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
     that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
     if nproc < 1:
-        print(f"error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        fail(f"--nproc-per-node must be >= 1, got {nproc}")
     set_threads(nproc)
     if nproc <= 1 or "RANK" in os.environ:
         return rank_main(entry, args, debug)
@@ -114,8 +118,7 @@ def run_sft(cfg: Config):
     try:
         return train(cfg)
     except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        fail(e, code=1)
 
 
 def preflight(cfg: Config) -> None:
@@ -183,11 +186,6 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
     guarded(run, debug)
 
 
-def not_implemented(name: str):
-    print(f"error: `finetune {name}` is not implemented yet", file=sys.stderr)
-    raise SystemExit(2)
-
-
 @app.command("prepare-checkpoint")
 def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Optional[str] = MODEL,
                        output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC, debug: bool = DEBUG):
@@ -227,8 +225,7 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", hel
         except VerifyError as e:  # not bad input but a broken export: exit 1, nothing left in --output-dir
             if debug:
                 raise
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+            fail(e, code=1)
     guarded(run, debug)
 
 
