@@ -218,7 +218,8 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int,
         return None, "no_assistant"
     full = _render(tokenizer, messages, False, where)
     # Added tokens mark where a turn ends; whitespace ones (e.g. Gemma's "\n") are ordinary template text.
-    control = [t.content for t in tokenizer.added_tokens_decoder.values() if t.content.strip()]
+    added = tokenizer.added_tokens_decoder  # {id: AddedToken}
+    control = [t.content for t in added.values() if t.content.strip()]
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -234,9 +235,13 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int,
         # first control token.
         probe = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": _PROBE}], False, where)
         tail = probe[probe.rfind(_PROBE) + len(_PROBE):] if _PROBE in probe else None
-        if tail is not None and segment.endswith(tail):
-            first = min(((tail.find(t), -len(t)) for t in control if t in tail), default=None)
-            cut = len(segment) - len(tail) + first[0] - first[1] if first else -1
+        if tail is not None and segment.endswith(tail):  # cut after the tail's first (longest there) control token
+            hits = [(tail.find(t), t) for t in control if t in tail]
+            if hits:
+                pos, token = min(hits, key=lambda h: (h[0], -len(h[1])))
+                cut = len(segment) - len(tail) + pos + len(token)
+            else:
+                cut = -1
         else:  # the template changes what follows the content: the last control token
             cut = max((segment.rfind(t) + len(t) for t in control if t in segment), default=-1)
         end = len(prefix) + (cut if cut >= 0 else len(segment.rstrip()))
@@ -252,7 +257,6 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int,
     if list(ref["input_ids"] if isinstance(ref, Mapping) else ref) != ids:
         raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
     labels = [IGNORE_INDEX] * len(ids)
-    added = set(tokenizer.added_tokens_decoder)
     k = 0
     for t, (s, e) in enumerate(enc["offset_mapping"]):
         while k < len(spans) and spans[k][1] <= s:

@@ -80,8 +80,8 @@ def resolve_attn_implementation(hf_config, requested: str | None) -> str:
                              f"(uv sync --extra gpu); use sdpa otherwise")
     if requested not in (None, "sdpa"):
         return requested
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)] if type(hf_config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
-    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)  # None: remote code, not in the auto mapping
+    if not getattr(cls, "_supports_sdpa", True):
         if requested is not None:
             print0(f"{cls.__name__} has no sdpa attention in transformers; using eager (set model.attn_implementation)")
         return "eager"

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from . import checkpoint as ckpt
 from .config import Config, to_toml
 from .data import build_samples, pad_collate
-from .distributed import all_reduce_sum, any_rank, init_distributed, is_main, print0, world_size
+from .distributed import all_reduce_sum, init_distributed, is_main, print0, world_size
 from .evaluate import evaluate
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb
 from .model import build_model, find_layers, load_tokenizer

@@ -2,7 +2,6 @@
 non-finite loss. CPU, gloo, fp32; constant lr so a 4-step run and an 8-step run share a schedule."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from helpers import losses, read_metrics, run_cli
 
