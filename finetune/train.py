@@ -16,14 +16,17 @@ from . import faults
 from .config import Config, to_toml
 from .data import IGNORE_INDEX, build_samples, pad_collate
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
+from .errors import FinetuneError
 from .evaluate import evaluate
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb
 from .model import build_model, find_layers, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 
 
-class NonFiniteError(RuntimeError):
-    """Loss or grad norm became NaN/inf with train.nan_policy = "stop"."""
+class NonFiniteError(FinetuneError):
+    """Loss or grad norm became NaN/inf with train.nan_policy = "stop": the run failed (exit 1)."""
+
+    exit_code = 1
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -198,7 +201,8 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
     tokens_per_s = values[NUM_INPUT_TOKENS] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
     record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
               "num_tokens": int(values[NUM_TOKENS]), "tokens_per_s": tokens_per_s,
-              "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device), "tokens_seen": state.tokens_seen}
+              "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
+              "tokens_seen": state.tokens_seen}
     if peak:
         record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())
     return record

@@ -67,7 +67,8 @@ def test_lr_schedule_warmup_then_cosine():
 
 CONFIG_ERRORS = [
     (["train.lrr=1"], "unknown config key 'train.lrr' (did you mean 'lr'?)"),
-    (["train.mixed_precision=bf61"], "train.mixed_precision must be one of 'bf16', 'fp32', got 'bf61' (did you mean 'bf16'?)"),
+    (["train.mixed_precision=bf61"],
+     "train.mixed_precision must be one of 'bf16', 'fp32', got 'bf61' (did you mean 'bf16'?)"),
     (["data.max_seq_len=-1"], "data.max_seq_len must be > 0, got -1"),
     (["ac.ratio=2"], "ac.ratio must be in [0, 1], got 2.0"),
     (["--model", "/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
