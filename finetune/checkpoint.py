@@ -254,7 +254,7 @@ def prune(root: Path, keep: int) -> None:
 
 class SignalFlag:
     """Remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal)/SIGINT (Ctrl-C) so the loop can save at the next step
-    boundary. A second Ctrl-C exits at once. (With several local ranks the `finetune` process owns Ctrl-C: cli.launch.)"""
+    boundary; a second Ctrl-C exits at once. (With several local ranks, the `finetune` process owns Ctrl-C: launch.)"""
 
     def __init__(self):
         self.name = None

@@ -21,6 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
                        "export-hf, bench.")
 
+
 def print_version(value: bool) -> None:
     if value:
         from . import __version__
@@ -31,7 +32,7 @@ def print_version(value: bool) -> None:
 @app.callback()
 def options(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
                                          help="print the version and exit")):
-    """Fine-tune Hugging Face causal LMs with FSDP2."""
+    pass
 
 
 OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.packing=true",
@@ -127,7 +128,6 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     from .distributed import _free_port
     # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them; SIGINT
     # is ours (below): the ranks run in their own sessions, so a Ctrl-C reaches them only through this process
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1"
 
     def on_sigint(signum, frame):
         if not getattr(on_sigint, "seen", False):  # the first: forwarded like SIGTERM (the ranks save and stop)
@@ -141,6 +141,7 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     signal.signal(signal.SIGINT, on_sigint)
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                      signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
                       monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:
         elastic_launch(lc, sys.executable)("-m", "finetune", *sys.argv[1:])
@@ -199,11 +200,6 @@ def preflight(cfg: Config) -> str | None:
     return None
 
 
-def is_launcher() -> bool:
-    """This process starts the run: not a rank that our own launcher started, and rank 0 under a bare torchrun."""
-    return "FINETUNE_LOCK" not in os.environ and os.environ.get("RANK", "0") == "0"
-
-
 @app.command()
 def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
         dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC,
@@ -218,7 +214,7 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
             cfg.checkpoint.resume = False
         if "FINETUNE_LOCK" in os.environ:  # a rank our launcher started: it checked all this and holds the lock
             return cfg, None
-        if is_launcher():
+        if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
         hold_run_lock(Path(cfg.output_dir) / RUN_LOCK, f"output dir {cfg.output_dir}")  # exit 2 if another run has it
         return cfg, preflight(cfg)

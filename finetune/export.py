@@ -88,7 +88,8 @@ def find_source(path: str) -> Source:
         step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
         if step is None:
             found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
-            raise CheckpointError(f"no intact checkpoint under {p / 'checkpoints'} (step dirs: {found})")
+            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} that is intact "
+                                  f"(step dirs: {found})")
     else:
         raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
                               f"dir or a prepared checkpoint (with {MANIFEST})")
