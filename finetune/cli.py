@@ -216,8 +216,12 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
             return cfg, None
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-        hold_run_lock(Path(cfg.output_dir) / RUN_LOCK, f"output dir {cfg.output_dir}")  # exit 2 if another run has it
-        return cfg, preflight(cfg)
+        lock = Path(cfg.output_dir) / RUN_LOCK
+        if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
+            hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        nothing_to_do = preflight(cfg)
+        hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        return cfg, nothing_to_do
     cfg, nothing_to_do = guarded(prepare, debug)
     if nothing_to_do:
         if os.environ.get("RANK", "0") == "0":

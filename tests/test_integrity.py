@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import REPO, losses, read_metrics, run_cli
+from helpers import REPO, losses, read_metrics, run_cli, run_ranks
 
 from finetune import checkpoint as ckpt
 from finetune.data import DataError, load_rows
@@ -86,6 +86,27 @@ def test_damaged_checkpoints_are_reported_once_and_skipped(tmp_path, capsys):
     assert ckpt.MARKER in lines[2] and ckpt.MARKER in lines[3]
     with pytest.raises(ckpt.CheckpointError, match="step-5 is damaged: __0_0.distcp has"):
         ckpt.find_resume(tmp_path, resume=True, resume_from=str(root / "step-5"))
+
+
+def save_sharded(path: str) -> None:
+    """On every rank: a DCP save of a tensor sharded over the ranks (each writes its own file), then rank 0's marker."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dcp.save({"w": distribute_tensor(torch.arange(4000.0), mesh, [Shard(0)])}, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        ckpt.write_marker(Path(path), {"step": 1})
+
+
+def test_marker_records_every_ranks_file(tmp_path):
+    path = tmp_path / "step-1"
+    run_ranks(save_sharded, 2, str(path))
+    assert sorted(ckpt.read_marker(path)["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert ckpt.damage(path) is None
+    with open(path / "__1_0.distcp", "r+b") as f:
+        f.truncate(10)
+    assert ckpt.damage(path).startswith("__1_0.distcp has 10 bytes")
 
 
 def test_retention_never_deletes_the_last_intact_checkpoint(tmp_path):
