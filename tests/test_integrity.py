@@ -144,18 +144,33 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_matches_the_strai
 
 # 2. one run per output dir
 
-def test_lock_names_its_holder_and_dies_with_it(tmp_path):
-    lock = tmp_path / "out" / ".finetune.lock"
+def lock_holder(lock: Path) -> subprocess.Popen:
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from finetune.lock import hold_lock; "
                                f"hold_lock({str(lock)!r}, 'x'); print('held', flush=True); time.sleep(600)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_lock_names_its_holder_and_dies_with_it(tmp_path):
+    lock = tmp_path / "out" / ".finetune.lock"
+    holder = lock_holder(lock)
     with pytest.raises(LockError, match=f"out is in use by pid {holder.pid} on "):
         hold_lock(lock, str(tmp_path / "out"))
     holder.kill()  # kill -9: the OS releases the lock, nothing goes stale
     holder.wait()
     hold_lock(lock, "out")
     release_lock(lock)
+
+
+def test_export_locks_its_output_dir(run_dir, tmp_path):
+    holder = lock_holder(tmp_path / ".hf.lock")  # what a running export-hf -o hf holds
+    try:
+        with pytest.raises(LockError, match=f"--output-dir {tmp_path / 'hf'} is in use by pid {holder.pid}"):
+            export_hf(str(run_dir), str(tmp_path / "hf"), verify=False)
+    finally:
+        holder.kill()
+    assert not (tmp_path / "hf").exists()
 
 
 def test_two_runs_into_one_output_dir_one_exits_2_naming_the_other(llama_dir, chat_file, tmp_path):
