@@ -13,6 +13,8 @@ import datasets
 import numpy as np
 import torch
 
+from .errors import FinetuneError, one_line
+
 IGNORE_INDEX = -100
 FORMATS = ("messages", "sharegpt", "alpaca")
 DROP_REASONS = ("no_assistant", "no_labels_after_truncation")
@@ -22,13 +24,8 @@ _PROBE = "finetuneprobe"  # stands in for an assistant message's content, to fin
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
 
 
-class DataError(Exception):
+class DataError(FinetuneError):
     """Bad input data; str(e) is ONE line naming the file, the line/row index and what is wrong."""
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _local_files(path: str) -> list[str] | None:
@@ -64,7 +61,7 @@ def _iter_file(file: str):
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
-                raise DataError(f"{file}:{e.lineno}: malformed JSON ({e.msg})") from None
+                raise DataError(f"{file}:{e.lineno}: malformed JSON ({e.msg})") from e
             for i, row in enumerate(rows):
                 yield f"{file} item {i}", row
             return
@@ -75,8 +72,8 @@ def _iter_file(file: str):
                 except json.JSONDecodeError as e:
                     if n == 1 and head.startswith("{") and not line.rstrip().endswith("}"):  # a pretty-printed object
                         raise DataError(f"{file}: holds one multi-line JSON object; expected JSON Lines (one row "
-                                        f"object per line) or a JSON array of row objects") from None
-                    raise DataError(f"{file}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
+                                        f"object per line) or a JSON array of row objects") from e
+                    raise DataError(f"{file}:{n}: malformed JSON ({e.msg} at column {e.colno})") from e
                 yield f"{file}:{n}", row
 
 
@@ -109,7 +106,7 @@ def _from_list(rows: list[dict], path: str) -> datasets.Dataset:
         # Odd rows (content a string here, a list of parts there) defeat Arrow's type inference: store as JSON.
         return datasets.Dataset.from_list(rows, on_mixed_types="use_json")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise DataError(f"{path}: rows have inconsistent value types ({_one_line(e)})") from None
+        raise DataError(f"{path}: rows have inconsistent value types ({one_line(e)})") from e
 
 
 def load_rows(path: str, *, split: str = "train", name: str | None = None, streaming: bool = False):
@@ -121,7 +118,7 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         try:
             return datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=streaming)
         except Exception as e:  # noqa: BLE001 - any hub failure is reported as one line
-            raise DataError(f"{path}: not a local path, and loading it from the hub failed ({_one_line(e)})") from None
+            raise DataError(f"{path}: not a local path, and loading it from the hub failed ({one_line(e)})") from e
     if streaming:
         # A tuple, not a list: datasets would shard list gen_kwargs, and the order must stay the file order.
         return datasets.IterableDataset.from_generator(_iter_rows, gen_kwargs={"files": tuple(files)})
@@ -132,7 +129,7 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         try:
             return datasets.Dataset(pa.concat_tables([pq.read_table(f) for f in files]))
         except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}: cannot read parquet ({_one_line(e)})") from None
+            raise DataError(f"{path}: cannot read parquet ({one_line(e)})") from e
     return _from_list(list(_iter_rows(files)), path)
 
 
@@ -218,7 +215,7 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str
                                             add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
         return rendered[0]
     except Exception as e:  # noqa: BLE001 - template errors are data errors for this row
-        raise DataError(f"{where}: chat template failed ({_one_line(e)})") from None
+        raise DataError(f"{where}: chat template failed ({one_line(e)})") from e
 
 
 def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int,

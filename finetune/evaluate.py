@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .data import columns_of, detect_format, load_rows, pad_collate, to_messages, tokenize_messages
+from .data import IGNORE_INDEX, columns_of, detect_format, load_rows, pad_collate, to_messages, tokenize_messages
 
 
 def load_eval_conversations(path: str, num_samples: int) -> list[list[dict]]:
@@ -24,7 +24,7 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
         if sample is not None:
             batch = pad_collate([sample], pad_id=tokenizer.pad_token_id)
             labels = batch["labels"].to(device)
-            n = int((labels[:, 1:] != -100).sum())
+            n = int((labels[:, 1:] != IGNORE_INDEX).sum())
             out = model(input_ids=batch["input_ids"].to(device), labels=labels, use_cache=False,
                         num_items_in_batch=torch.tensor(1.0, device=device))
             loss_sum, num_tokens = loss_sum + out.loss.item(), num_tokens + n

@@ -10,11 +10,13 @@ import socket
 import sys
 from pathlib import Path
 
+from .errors import FinetuneError
+
 RUN_LOCK = ".finetune.lock"  # in a training output dir
 _held: dict[str, int] = {}  # lock path -> open fd: the lock lasts while the fd stays open, i.e. this process
 
 
-class LockError(ValueError):
+class LockError(FinetuneError):
     """Another process owns the directory; the message names it."""
 
 

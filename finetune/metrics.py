@@ -31,8 +31,18 @@ def peak_mem_mb(device: torch.device) -> float:
     """CUDA: max allocated since start; CPU: this process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
+    parent's RSS at fork/exec time, so a child of a big process, such as a bench point, would report the parent's.)"""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.exists() else []:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20  # macOS: bytes
 
 
 def repair_metrics(path: Path, start_step: int) -> None:

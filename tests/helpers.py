@@ -164,11 +164,43 @@ def _is_symptom(exc: BaseException) -> bool:
     return isinstance(exc, RankError) or "Connection closed by peer" in text or "Connection reset" in text
 
 
+# The one override list every sft run in the tests starts from: fp32 and a constant lr (so an 8-step run and a
+# 4-step run share a schedule and resumes can be compared with a straight run), no eval, no progress bar.
+BASE = ["train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0", "train.min_lr_ratio=1.0", "eval.path=",
+        "log.progress=false"]
+
+
+def sft_config(model_dir, data, out, *overrides):
+    """The Config `finetune sft --model model_dir --dataset data --output-dir out BASE... overrides...` builds."""
+    from finetune.cli import build_config
+    return build_config(None, [*BASE, *map(str, overrides)], **{"model.path": str(model_dir), "data.path": str(data),
+                                                               "output_dir": str(out)})
+
+
+def train_rank(cfg):
+    """finetune.train.train(cfg) on one rank (a top-level function for run_ranks)."""
+    from finetune.train import train
+    return train(cfg)
+
+
+def sft(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None = None) -> list[dict]:
+    """An sft run in-process on `nproc` gloo ranks (run_ranks); returns metrics.jsonl's records."""
+    run_ranks(train_rank, nproc, sft_config(model_dir, data, out, *overrides), env=env)
+    return read_metrics(out)
+
+
+def sft_cli(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None = None, check: bool = True):
+    """The same run through the real CLI (`python -m finetune sft`, the elastic launcher for nproc > 1)."""
+    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
+                   *BASE, *overrides, env=env, check=check)
+
+
 def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     # each CLI child imports torch/transformers: let them share compiled bytecode even where .pyc writing is off
-    cache = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "finetune-pycache")}
-    full_env = {**os.environ, **cache, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    cache = {"PYTHONDONTWRITEBYTECODE": "",
+             "PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "finetune-pycache")}
+    full_env = {**os.environ, **cache, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import REPO, losses, read_metrics, run_cli, run_ranks
+from helpers import BASE, REPO, losses, read_metrics, run_ranks, sft, sft_cli
 
 from finetune import checkpoint as ckpt
 from finetune.data import DataError, load_rows
@@ -23,15 +23,9 @@ from finetune.export import export_hf
 from finetune.lock import LockError, hold_lock, release_lock
 from finetune.metrics import MetricsLogger
 
-ARGS = ["train.micro_batch_size=2", "train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0",
-        "train.min_lr_ratio=1.0", "eval.path=", "log.progress=false"]
+ARGS = ["train.micro_batch_size=2", "train.max_steps=8"]
 ENV = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": "/tmp/finetune-pycache", "OMP_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-
-
-def sft(model_dir, data, out, *extra, nproc=1, env=None, check=True):
-    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
-                   *ARGS, *extra, env=env, check=check)
 
 
 def popen(*args, env=None) -> subprocess.Popen:
@@ -39,11 +33,25 @@ def popen(*args, env=None) -> subprocess.Popen:
                             env={**os.environ, **ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def sft_popen(model_dir, data, out, *extra, nproc=1, pause_at_step=2) -> subprocess.Popen:
+    """A CLI run that pauses at the start of step `pause_at_step` until a signal arrives (fault pause_at_step)."""
+    return popen("sft", "--model", model_dir, "--dataset", data, "-o", out, "--nproc-per-node", nproc, *BASE, *ARGS,
+                 *extra, env={"FINETUNE_TEST_FAULTS": f"pause_at_step={pause_at_step}"})
+
+
+def wait_paused(proc: subprocess.Popen, nproc: int) -> None:
+    seen, paused = [], 0
+    while paused < nproc and (line := proc.stderr.readline()):
+        seen.append(line)
+        paused += "paused at step" in line
+    assert paused == nproc, "".join(seen)
+
+
 def wait_for(predicate, timeout_s=180):
     deadline = time.time() + timeout_s
     while not predicate():
         assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
+        time.sleep(0.01)
 
 
 def fake_checkpoint(root: Path, step: int) -> Path:
@@ -58,13 +66,13 @@ def fake_checkpoint(root: Path, step: int) -> Path:
 def run_dir(llama_dir, chat_file, tmp_path_factory):
     """A finished 8-step run with checkpoints at steps 2, 4, 6 and 8: the straight run the others compare with."""
     out = tmp_path_factory.mktemp("run") / "run"
-    sft(llama_dir, chat_file, out, "train.max_steps=8", "checkpoint.interval=2", "checkpoint.keep=0")
+    sft(llama_dir, chat_file, out, *ARGS, "checkpoint.interval=2", "checkpoint.keep=0")
     return out
 
 
 def copy_run(run_dir, tmp_path) -> Path:
     out = tmp_path / "run"
-    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns(".finetune.lock"))
+    shutil.copytree(run_dir, out)
     return out
 
 
@@ -120,7 +128,7 @@ def test_retention_never_deletes_the_last_intact_checkpoint(tmp_path):
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint_and_matches_the_straight_run(run_dir, llama_dir,
-                                                                                         chat_file, tmp_path):
+                                                                                         chat_file, tmp_path, capsys):
     out = copy_run(run_dir, tmp_path)
     cps = out / "checkpoints"
     (cps / "step-8" / ckpt.MARKER).write_text("not json")
@@ -129,17 +137,16 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_matches_the_strai
         f.truncate(1000)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 9, "loss": 1.2')  # a half-written last line
-    proc = sft(llama_dir, chat_file, out, "train.max_steps=8", "checkpoint.interval=2", "checkpoint.keep=0")
-    assert proc.stdout.splitlines()[0].startswith("sft: loading")  # what is being loaded, before anything slow
-    skipped = [line for line in proc.stdout.splitlines() if line.startswith("skipping damaged checkpoint")]
+    capsys.readouterr()
+    sft(llama_dir, chat_file, out, *ARGS, "checkpoint.interval=2", "checkpoint.keep=0")
+    stdout = capsys.readouterr().out
+    skipped = [line for line in stdout.splitlines() if line.startswith("skipping damaged checkpoint")]
     assert [line.split(":")[0].rsplit("/", 1)[1] for line in skipped] == ["step-8", "step-6", "step-4"]
-    assert f"resumed from {cps / 'step-2'} at step 2" in proc.stdout
-    assert "dropped 1 unreadable line(s)" in proc.stdout
+    assert f"resumed from {cps / 'step-2'} at step 2" in stdout
+    assert "dropped 1 unreadable line(s)" in stdout
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
     assert losses(out) == losses(run_dir)  # bitwise on CPU: steps 3-8 redone from step-2
     assert all(ckpt.damage(cps / f"step-{s}") is None for s in (2, 4, 6, 8))
-    again = sft(llama_dir, chat_file, out, "train.max_steps=8")  # a resume with nothing to do says so
-    assert f"nothing to do: checkpoint {cps / 'step-8'} is at step 8" in again.stdout
 
 
 # 2. one run per output dir
@@ -175,13 +182,18 @@ def test_export_locks_its_output_dir(run_dir, tmp_path):
 
 def test_two_runs_into_one_output_dir_one_exits_2_naming_the_other(llama_dir, chat_file, tmp_path):
     out = tmp_path / "run"
-    args = ["sft", "--model", llama_dir, "--dataset", chat_file, "-o", out, *ARGS, "train.max_steps=4"]
-    procs = [popen(*args, env={"FINETUNE_TEST_FAULTS": "step_sleep_s=0.5"}) for _ in range(2)]
-    results = [(p.pid, *p.communicate(timeout=300), p.returncode) for p in procs]
-    assert sorted(r[3] for r in results) == [0, 2], results
-    (winner, *_), (_, _, err, _) = sorted(results, key=lambda r: r[3])
-    assert err.strip().splitlines() == [err.strip()] and f"is in use by pid {winner} on" in err
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    procs = [sft_popen(llama_dir, chat_file, out) for _ in range(2)]  # started together
+    wait_for(lambda: any(p.poll() is not None for p in procs))
+    [loser] = [p for p in procs if p.poll() is not None]
+    [winner] = [p for p in procs if p is not loser]
+    err = loser.communicate()[1]
+    assert loser.returncode == 2 and err.count("\n") == 1 and f"is in use by pid {winner.pid} on" in err, err
+    wait_paused(winner, 1)  # the winner runs on, undisturbed
+    winner.send_signal(signal.SIGTERM)
+    stdout, stderr = winner.communicate(timeout=180)
+    assert winner.returncode == 0, stderr[-3000:]
+    assert stdout.splitlines()[0] == f"sft: loading {llama_dir} and {chat_file} -> {out}"  # at once, first
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 # 3. a refused run rewrites nothing; export-hf pairs the weights with the model they trained
@@ -190,13 +202,15 @@ def test_refused_run_keeps_config_and_export_reads_the_checkpoint(run_dir, llama
                                                                   tmp_path):
     out = copy_run(run_dir, tmp_path)
     config_before = (out / "config.toml").read_bytes()
-    proc = sft(qwen_tied_dir, chat_file, out, "train.max_steps=10", check=False)
+    proc = sft_cli(qwen_tied_dir, chat_file, out, *ARGS, "train.max_steps=10", check=False)
     assert proc.returncode == 2 and "does not match the model" in proc.stderr
     assert (out / "config.toml").read_bytes() == config_before
     (out / "config.toml").write_text(f'[model]\npath = "{qwen_tied_dir}"\n')  # even a config.toml that lies
     export_hf(str(out), str(tmp_path / "hf"), verify=True)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (Path(llama_dir) / "tokenizer.json").read_bytes()
+    again = sft_cli(llama_dir, chat_file, out, *ARGS)  # a resume with nothing to do says so
+    assert f"nothing to do: checkpoint {out / 'checkpoints' / 'step-8'} is at step 8" in again.stdout
 
 
 # 4. metrics.jsonl repair
@@ -272,17 +286,17 @@ def test_startup_errors_are_one_line_before_torch(tmp_path, args, env, message):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ctrl_c_saves_and_a_second_one_exits_at_once(llama_dir, chat_file, tmp_path, nproc):
     for times, out in ((1, tmp_path / "once"), (2, tmp_path / "twice")):
-        proc = popen("sft", "--model", llama_dir, "--dataset", chat_file, "-o", out, "--nproc-per-node", nproc,
-                     *ARGS, "train.max_steps=50", env={"FINETUNE_TEST_FAULTS": "step_sleep_s=0.3"})
-        wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1)
-        for _ in range(times):
+        proc = sft_popen(llama_dir, chat_file, out, nproc=nproc)
+        wait_paused(proc, nproc)
+        for _ in range(times):  # the step and the save after the first take far longer than the gap
             proc.send_signal(signal.SIGINT)
-            time.sleep(0.1)
+            time.sleep(0.05)
         stdout, stderr = proc.communicate(timeout=180)
         saved = [p for p in ckpt.step_dirs(out / "checkpoints") if ckpt.damage(p) is None]
         if times == 1:
             assert proc.returncode == 0, stderr[-3000:]
-            assert len(saved) == 1 and f"received SIGINT: saved checkpoint {saved[0]}" in stdout
+            assert saved == [out / "checkpoints" / "step-2"]
+            assert f"received SIGINT: saved checkpoint {saved[0]}" in stdout
         else:
             assert proc.returncode == 130, stderr[-3000:]
             assert "nothing was saved" in stderr and saved == []
