@@ -77,7 +77,8 @@ def train(cfg: Config) -> dict:
 
     samples = build_samples(d.path, tokenizer, fmt=d.format, split=d.split, name=d.name or None,
                             streaming=d.streaming, max_seq_len=d.max_seq_len, packing=d.packing, seed=t.seed,
-                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen)
+                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen,
+                            on_unsupported=d.on_unsupported, num_proc=d.num_proc)
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
     sample_iter = iter(samples)
