@@ -153,18 +153,12 @@ def _turn_length(tokenizer, t: _Template, messages, i, tools, completion: str) -
     return max((completion.rfind(c) + len(c) for c in t.control if c in completion), default=len(completion.rstrip()))
 
 
-def _check_kept(m: dict, i: int, prompt: str, completion: str, tools, before: str) -> None:
-    """What the row carries must be in what is trained: the tools in the prompt, the reasoning and tool calls in
-    the completion. `before` is the row text of messages[:i] (names there do not count)."""
-    for tool in tools or ():
-        name = (tool.get("function") or tool).get("name")
-        if isinstance(name, str) and prompt.count(name) <= before.count(name):
-            raise Unsupported("drops_tools", f"message {i}: the chat template does not show the row's tools "
-                                             f"('{name}' is not in the prompt)")
+def _check_kept(m: dict, i: int, completion: str) -> None:
+    """What the row carries must be in what is trained: the message's reasoning and tool calls."""
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:
         raise Unsupported("drops_reasoning", f"message {i}: the chat template drops its reasoning")
-    own = json.dumps([m.get("content"), reasoning], ensure_ascii=False)
+    own = json.dumps([m.get("content"), reasoning], ensure_ascii=False)  # a name there does not count
     for call in m.get("tool_calls") or ():
         name = call["function"]["name"]
         expected = own.count(name) + sum(c["function"]["name"] == name for c in m["tool_calls"])
@@ -225,13 +219,17 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             completion = completion[:_turn_length(tokenizer, t, msgs, i, tools, completion)]
             if not completion:
                 raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
-            _check_kept(messages[i], i, prompt, completion, tools,
-                        json.dumps(messages[:i], ensure_ascii=False) if tools else "")
+            _check_kept(messages[i], i, completion)
+            if tools and i == trained[0] and render(tokenizer, msgs[:i], None, True) == prompt:
+                raise Unsupported("drops_tools", f"message {i}: the chat template does not show the row's tools")
             if full.startswith(prompt + completion):
                 main.append((i, len(prompt), len(prompt) + len(completion)))
             else:  # "history": the full rendering shows this turn differently; "context": what precedes it differs
                 alone.append((i, prompt, completion, "history" if full.startswith(prompt) else "context"))
     except Unsupported as e:
+        if e.reason == "template_error" and not str(e).startswith("message"):  # name the first message it fails on
+            k = next((k for k in range(len(msgs)) if _try_render_tools(tokenizer, msgs[: k + 1], tools) is None), None)
+            e = Unsupported(e.reason, f"message {k}: {e}" if k is not None else str(e))
         if on_unsupported != "drop":
             raise DataError(f"{where}: {e} (data.on_unsupported=\"drop\" skips such rows)") from e
         return [], e.reason
