@@ -13,6 +13,8 @@ import json
 import weakref
 from collections.abc import Mapping
 
+import numpy as np
+
 from .formats import DataError, _one_line
 
 IGNORE_INDEX = -100
@@ -37,7 +39,8 @@ class _Template:
         self.text = tokenizer.chat_template
         # Added tokens mark where a turn ends; whitespace ones (e.g. Gemma's "\n") are ordinary template text.
         added = tokenizer.added_tokens_decoder  # {id: AddedToken}
-        self.added_ids = set(added)
+        self.is_added = np.zeros(max(added, default=0) + 1, dtype=bool)  # by token id (ids above: not added)
+        self.is_added[list(added)] = True
         self.control = [t.content for t in added.values() if t.content.strip()]
         self.tails: dict[tuple, tuple[str, int | None] | None] = {}
         self.checked = False  # cross-checked against apply_chat_template(tokenize=True) once
@@ -48,11 +51,26 @@ class _Template:
         as_dict = _try_render(tokenizer, conv)
         as_str = _try_render(tokenizer, _args_as_strings(conv))
         self.args_as_string = bool(as_str) and (as_dict is None or "{'a': " in as_dict) and '{\\"a\\"' not in as_str
+        self.kwargs = dict(tokenizer.special_tokens_map)
+        # The compiled template called directly on _prepared messages renders as apply_chat_template does (the first
+        # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
+        # row about twice per turn.
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        self.compiled = {has_tools: _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has_tools else None))
+                         for has_tools in (False, True)}
+
+    def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
+        """The template's text for _prepared messages; a template that raises is Unsupported("template_error")."""
+        try:
+            return self.compiled[bool(tools)].render(messages=messages, tools=tools, documents=None,
+                                                     add_generation_prompt=generation_prompt, **self.kwargs)
+        except Exception as e:  # noqa: BLE001 - template errors are about this row
+            raise Unsupported("template_error", f"chat template failed ({_one_line(e)})") from e
 
 
-def _try_render(tokenizer, messages):
+def _try_render(tokenizer, messages, tools=None):
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     except Exception:  # noqa: BLE001 - only a probe
         return None
 
@@ -70,20 +88,14 @@ def template_of(tokenizer) -> _Template:
     return t
 
 
-def render(tokenizer, messages: list[dict], tools, generation_prompt: bool) -> str:
-    """The template's text; a template that raises is Unsupported("template_error") with its message."""
-    try:
-        if messages:
-            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-        # apply_chat_template refuses an empty conversation, but an assistant-first row needs its prompt prefix.
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        rendered, _ = render_jinja_template(conversations=[[]], tools=tools, chat_template=tokenizer.get_chat_template(),
-                                            add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
-        return rendered[0]
-    except Exception as e:  # noqa: BLE001 - template errors are about this row
-        raise Unsupported("template_error", f"chat template failed ({_one_line(e)})") from e
+def _prepared(messages: list[dict], args_as_string: bool) -> list[dict]:
+    """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning also as `thinking`,
+    which GPT-OSS templates read), made once per row so that each prefix renders without copying."""
+    out = []
+    for m in _args_as_strings(messages) if args_as_string else messages:
+        m = {k: v for k, v in m.items() if v is not None and k != "train"}
+        out.append({"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m)
+    return out
 
 
 def _shape(m: dict) -> tuple:
@@ -102,7 +114,7 @@ def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int |
         args = {**fn["arguments"], _PROBE: _PROBE} if isinstance(fn["arguments"], dict) else json.dumps(
             {**json.loads(fn["arguments"]), _PROBE: _PROBE}, ensure_ascii=False)
         m["tool_calls"] = [*calls, {**last, "function": {**fn, "arguments": args}}]
-    probe = _try_render_tools(tokenizer, messages[:i] + [m], tools)
+    probe = _try_render(tokenizer, messages[:i] + [m], tools)
     if probe is None or _PROBE not in probe:
         return None
     tail = probe[probe.rfind(_PROBE) + len(_PROBE):]
@@ -114,7 +126,7 @@ def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int |
         # at the last one the template also writes when the conversation goes on; text only at the very end of a
         # conversation (an eos) is not emitted by the model. None in common (GPT-OSS <|return|> vs <|end|>): the first.
         nxt = {"role": "tool" if m.get("tool_calls") else "user", "content": _NEXT}
-        more = _try_render_tools(tokenizer, messages[:i] + [m, nxt], tools)
+        more = _try_render(tokenizer, messages[:i] + [m, nxt], tools)
         if more and _NEXT in more:
             more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)]
             common = next((k for k, (a, b) in enumerate(zip(tail, more)) if a != b), min(len(tail), len(more)))
@@ -123,13 +135,6 @@ def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int |
                 return tail, max(p + len(c) for p, _, c in inside)
     p, _, c = hits[0]
     return tail, p + len(c)
-
-
-def _try_render_tools(tokenizer, messages, tools):
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-    except Exception:  # noqa: BLE001 - only a probe
-        return None
 
 
 def _find_all(text: str, sub: str):
@@ -166,31 +171,37 @@ def _check_kept(m: dict, i: int, completion: str) -> None:
             raise Unsupported("drops_tool_calls", f"message {i}: the chat template drops its tool call '{name}'")
 
 
-def _labels(ids, offsets, spans, added_ids) -> tuple[list[int], list[int]]:
-    """Labels, and for each labelled token the index of its span."""
-    labels, owner = [IGNORE_INDEX] * len(ids), [-1] * len(ids)
-    k = 0
-    for t, (s, e) in enumerate(offsets):
-        while k < len(spans) and spans[k][1] <= s:
-            k += 1
+def _labels(ids: np.ndarray, offsets: np.ndarray, spans, is_added: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Labels, and for each labelled token the index of its span (-1 elsewhere)."""
+    owner = np.full(len(ids), -1)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    for k, (a, b) in reversed(list(enumerate(spans))):  # reversed: a token touching two spans belongs to the first
         # Every token that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a
         # prompt ending in ' ', an end-of-turn token with rstrip that swallowed the '\n' after it), but never a
         # template token that only swallowed the answer's leading whitespace (a header with rstrip).
-        if k < len(spans) and s < spans[k][1] and e > spans[k][0] and (s >= spans[k][0] or ids[t] not in added_ids):
-            labels[t], owner[t] = ids[t], k
-    return labels, owner
+        owner[(starts < b) & (ends > a) & ((starts >= a) | ~is_added)] = k
+    return np.where(owner >= 0, ids, IGNORE_INDEX), owner
 
 
 def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: str) -> dict:
-    # The template already holds bos etc.: this is exactly what apply_chat_template(tokenize=True) feeds the model.
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if "offset_mapping" not in enc:
-        raise DataError(f"{where}: the tokenizer ({type(tokenizer).__name__}) gives no character offsets, so labels "
-                        f"cannot be placed; use a fast (tokenizers-backed) tokenizer")
-    ids = list(enc["input_ids"])
-    labels, owner = _labels(ids, enc["offset_mapping"], [s[1:] for s in spans], t.added_ids)
-    kept = sorted({k for k in owner[:max_seq_len] if k >= 0})  # turns with a label left after truncation
-    return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len], "turns": [spans[k][0] for k in kept]}
+    # The template already holds bos etc.: this is exactly what apply_chat_template(tokenize=True) feeds the model
+    # (checked on the first row). The backend tokenizer directly: the same ids and offsets, without the wrapping.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        enc = backend.encode(text, add_special_tokens=False)
+        ids, offsets = enc.ids, enc.offsets
+    else:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if "offset_mapping" not in enc:
+            raise DataError(f"{where}: the tokenizer ({type(tokenizer).__name__}) gives no character offsets, so "
+                            f"labels cannot be placed; use a fast (tokenizers-backed) tokenizer")
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    ids = np.asarray(ids, dtype=np.int64)
+    labels, owner = _labels(ids, np.asarray(offsets, dtype=np.int64).reshape(-1, 2), [s[1:] for s in spans],
+                            t.is_added[np.minimum(ids, len(t.is_added) - 1)] & (ids < len(t.is_added)))
+    kept = np.unique(owner[:max_seq_len])  # turns with a label left after truncation
+    return {"input_ids": ids[:max_seq_len].tolist(), "labels": labels[:max_seq_len].tolist(),
+            "turns": [spans[k][0] for k in kept if k >= 0]}
 
 
 def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: str = "", tools=None,
@@ -205,13 +216,13 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
     if not trained:
         return [], "no_assistant"
     t = template_of(tokenizer)
-    msgs = _args_as_strings(messages) if t.args_as_string else messages
+    msgs = _prepared(messages, t.args_as_string)
     try:
-        full = render(tokenizer, msgs, tools, False)
+        full = t.render(msgs, tools, False)
         main, alone = [], []
         for i in trained:
-            prompt = render(tokenizer, msgs[:i], tools, True)
-            upto = full if i == len(msgs) - 1 else render(tokenizer, msgs[: i + 1], tools, False)
+            prompt = t.render(msgs[:i], tools, True)
+            upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
             if not upto.startswith(prompt):
                 raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                                 f"generation prompt, so there is no answer to train")
@@ -220,7 +231,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             if not completion:
                 raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
             _check_kept(messages[i], i, completion)
-            if tools and i == trained[0] and render(tokenizer, msgs[:i], None, True) == prompt:
+            if tools and i == trained[0] and t.render(msgs[:i], None, True) == prompt:
                 raise Unsupported("drops_tools", f"message {i}: the chat template does not show the row's tools")
             if full.startswith(prompt + completion):
                 main.append((i, len(prompt), len(prompt) + len(completion)))
@@ -228,7 +239,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
                 alone.append((i, prompt, completion, "history" if full.startswith(prompt) else "context"))
     except Unsupported as e:
         if e.reason == "template_error" and not str(e).startswith("message"):  # name the first message it fails on
-            k = next((k for k in range(len(msgs)) if _try_render_tools(tokenizer, msgs[: k + 1], tools) is None), None)
+            k = next((k for k in range(len(msgs)) if _try_render(tokenizer, msgs[: k + 1], tools) is None), None)
             e = Unsupported(e.reason, f"message {k}: {e}" if k is not None else str(e))
         if on_unsupported != "drop":
             raise DataError(f"{where}: {e} (data.on_unsupported=\"drop\" skips such rows)") from e
