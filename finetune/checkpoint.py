@@ -8,7 +8,6 @@ is ignored on resume and reported. The state dict is world-size independent: mod
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import threading
@@ -21,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from . import faults
+from .errors import FinetuneError
 from .distributed import any_rank, barrier, is_main, print0, world_size
 
 MARKER = "finetune_complete.json"
@@ -28,7 +29,7 @@ ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_siz
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FinetuneError, ValueError):
     """A checkpoint cannot be used for this run; the message is one line saying why."""
 
 
@@ -88,8 +89,8 @@ def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool =
         return path
     latest = latest_complete(Path(output_dir) / "checkpoints", report=resume and report)
     if latest is not None and not resume:
-        raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there would "
-                              f"overwrite them: resume, pick another --output-dir, or remove them")
+        raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there "
+                              f"would overwrite them: resume, pick another --output-dir, or remove them")
     return latest
 
 
@@ -114,8 +115,8 @@ def check_compatible(path: Path, model, hf_config) -> None:
     want = _model_keys(model)
     if saved != want:
         missing, extra = sorted(want - saved), sorted(saved - want)
-        raise CheckpointError(f"checkpoint {path} has other parameters than the model: "
-                              f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
+        raise CheckpointError(f"checkpoint {path} has other parameters than the model: {len(missing)} missing "
+                              f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
@@ -168,8 +169,7 @@ class Checkpointer:
 
     def _finish(self, path: Path, marker: dict) -> None:
         """Rank 0 marks the checkpoint complete, then prunes: the last complete one survives until then."""
-        if f"kill_in_save={marker['step']}" in os.environ.get("FINETUNE_TEST_FAULTS", ""):  # see train.py
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.kill_if("kill_in_save", marker["step"])
         if not is_main():
             return
         tmp = path / (MARKER + ".tmp")

@@ -1,4 +1,4 @@
-"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks via torchrun's engine.
+"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks (torchrun's engine).
 
 Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2; `--debug` shows the
 traceback instead.
@@ -13,6 +13,7 @@ from typing import Callable, List, NoReturn, Optional
 import typer
 
 from .config import Config, ConfigError, load_config, parse_value
+from .errors import FinetuneError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
@@ -28,14 +29,6 @@ NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with tor
 DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Exception types that mean bad input: one line, exit 2."""
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .model import ModelError
-    return ConfigError, DataError, ModelError, CheckpointError
-
-
 def fail(message, code: int = 2) -> NoReturn:
     """`error: <one line>` on stderr, then exit `code` (2: bad input)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -43,13 +36,14 @@ def fail(message, code: int = 2) -> NoReturn:
 
 
 def guarded(fn: Callable, debug: bool, *args, **kwargs):
-    """Run fn; bad input becomes `error: <one line>` and exit 2 (traceback only with --debug)."""
+    """Run fn; our errors become `error: <one line>` and their exit code (2: bad input, 1: a failed run); with
+    --debug, the traceback instead."""
     try:
         return fn(*args, **kwargs)
-    except user_errors() as e:
+    except FinetuneError as e:
         if debug:
             raise
-        fail(e)
+        fail(e, e.exit_code)
 
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
@@ -113,14 +107,6 @@ def rank_main(entry: Callable, args: tuple, debug: bool):
         teardown()
 
 
-def run_sft(cfg: Config):
-    from .train import NonFiniteError, train
-    try:
-        return train(cfg)
-    except NonFiniteError as e:
-        fail(e, code=1)
-
-
 def preflight(cfg: Config) -> None:
     """Fail fast, before any rank starts: model config, tokenizer with a chat template, readable data."""
     from .data import detect_format, load_rows, columns_of
@@ -155,7 +141,8 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
     from .checkpoint import latest_complete
     root = Path(cfg.output_dir) / "checkpoints"
     before = latest_complete(root, report=False)
-    launch(run_sft, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+    from .train import train
+    launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
 
 
 SPLIT_WHY = {"history": "the full conversation renders this turn differently",
@@ -217,25 +204,23 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
 
 
 @app.command("export-hf")
-def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="output dir, step dir or prepared dir"),
+def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
+                                                       help="output dir, step dir or prepared dir"),
               output_dir: Optional[str] = OUTPUT,
-              dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of the exported weights: bfloat16 | float32"),
-              max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors file (5GB, 500MB)"),
+              dtype: str = typer.Option("bfloat16", "--dtype",
+                                        help="dtype of the exported weights: bfloat16 | float32"),
+              max_shard_size: str = typer.Option("5GB", "--max-shard-size",
+                                                 help="largest safetensors file (5GB, 500MB)"),
               verify: bool = typer.Option(True, "--verify/--no-verify",
                                           help="reload with from_pretrained and compare logits (needs RAM for one "
                                                "fp32 copy of the model)"),
               debug: bool = DEBUG):
     """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
     def run():
-        from .export import VerifyError, export_hf as export
+        from .export import export_hf as export
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
-        try:
-            export(checkpoint, output_dir, dtype, max_shard_size, verify)
-        except VerifyError as e:  # not bad input but a broken export: exit 1, nothing left in --output-dir
-            if debug:
-                raise
-            fail(e, code=1)
+        export(checkpoint, output_dir, dtype, max_shard_size, verify)  # VerifyError: exit 1, nothing written
     guarded(run, debug)
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .data import Conversation, columns_of, detect_format, load_rows, pad_collate, to_conversation, tokenize_messages
+from .data import (IGNORE_INDEX, Conversation, columns_of, detect_format, load_rows, pad_collate, to_conversation,
+                   tokenize_messages)
 
 
 def load_eval_conversations(path: str, num_samples: int) -> list[Conversation]:
@@ -27,7 +28,7 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
             labels = batch["labels"].to(device)
             out = model(input_ids=batch["input_ids"].to(device), labels=labels, use_cache=False,
                         num_items_in_batch=torch.tensor(1.0, device=device))
-            loss_sum, num_tokens = loss_sum + out.loss.item(), num_tokens + int((labels[:, 1:] != -100).sum())
+            loss_sum, num_tokens = loss_sum + out.loss.item(), num_tokens + int((labels[:, 1:] != IGNORE_INDEX).sum())
         last = max((j for j, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         turn = next((s for s in samples if last in s["turns"]), None)
         if turn is None:
@@ -40,9 +41,9 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
         answer = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
         # the last run of labels in that sample is the last turn (the one whose context is the prompt above)
         labels = turn["labels"]
-        end = max(k for k, lab in enumerate(labels) if lab != -100) + 1
+        end = max(k for k, lab in enumerate(labels) if lab != IGNORE_INDEX) + 1
         start = end
-        while start > 0 and labels[start - 1] != -100:
+        while start > 0 and labels[start - 1] != IGNORE_INDEX:
             start -= 1
         target = tokenizer.decode(labels[start:end], skip_special_tokens=True).strip()
         correct += answer == target

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import shutil
 import struct
 import time
@@ -26,7 +25,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint import MARKER, CheckpointError, is_complete, latest_complete, step_dirs
 from .config import REPO_ROOT, ConfigError
 from .distributed import print0
+from .errors import FinetuneError
+from .metrics import peak_rss_mb
 from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
+from .outdir import check_output_dir, publish_dir
 from .prepare import save_hf_files
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
@@ -36,8 +38,10 @@ ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
              torch.bool: "BOOL"}
 
 
-class VerifyError(RuntimeError):
-    """The exported model does not reproduce the checkpoint; the message is one line."""
+class VerifyError(FinetuneError):
+    """The exported model does not reproduce the checkpoint (a failure: exit 1); the message is one line."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -108,15 +112,6 @@ def run_model_path(run_dir: Path) -> tuple[str, bool]:
             path = str((base / path).resolve())
             break
     return path, bool(model.get("trust_remote_code", False))
-
-
-def check_output_dir(out: Path) -> None:
-    """Empty, missing, or an earlier export (which is replaced once the new one is verified)."""
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"--output-dir {out} is a file")
-    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
-        raise CheckpointError(f"--output-dir {out} is not empty and not an earlier export (no {EXPORT_MARKER}); "
-                              f"refusing to overwrite it: pick another directory")
 
 
 def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict]:
@@ -276,23 +271,13 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
     return diff
 
 
-def peak_rss_mb() -> float:
-    """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
-    parent's RSS at fork/exec time, so a child of a big process would report the parent's size.)"""
-    status = Path("/proc/self/status")
-    for line in status.read_text().splitlines() if status.exists() else []:
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes
-
-
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
               verify: bool = True) -> Path:
     """Write the HF model dir `output_dir` from `checkpoint`; returns it. Nothing lands there unless verified."""
     dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
     out = Path(output_dir)
     source = find_source(checkpoint)
-    check_output_dir(out)
+    check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
     skeleton, plan, disk = plan_tensors(source, hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -319,20 +304,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
                   "model_path": source.model_path, "dtype": str(dtype).split(".")[1], "num_shards": len(shards),
                   "verified_max_abs_logit_diff": diff, "time": time.time()}
         (tmp / EXPORT_MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        replace_dir(tmp, out)
+        publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def replace_dir(new: Path, out: Path) -> None:
-    """Move `new` to `out`; an empty or earlier-export `out` is replaced (the old one removed only after)."""
-    old = None
-    if out.is_dir() and any(out.iterdir()):
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    elif out.is_dir():
-        out.rmdir()
-    new.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

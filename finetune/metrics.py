@@ -31,8 +31,18 @@ def peak_mem_mb(device: torch.device) -> float:
     """CUDA: max allocated since start; CPU: this process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
+    parent's RSS at fork/exec time, so a child of a big process, such as a bench point, would report the parent's.)"""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.exists() else []:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20  # macOS: bytes
 
 
 class MetricsLogger:
@@ -50,8 +60,8 @@ class MetricsLogger:
                 n += 1
             path.rename(path.with_suffix(f".jsonl.{n}"))
         elif path.exists():  # resuming: steps after the checkpoint are redone, so their old lines go
-            lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start_step]
-            path.write_text("".join(l + "\n" for l in lines))
+            lines = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= start_step]
+            path.write_text("".join(x + "\n" for x in lines))
         self.file = open(path, "a")
         if use_wandb:
             import wandb

@@ -24,11 +24,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import is_main, print0
+from .errors import FinetuneError, one_line
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
 
-class ModelError(ValueError):
+class ModelError(FinetuneError, ValueError):
     """The model cannot be loaded or does not match; the message is one line."""
 
 
@@ -49,8 +50,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load model '{path}': {first}") from None
+        raise ModelError(f"cannot load model '{path}': {one_line(e)}") from e
     if is_prepared(path):
         check_manifest(path, hf_config)
     return hf_config
@@ -62,7 +62,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of '{path}': {str(e).strip().splitlines()[0]}") from None
+        raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -94,7 +94,8 @@ def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_re
     from transformers import AutoModelForCausalLM
     attn_implementation = resolve_attn_implementation(hf_config, attn_implementation)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation,
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
     return model
@@ -130,8 +131,8 @@ def apply_kernels(model: nn.Module, liger: bool) -> None:
         raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels)")
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError:
-        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from None
+    except ImportError as e:
+        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
     _apply_liger_kernel_to_instance(model=model)
 
 
@@ -176,7 +177,8 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
     """fully_shard each block, then the root. Embeddings and lm_head stay in the root group, so tied weights
-    live in one FSDP unit (a parameter shared by two groups is rejected)."""
+    live in one FSDP unit (a parameter shared by two groups is rejected). Gradients are summed over ranks, not
+    averaged (train_step normalises by the global token count)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     layers = find_layers(model)
@@ -184,6 +186,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    for m in model.modules():  # train_step divides by the global label-token count itself: FSDP must sum
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:

@@ -492,7 +492,8 @@ def test_answer_merged_with_a_prompt_ending_in_a_space_is_trained():
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
                          "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token + ' ' }}{% endif %}{% endfor %}"
                          "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}")
-    messages = [msg("user", "What is 2 + 2?"), msg("assistant", "4"), msg("user", "Capital?"), msg("assistant", "Paris")]
+    messages = [msg("user", "What is 2 + 2?"), msg("assistant", "4"),
+                msg("user", "Capital?"), msg("assistant", "Paris")]
     assert trained_spans(tok, tokenize_ok(tok, messages)) == [" 4<|eot_id|>", " Paris<|eot_id|>"]
 
 

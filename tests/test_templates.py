@@ -7,7 +7,7 @@ import pytest
 
 from _tokenizers import build_tokenizer
 from finetune.data import DataError, build_samples, to_conversation, tokenize_messages
-from helpers import REPO, run_cli
+from helpers import REPO, sft
 
 # GPT-OSS style: channels; the final answer ends with <|return|> when it is the last message and <|end|> in history,
 # where its analysis is dropped; a tool call ends with <|call|>; reasoning is read from `thinking`.
@@ -66,8 +66,9 @@ SYSTEM_IN_LAST_USER = (
     "{%- elif m.role == 'assistant' %}{{ m.content + '</s>' }}{%- endif %}{%- endfor %}"
 )
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 def tok_with(template=None):
@@ -345,19 +346,19 @@ def qwen3_model(tmp_path_factory):
 
 
 def test_sft_and_preview_with_a_qwen3_style_template(qwen3_model, tmp_path):
-    out = tmp_path / "run"
-    run_cli("sft", "--model", qwen3_model, "--dataset", EXAMPLE, "--output-dir", out, "train.max_steps=4",
-            "train.micro_batch_size=2", "data.max_seq_len=512", "train.mixed_precision=fp32", "eval.path=",
-            "checkpoint.interval=0", "log.progress=false")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = sft(qwen3_model, EXAMPLE, tmp_path / "run", "train.max_steps=4", "train.micro_batch_size=2",
+                  "data.max_seq_len=512", f"eval.path={EXAMPLE}", "eval.num_samples=4", "eval.max_new_tokens=4")
     assert len(records) == 4 and all(r["loss"] > 0 for r in records)
+    held_out = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert held_out["after"]["num_samples"] == 4 and held_out["after"]["loss"] > 0
     from typer.testing import CliRunner
 
     from finetune.cli import app
-    shown = CliRunner().invoke(app, ["preview-data", "--model", str(qwen3_model), "--dataset", str(EXAMPLE), "--num", "3",
-                                   "data.max_seq_len=1024"])
+    shown = CliRunner().invoke(app, ["preview-data", "--model", str(qwen3_model), "--dataset", str(EXAMPLE),
+                                     "--num", "3", "data.max_seq_len=1024"])
     assert shown.exit_code == 0, shown.output
-    assert "--- sample 0: row 0 turns 2 (own sample: the full conversation renders this turn differently)" in shown.stdout
+    own = "(own sample: the full conversation renders this turn differently)"
+    assert f"--- sample 0: row 0 turns 2 {own}" in shown.stdout
     assert "turns split history" in shown.stdout.splitlines()[-1]
 
 

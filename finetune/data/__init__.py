@@ -2,7 +2,8 @@
 (stream) -> batches (collate)."""
 
 from .collate import format_preview, pad_collate
-from .formats import FORMATS, Conversation, DataError, columns_of, detect_format, load_rows, to_conversation, to_messages
+from .formats import (FORMATS, Conversation, DataError, columns_of, detect_format, load_rows, to_conversation,
+                      to_messages)
 from .labels import DROP_REASONS, IGNORE_INDEX, Unsupported, tokenize_messages
 from .stream import SampleStream, build_samples
 

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import datasets
 
+from ..errors import FinetuneError, one_line
+
 FORMATS = ("messages", "sharegpt", "alpaca")
 _EXTS = (".json", ".jsonl", ".parquet")
 # ShareGPT's `from` values and OpenAI roles; function_call turns become assistant tool calls.
@@ -23,13 +25,8 @@ class Conversation(NamedTuple):
     tools: list[dict] | None  # function schemas passed to the chat template
 
 
-class DataError(Exception):
+class DataError(FinetuneError):
     """Bad input data; str(e) is ONE line naming the file, the line/row index and what is wrong."""
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _local_files(path: str) -> list[str] | None:
@@ -65,7 +62,7 @@ def _iter_file(file: str):
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
-                raise DataError(f"{file}:{e.lineno}: malformed JSON ({e.msg})") from None
+                raise DataError(f"{file}:{e.lineno}: malformed JSON ({e.msg})") from e
             for i, row in enumerate(rows):
                 yield f"{file} item {i}", row
             return
@@ -76,8 +73,8 @@ def _iter_file(file: str):
                 except json.JSONDecodeError as e:
                     if n == 1 and head.startswith("{") and not line.rstrip().endswith("}"):  # a pretty-printed object
                         raise DataError(f"{file}: holds one multi-line JSON object; expected JSON Lines (one row "
-                                        f"object per line) or a JSON array of row objects") from None
-                    raise DataError(f"{file}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
+                                        f"object per line) or a JSON array of row objects") from e
+                    raise DataError(f"{file}:{n}: malformed JSON ({e.msg} at column {e.colno})") from e
                 yield f"{file}:{n}", row
 
 
@@ -98,7 +95,7 @@ def _from_list(rows: list[dict], path: str) -> datasets.Dataset:
         keys = list(dict.fromkeys(k for row in rows for k in row))
         return datasets.Dataset.from_dict({k: [row.get(k) for row in rows] for k in keys}, on_mixed_types="use_json")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise DataError(f"{path}: rows have inconsistent value types ({_one_line(e)})") from None
+        raise DataError(f"{path}: rows have inconsistent value types ({one_line(e)})") from e
 
 
 def load_rows(path: str, *, split: str = "train", name: str | None = None, streaming: bool = False):
@@ -110,7 +107,7 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         try:
             return datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=streaming)
         except Exception as e:  # noqa: BLE001 - any hub failure is reported as one line
-            raise DataError(f"{path}: not a local path, and loading it from the hub failed ({_one_line(e)})") from None
+            raise DataError(f"{path}: not a local path, and loading it from the hub failed ({one_line(e)})") from e
     if streaming:
         # A tuple, not a list: datasets would shard list gen_kwargs, and the order must stay the file order.
         return datasets.IterableDataset.from_generator(_iter_rows, gen_kwargs={"files": tuple(files)})
@@ -121,7 +118,7 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         try:
             return datasets.Dataset(pa.concat_tables([pq.read_table(f) for f in files]))
         except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path}: cannot read parquet ({_one_line(e)})") from None
+            raise DataError(f"{path}: cannot read parquet ({one_line(e)})") from e
     return _from_list(list(_iter_rows(files)), path)
 
 

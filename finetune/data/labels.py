@@ -15,7 +15,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .formats import DataError, _one_line
+from ..errors import one_line
+from .formats import DataError
 
 IGNORE_INDEX = -100
 DROP_REASONS = ("no_assistant", "no_labels_after_truncation")
@@ -56,8 +57,8 @@ class _Template:
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
         # row about twice per turn.
         from transformers.utils.chat_template_utils import _compile_jinja_template
-        self.compiled = {has_tools: _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has_tools else None))
-                         for has_tools in (False, True)}
+        self.compiled = {has: _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has else None))
+                         for has in (False, True)}  # a template dict may have its own "tool_use" template
 
     def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
         """The template's text for _prepared messages; a template that raises is Unsupported("template_error")."""
@@ -65,7 +66,7 @@ class _Template:
             return self.compiled[bool(tools)].render(messages=messages, tools=tools, documents=None,
                                                      add_generation_prompt=generation_prompt, **self.kwargs)
         except Exception as e:  # noqa: BLE001 - template errors are about this row
-            raise Unsupported("template_error", f"chat template failed ({_one_line(e)})") from e
+            raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
 
 
 def _try_render(tokenizer, messages, tools=None):
