@@ -66,6 +66,18 @@ SYSTEM_IN_LAST_USER = (
     "{%- elif m.role == 'assistant' %}{{ m.content + '</s>' }}{%- endif %}{%- endfor %}"
 )
 
+# Llama 3.1 style: tools in the first user turn, a tool call written instead of the content.
+LLAMA31_LIKE = (
+    "{%- set ns = namespace(first=true) %}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{ '[INST]' }}{%- if ns.first and tools %}{{ 'Tools: ' + (tools | tojson) + '\\n' }}"
+    "{%- endif %}{%- set ns.first = false %}{{ m.content + '[/INST]' }}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}{%- set c = m.tool_calls[0].function %}"
+    "{{ '{\"name\": \"' + c.name + '\", \"parameters\": ' + (c.arguments | tojson) + '}</s>' }}"
+    "{%- elif m.role == 'assistant' %}{{ m.content + '</s>' }}"
+    "{%- elif m.role == 'tool' %}{{ '<|tool_output_begin|>' + m.content + '<|tool_output_end|>' }}{%- endif %}"
+    "{%- endfor %}"
+)
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -239,6 +251,21 @@ def test_arguments_object_or_json_string_never_double_encoded(as_string):
         assert '"arguments": {"city": "Paris"}}' in text and '\\"' not in text
 
 
+def test_tools_in_the_first_user_turn_and_a_call_instead_of_content():
+    tok = tok_with(LLAMA31_LIKE)
+    messages = [user("Weather?"), assistant("", calls=[call(city="Paris")]), tool("21"), assistant("Sunny.")]
+    assert splits(check(tok, messages, TOOLS, eot=("</s>",))) == [([1, 3], "")]
+
+
+def test_inline_think_in_content_is_left_as_the_row_has_it():
+    tok = tok_with()  # the Qwen3-style template re-renders inline reasoning, and drops it from history
+    messages = [user("Hi"), assistant("<think>Greet.</think>Hello!"), user("Bye"),
+                assistant("<think>\nOk.\n</think>\n\nBye!")]
+    samples = check(tok, messages)
+    assert splits(samples) == [([1], "history"), ([3], "")]
+    assert decode(tok, samples[0]["input_ids"]).endswith("<think>\nGreet.\n</think>\n\nHello!<|im_end|>")
+
+
 def test_train_false_keeps_a_turn_as_context_only():
     tok = tok_with()
     messages = [user("Weather?"), dict(assistant("", calls=[call(city="Paris")]), train=False), tool("21"),
@@ -257,6 +284,8 @@ def test_train_false_keeps_a_turn_as_context_only():
      "drops_reasoning", "message 1: the chat template drops its reasoning"),
     (CHATML, [user("Hi"), assistant("Hello")], TOOLS,
      "drops_tools", "message 1: the chat template does not show the row's tools"),
+    (LLAMA31_LIKE, [user("Weather?"), assistant("Let me look.", calls=[call(city="Paris")])], TOOLS,
+     "drops_content", "message 1: the chat template drops (or rewrites) its content"),
     (NO_TOOL_ROLE, [user("Weather?"), assistant("", calls=[call(city="Paris")]), tool("21"), assistant("Sunny")],
      None, "template_error", "message 2: chat template failed (TemplateError: Only user and assistant roles are "
                              "supported)"),

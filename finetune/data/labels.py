@@ -44,7 +44,10 @@ class _Template:
         self.is_added[list(added)] = True
         self.control = [t.content for t in added.values() if t.content.strip()]
         self.tails: dict[tuple, tuple[str, int | None] | None] = {}
-        self.checked = False  # cross-checked against apply_chat_template(tokenize=True) once
+        self.checked = False  # our rendering + tokenization checked against apply_chat_template(tokenize=True) once
+        # The backend tokenizer directly gives the same ids and offsets without the wrapper's cost; where it does
+        # not (the first row tells), the tokenizer's own __call__.
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
         # Arguments go in as an object (most templates `tojson` it), unless the template concatenates a string: then
         # an object would fail or print as a Python dict, and a string given to `tojson` would be encoded twice.
         call = {"type": "function", "function": {"name": _PROBE, "arguments": {"a": _PROBE}}}
@@ -160,7 +163,13 @@ def _turn_length(tokenizer, t: _Template, messages, i, tools, completion: str) -
 
 
 def _check_kept(m: dict, i: int, completion: str) -> None:
-    """What the row carries must be in what is trained: the message's reasoning and tool calls."""
+    """What the row carries must be in what is trained: the message's content, reasoning and tool calls (templates
+    strip text; Qwen-style ones re-render inline <think> reasoning, so its parts are looked for one by one)."""
+    content = m.get("content") or ""
+    head, tag, answer = content.rpartition("</think>")
+    if any(p not in completion for p in ([answer.strip(), head.split("<think>")[-1].strip()] if tag else
+                                         [content.strip()])):
+        raise Unsupported("drops_content", f"message {i}: the chat template drops (or rewrites) its content")
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:
         raise Unsupported("drops_reasoning", f"message {i}: the chat template drops its reasoning")
@@ -186,10 +195,9 @@ def _labels(ids: np.ndarray, offsets: np.ndarray, spans, is_added: np.ndarray) -
 
 def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: str) -> dict:
     # The template already holds bos etc.: this is exactly what apply_chat_template(tokenize=True) feeds the model
-    # (checked on the first row). The backend tokenizer directly: the same ids and offsets, without the wrapping.
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        enc = backend.encode(text, add_special_tokens=False)
+    # (checked on the first row).
+    if t.backend is not None:
+        enc = t.backend.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
     else:
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -245,12 +253,15 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
         if on_unsupported != "drop":
             raise DataError(f"{where}: {e} (data.on_unsupported=\"drop\" skips such rows)") from e
         return [], e.reason
-    samples = [{**_encode(tokenizer, t, full, main, max_seq_len, where), "split": ""}] if main else []
-    if main and not t.checked:  # once: our tokenization of the rendering is what the library itself gives
+    if main and not t.checked:  # once: our rendering and tokenization are what the library itself gives
         ref = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True)
-        if list(ref["input_ids"] if isinstance(ref, Mapping) else ref)[:max_seq_len] != samples[0]["input_ids"]:
+        ref = list(ref["input_ids"] if isinstance(ref, Mapping) else ref)
+        if t.backend is not None and t.backend.encode(full, add_special_tokens=False).ids != ref:
+            t.backend = None
+        if t.backend is None and list(tokenizer(full, add_special_tokens=False)["input_ids"]) != ref:
             raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
         t.checked = True
+    samples = [{**_encode(tokenizer, t, full, main, max_seq_len, where), "split": ""}] if main else []
     for i, prompt, completion, why in alone:
         span = [(i, len(prompt), len(prompt) + len(completion))]
         samples.append({**_encode(tokenizer, t, prompt + completion, span, max_seq_len, where), "split": why})
