@@ -220,6 +220,10 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
     launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
 
 
+SPLIT_WHY = {"history": "the full conversation renders this turn differently",
+             "context": "the full conversation renders what precedes it differently"}
+
+
 @app.command("preview-data")
 def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
                  model: Optional[str] = MODEL, dataset: Optional[str] = DATASET,
@@ -238,13 +242,19 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
         tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         samples = build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None, streaming=d.streaming,
                                 max_seq_len=d.max_seq_len, packing=d.packing, seed=cfg.train.seed, shuffle=False,
-                                epoch_limit=1)
+                                epoch_limit=1, on_unsupported=d.on_unsupported, num_proc=d.num_proc)
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         for i, sample in zip(range(num), samples):
             if json_out:
                 print(json.dumps({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])}))
             else:
-                print(f"--- sample {i}\n{format_preview(tok, sample, color=color)}")
+                where = "; ".join(f"row {s['row']} turns {','.join(map(str, s['turns']))}"
+                                  + (f" (own sample: {SPLIT_WHY[s['split']]})" if s["split"] else "")
+                                  for s in sample["sources"])
+                print(f"--- sample {i}: {where}\n{format_preview(tok, sample, color=color)}")
+        if not json_out:  # streamed data is counted as it is read: the summary covers the rows read so far
+            counts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in samples.counts.items())
+            print(f"--- {'streamed so far' if samples.num_samples is None else 'all data'}: {counts}")
     guarded(run, debug)
 
 

@@ -115,7 +115,8 @@ def train(cfg: Config) -> dict:
 
     samples = build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
                             streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
-                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen)
+                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen,
+                            on_unsupported=dc.on_unsupported, num_proc=dc.num_proc)
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
     sample_iter = iter(samples)
