@@ -41,6 +41,8 @@ class DataConfig:
     max_seq_len: int = 2048  # truncate samples (keeping the head) / pack to this many tokens
     packing: bool = False  # concatenate samples into rows of max_seq_len (position_ids restart per sample)
     pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes for benchmarks)
+    on_unsupported: Literal["error", "drop"] = "error"  # a row the chat template cannot hold: stop, or skip and count
+    num_proc: int = 1  # processes that tokenize (datasets map workers; not used when streaming)
 
 
 @dataclass
@@ -218,6 +220,7 @@ def validate(cfg: Config) -> None:
         ("train.max_grad_norm", t.max_grad_norm >= 0, ">= 0"),
         ("train.log_interval", t.log_interval > 0, "> 0"),
         ("data.max_seq_len", d.max_seq_len > 0, "> 0"),
+        ("data.num_proc", d.num_proc > 0, "> 0"),
         ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, ">= 0 (0 = no periodic checkpoint)"),
         ("checkpoint.keep", cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),

@@ -96,7 +96,6 @@ def train(cfg: Config) -> dict:
     tc, dc = cfg.train, cfg.data
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(cfg))
     torch.manual_seed(tc.seed)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
@@ -115,7 +114,8 @@ def train(cfg: Config) -> dict:
 
     samples = build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
                             streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
-                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen)
+                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen,
+                            on_unsupported=dc.on_unsupported, num_proc=dc.num_proc)
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
     sample_iter = iter(samples)
@@ -134,7 +134,13 @@ def train(cfg: Config) -> dict:
 
     eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
-    saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
+    if is_main():  # only now, with the run accepted (model, checkpoint, data): a refused run rewrites nothing
+        (out / "config.toml").write_text(to_toml(cfg))
+    run = asdict(cfg)  # each checkpoint names the model (config, tokenizer) it trained: export-hf reads that
+    if Path(cfg.model.path).exists():
+        run["model"]["path"] = str(Path(cfg.model.path).resolve())
+    saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
+                              run={"config": run})
     signals = ckpt.SignalFlag()
     bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
     # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
