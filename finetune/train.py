@@ -145,6 +145,8 @@ def train(cfg: Config) -> dict:
     bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
     # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
     # checkpoint steps (and every step under nan_policy "skip"), so the GPU never waits for the host in between.
+    # Every record is still exact; on GPU a signal is acted on (and a "stop" non-finite step raised) at that read,
+    # which always comes before a checkpoint is written.
     pending: list[tuple[torch.Tensor, dict]] = []
     record: dict = {}
     try:
