@@ -120,14 +120,19 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from .distributed import _free_port
-    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them; SIGINT
-    # is ours (below): the ranks run in their own sessions, so a Ctrl-C reaches them only through this process
+    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them. SIGINT
+    # is ours: the ranks run in their own sessions, so a Ctrl-C reaches them only through this process, which passes
+    # the first one on (the ranks save and stop, as on SIGTERM) and kills them on the second. (Not by raising into
+    # the launcher as its own handler does: an except Exception there can swallow that, leaving the ranks paused.)
+    import psutil
 
     def on_sigint(signum, frame):
-        if not getattr(on_sigint, "seen", False):  # the first: forwarded like SIGTERM (the ranks save and stop)
+        ranks = psutil.Process().children()
+        if ranks and not getattr(on_sigint, "seen", False):
             on_sigint.seen = True
-            raise SignalException("SIGINT", sigval=signal.SIGINT)
-        import psutil
+            for rank in ranks:
+                rank.send_signal(signal.SIGINT)
+            return
         for child in psutil.Process().children(recursive=True):
             child.kill()
         print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
