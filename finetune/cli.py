@@ -6,6 +6,8 @@ traceback instead.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, List, NoReturn, Optional
@@ -14,10 +16,25 @@ import typer
 
 from .config import Config, ConfigError, load_config, parse_value
 from .errors import FinetuneError
+from .lock import RUN_LOCK, hold_run_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
                        "export-hf, bench.")
+
+
+def print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+        print(f"finetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
+                                         help="print the version and exit")):
+    pass
+
 
 OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.packing=true",
                            show_default=False)
@@ -54,7 +71,32 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags
         if not sep or not key:
             raise ConfigError(f"override '{item}' must look like section.key=value")
         values[key.strip()] = parse_value(value.strip())
-    return load_config(config, values)
+    cfg = load_config(config, values)
+    check_paths(cfg)
+    return cfg
+
+
+def check_paths(cfg: Config) -> None:
+    """Path errors within a second, before torch is imported: a local-looking path that is not there, an output
+    dir that is a file, and hub ids while the hub cannot be reached (huggingface_hub would retry for ~30 s)."""
+    paths = {"model.path": cfg.model.path, "data.path": cfg.data.path, "eval.path": cfg.eval.path}
+    remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
+    for key, value in remote.items():
+        if value.startswith((".", "/", "~")) or value.endswith((".json", ".jsonl", ".parquet")):
+            raise ConfigError(f"{key}: {value} does not exist")
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory")
+    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if not remote or proxy or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return
+    from urllib.parse import urlsplit
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
+    except OSError:
+        key, value = next(iter(remote.items()))
+        raise ConfigError(f"{key} '{value}' is not a local path and the Hugging Face hub ({url.netloc}) cannot be "
+                          f"reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache") from None
 
 
 def set_threads(nproc: int) -> None:
@@ -78,10 +120,22 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from .distributed import _free_port
-    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them; SIGINT
+    # is ours (below): the ranks run in their own sessions, so a Ctrl-C reaches them only through this process
+
+    def on_sigint(signum, frame):
+        if not getattr(on_sigint, "seen", False):  # the first: forwarded like SIGTERM (the ranks save and stop)
+            on_sigint.seen = True
+            raise SignalException("SIGINT", sigval=signal.SIGINT)
+        import psutil
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
+        os._exit(130)
+    signal.signal(signal.SIGINT, on_sigint)
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                      signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
                       monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:
         elastic_launch(lc, sys.executable)("-m", "finetune", *sys.argv[1:])
@@ -107,20 +161,29 @@ def rank_main(entry: Callable, args: tuple, debug: bool):
         teardown()
 
 
-def preflight(cfg: Config) -> None:
-    """Fail fast, before any rank starts: model config, tokenizer with a chat template, readable data."""
-    from .data import detect_format, load_rows, columns_of
+def preflight(cfg: Config) -> str | None:
+    """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
+    (intact, same architecture), readable data and eval set. Returns why there is nothing to do, if so."""
+    from .checkpoint import check_arch, find_resume, read_marker
+    from .data import columns_of, detect_format, load_rows
     from .model import load_hf_config, load_tokenizer
-    load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     if not getattr(tok, "chat_template", None):
         from .data import DataError
         raise DataError(f"the tokenizer of '{cfg.model.path}' has no chat template (tokenizer_config.json "
                         f"'chat_template'); instruct data cannot be rendered")
-    from .checkpoint import find_resume
-    find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
+    resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
+    if resume is not None:
+        check_arch(resume, hf_config)
     rows = load_rows(cfg.data.path, split=cfg.data.split, name=cfg.data.name or None, streaming=cfg.data.streaming)
     detect_format(columns_of(rows), cfg.data.format)
+    if cfg.eval.path:  # checked now, not when training ends
+        detect_format(columns_of(load_rows(cfg.eval.path)))
+    if resume is not None and read_marker(resume)["step"] >= cfg.train.max_steps:
+        return (f"nothing to do: checkpoint {resume} is at step {read_marker(resume)['step']} and train.max_steps is "
+                f"{cfg.train.max_steps}; raise train.max_steps to train on")
+    return None
 
 
 @app.command()
@@ -135,9 +198,21 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
             cfg.checkpoint.resume = False
-        preflight(cfg)
-        return cfg
-    cfg = guarded(prepare, debug)
+        if "FINETUNE_LOCK" in os.environ:  # a rank our launcher started: it checked all this and holds the lock
+            return cfg, None
+        if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
+            print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
+        lock = Path(cfg.output_dir) / RUN_LOCK
+        if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
+            hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        nothing_to_do = preflight(cfg)
+        hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        return cfg, nothing_to_do
+    cfg, nothing_to_do = guarded(prepare, debug)
+    if nothing_to_do:
+        if os.environ.get("RANK", "0") == "0":
+            print(nothing_to_do, flush=True)
+        return
     from .checkpoint import latest_complete
     root = Path(cfg.output_dir) / "checkpoints"
     before = latest_complete(root, report=False)
@@ -196,6 +271,8 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
         check_output_dir(Path(cfg.output_dir), cfg.model.path)
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before any rank starts
         load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        out = Path(cfg.output_dir).resolve()
+        hold_run_lock(out.parent / f".{out.name}.lock", f"--output-dir {out}")  # beside it: `out` is replaced
         return cfg
     cfg = guarded(prepare, debug)
     from .prepare import prepare_checkpoint as run_prepare
@@ -262,8 +339,15 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def interrupted(signum, frame) -> NoReturn:
+    """Ctrl-C before training started (then checkpoint.SignalFlag takes over: save and stop) or during an export."""
+    print("finetune: interrupted; nothing was saved", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
 def main():
     quiet_libraries()
+    signal.signal(signal.SIGINT, interrupted)
     app()
 
 

@@ -13,7 +13,6 @@ import os
 import shutil
 import struct
 import time
-import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import MARKER, CheckpointError, is_complete, latest_complete, step_dirs
-from .config import REPO_ROOT, ConfigError
+from .checkpoint import MARKER, CheckpointError, damage, latest_complete, read_marker, step_dirs
+from .config import ConfigError
 from .distributed import print0
 from .errors import FinetuneError
+from .lock import hold_lock, release_lock, remove_stale_partials
 from .metrics import peak_rss_mb
 from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
 from .outdir import check_output_dir, publish_dir
@@ -82,36 +82,26 @@ def find_source(path: str) -> Source:
         manifest = json.loads((p / MANIFEST).read_text())
         return Source(p / "weights", str(p), bool(manifest.get("trust_remote_code", False)), f"prepared {p}")
     if (p / ".metadata").exists() or (p / MARKER).exists() or p.name.startswith("step-"):
-        if not is_complete(p):
+        if not (p / MARKER).exists():
             raise CheckpointError(f"{p} is an incomplete checkpoint (needs .metadata and {MARKER}; its save did not "
                                   f"finish)")
-        step, run_dir = p, p.parent.parent
+        if damage(p):
+            raise CheckpointError(f"checkpoint {p} is damaged: {damage(p)}")
+        step = p
     elif (p / "checkpoints").is_dir():
-        step, run_dir = latest_complete(p / "checkpoints", report=False), p
+        step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
         if step is None:
             found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
-            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} (step dirs: {found})")
+            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} that is intact "
+                                  f"(step dirs: {found})")
     else:
         raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
                               f"dir or a prepared checkpoint (with {MANIFEST})")
-    model_path, trust = run_model_path(run_dir)
-    return Source(step, model_path, trust, str(step))
-
-
-def run_model_path(run_dir: Path) -> tuple[str, bool]:
-    """model.path (and trust_remote_code) from a training output dir's config.toml: where config/tokenizer live."""
-    toml_path = run_dir / "config.toml"
-    if not toml_path.is_file():
-        raise CheckpointError(f"cannot tell which model {run_dir} trained: {toml_path} is missing (it names the "
-                              f"model whose config and tokenizer the export needs)")
-    model = tomllib.loads(toml_path.read_text()).get("model", {})
-    path = model.get("path", "")
-    # config.toml keeps paths as given: relative ones were relative to the training run's working directory
-    for base in (Path.cwd(), run_dir, REPO_ROOT):
-        if path and not Path(path).is_absolute() and (base / path).exists():
-            path = str((base / path).resolve())
-            break
-    return path, bool(model.get("trust_remote_code", False))
+    # the model (config, tokenizer) this checkpoint trained: its marker says, whatever config.toml says now
+    model = read_marker(step).get("config", {}).get("model", {})
+    if not model.get("path"):
+        raise CheckpointError(f"{step / MARKER} does not name the model it trained (saved by an older finetune)")
+    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step))
 
 
 def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict]:
@@ -280,11 +270,12 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
     skeleton, plan, disk = plan_tensors(source, hf_config)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"  # beside `out`: the dir itself is replaced by a rename at the end
+    hold_lock(lock, f"--output-dir {out}")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        remove_stale_partials(out.parent, out.name)
+        tmp.mkdir()
         t0 = time.perf_counter()
         num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in plan.values())
         largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
@@ -307,4 +298,5 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        release_lock(lock)
     return out

@@ -45,6 +45,27 @@ def peak_rss_mb() -> float:
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20  # macOS: bytes
 
 
+def repair_metrics(path: Path, start_step: int) -> None:
+    """On resume: keep the records up to the checkpoint's step (later steps are redone) and drop lines a killed run
+    left half-written, saying so. Written to a temp file and renamed: a crash here loses nothing."""
+    kept, bad = [], []
+    for n, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True), 1):
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, TypeError, KeyError):
+            if line.strip():
+                bad.append(n)
+            continue
+        if step <= start_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if bad:
+        print(f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
+              f"e.g. half-written by a killed run", flush=True)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.rename(path)
+
+
 class MetricsLogger:
     """Writes one JSON object per optimizer step to metrics.jsonl (append, so resumed runs continue it)."""
 
@@ -59,9 +80,8 @@ class MetricsLogger:
             while path.with_suffix(f".jsonl.{n}").exists():
                 n += 1
             path.rename(path.with_suffix(f".jsonl.{n}"))
-        elif path.exists():  # resuming: steps after the checkpoint are redone, so their old lines go
-            lines = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= start_step]
-            path.write_text("".join(x + "\n" for x in lines))
+        elif path.exists():
+            repair_metrics(path, start_step)
         self.file = open(path, "a")
         if use_wandb:
             import wandb

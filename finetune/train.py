@@ -97,7 +97,6 @@ def train(cfg: Config) -> dict:
     tc, dc = cfg.train, cfg.data
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(cfg))
     torch.manual_seed(tc.seed)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
@@ -136,7 +135,13 @@ def train(cfg: Config) -> dict:
 
     eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
-    saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
+    if is_main():  # only now, with the run accepted (model, checkpoint, data): a refused run rewrites nothing
+        (out / "config.toml").write_text(to_toml(cfg))
+    run = asdict(cfg)  # each checkpoint names the model (config, tokenizer) it trained: export-hf reads that
+    if Path(cfg.model.path).exists():
+        run["model"]["path"] = str(Path(cfg.model.path).resolve())
+    saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
+                              run={"config": run})
     signals = ckpt.SignalFlag()
     bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
     # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
