@@ -80,10 +80,24 @@ def _iter_file(file: str):
 
 def _iter_rows(files):
     for file in files:
-        for where, row in _iter_file(file):
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            yield row
+        try:
+            for where, row in _iter_file(file):
+                if not isinstance(row, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                yield row
+        except UnicodeDecodeError:
+            raise DataError(_not_utf8(file)) from None
+
+
+def _not_utf8(file: str) -> str:
+    """Where a file stops being UTF-8 (the decoder's position is relative to its buffer, not to the file)."""
+    with open(file, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{file}:{n}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); re-encode it"
+    return f"{file}: not UTF-8 text"
 
 
 def _from_list(rows: list[dict], path: str) -> datasets.Dataset:
