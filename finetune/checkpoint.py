@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import faults
 from .errors import FinetuneError
-from .distributed import any_rank, barrier, is_main, print0, world_size
+from .distributed import barrier, is_main, print0, world_size
 
 MARKER = "finetune_complete.json"
 ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -267,13 +267,3 @@ class SignalFlag:
             print("finetune: interrupted again: exiting now, nothing was saved", file=sys.stderr, flush=True)
             os._exit(130)
         self.name = signal.Signals(signum).name
-
-    def any_set(self, device) -> bool:
-        """True on every rank once any rank got a signal; all ranks learn its name."""
-        if not any_rank(self.name is not None, device):
-            return False
-        names = [None] * world_size() if world_size() > 1 else [self.name]
-        if world_size() > 1:
-            dist.all_gather_object(names, self.name)
-        self.name = next((n for n in names if n), "signal")
-        return True

@@ -61,19 +61,6 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_reduce_sum(value: float | int, device: torch.device) -> float:
-    """Sum a Python number over ranks (fp64, so token counts and losses stay exact)."""
-    t = torch.tensor(float(value), dtype=torch.float64, device=device)
-    if world_size() > 1:
-        dist.all_reduce(t)
-    return t.item()
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is true on any rank (signals, non-finite checks)."""
-    return all_reduce_sum(1.0 if flag else 0.0, device) > 0
-
-
 def broadcast_object(obj, src: int = 0):
     """`obj` from rank `src` on every rank."""
     if world_size() == 1:
