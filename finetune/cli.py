@@ -107,12 +107,15 @@ def set_threads(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
+def check_nproc(nproc: int) -> None:
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+
+
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
     that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
-    if nproc < 1:
-        fail(f"--nproc-per-node must be >= 1, got {nproc}")
-    set_threads(nproc)
+    set_threads(nproc)  # nproc >= 1: checked with the rest of the input (check_nproc)
     if nproc <= 1 or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     import uuid
@@ -199,15 +202,16 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         debug: bool = DEBUG):
     """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
     def prepare():
+        check_nproc(nproc_per_node)  # before the output dir is locked (made)
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
             cfg.checkpoint.resume = False
-        if "FINETUNE_LOCK" in os.environ:  # a rank our launcher started: it checked all this and holds the lock
-            return cfg, None
+        lock = Path(cfg.output_dir) / RUN_LOCK
+        if os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):  # a rank our launcher started for this run:
+            return cfg, None  # the launcher checked all this and holds the lock
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-        lock = Path(cfg.output_dir) / RUN_LOCK
         if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
             hold_run_lock(lock, f"output dir {cfg.output_dir}")
         nothing_to_do = preflight(cfg)
@@ -270,6 +274,7 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
     def prepare():
         from .model import load_hf_config, load_tokenizer
         from .prepare import check_output_dir
+        check_nproc(nproc_per_node)
         if not model or not output_dir:
             raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
