@@ -195,6 +195,25 @@ def sft_cli(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None =
                    *BASE, *overrides, env=env, check=check)
 
 
+def invoke(*args):
+    """`finetune *args` in this process through the typer app (typer's CliRunner: result.exit_code, .stdout,
+    .stderr), for commands that stop before any rank starts or run no ranks. What a command leaves in the process
+    (environment variables such as FINETUNE_LOCK, signal handlers) is undone after it."""
+    import signal
+
+    from typer.testing import CliRunner
+
+    from finetune.cli import app
+    env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return CliRunner().invoke(app, list(map(str, args)))
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
 def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     # each CLI child imports torch/transformers: let them share compiled bytecode even where .pyc writing is off
     cache = {"PYTHONDONTWRITEBYTECODE": "",

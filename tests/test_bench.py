@@ -9,14 +9,7 @@ import pytest
 
 from finetune.bench import parse_list, recommend, run_bench, run_point
 from finetune.config import ConfigError, load_config
-from helpers import run_ranks, sft, sft_config
-
-
-def invoke(*args):
-    """`finetune ...` in-process through the typer app (each bench point still runs in its own process)."""
-    from typer.testing import CliRunner
-    from finetune.cli import app
-    return CliRunner().invoke(app, list(map(str, args)))
+from helpers import invoke, run_ranks, sft, sft_config
 
 
 def test_small_sweep_writes_table_plot_and_saved_bytes_fall(llama_dir, chat_file, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 
 from finetune.checkpoint import CheckpointError, is_complete, step_dirs
 from finetune.train import NonFiniteError
-from helpers import BASE, REPO, RankError, losses, read_metrics, run_ranks, sft, sft_cli, sft_config
+from helpers import BASE, REPO, RankError, invoke, losses, read_metrics, run_ranks, sft, sft_cli, sft_config
 
 TWO_RANKS = ("train.max_steps=8", "train.micro_batch_size=2")  # the reference run, shared with test_train
 
@@ -163,12 +163,10 @@ def test_nan_skip_policy_counts_skips(llama_dir, chat_file, tmp_path, capsys):
 
 
 def test_no_resume_refuses_to_overwrite_checkpoints(llama_dir, chat_file, tmp_path):
-    from typer.testing import CliRunner
-    from finetune.cli import app
     out = tmp_path / "run"
     sft(llama_dir, chat_file, out, "train.max_steps=2")
-    result = CliRunner().invoke(app, ["sft", "--model", str(llama_dir), "--dataset", str(chat_file), "--output-dir",
-                                      str(out), *BASE, "train.max_steps=2", "--no-resume"])
+    result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", out, *BASE,
+                    "train.max_steps=2", "--no-resume")
     assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
     assert steps(out) == [2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_cli
+from helpers import invoke, run_cli
 
 CONFIG_ERRORS = [
     (["train.lrr=1"], "unknown config key 'train.lrr' (did you mean 'lr'?)"),
@@ -21,10 +21,8 @@ CONFIG_ERRORS = [
 @pytest.mark.parametrize("args, expect", CONFIG_ERRORS)
 def test_config_errors_are_one_clean_line(args, expect, tmp_path, llama_dir):
     """In-process through the typer app (what `finetune sft` runs); the next test runs one case as a real process."""
-    from typer.testing import CliRunner
-    from finetune.cli import app
     model = [] if "--model" in args else ["--model", str(llama_dir)]
-    result = CliRunner().invoke(app, ["sft", "--output-dir", str(tmp_path / "out"), *model, *args])
+    result = invoke("sft", "--output-dir", tmp_path / "out", *model, *args)
     assert result.exit_code == 2, (result.output, result.exception)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.stderr

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import BASE, losses, run_cli, sft
+from helpers import BASE, invoke, losses, run_cli, sft
 
 LR0 = ("train.lr=0", "train.max_steps=2", "train.micro_batch_size=4")
 
@@ -26,13 +26,6 @@ def export(checkpoint, out, dtype: str = "bfloat16", max_shard_size: str = "5GB"
     with contextlib.redirect_stdout(printed):
         export_hf(str(checkpoint), str(out), dtype, max_shard_size)
     return printed.getvalue()
-
-
-def invoke(*args):
-    """`finetune ...` in-process through the typer app."""
-    from typer.testing import CliRunner
-    from finetune.cli import app
-    return CliRunner().invoke(app, list(map(str, args)))
 
 
 def read_weights(model_dir) -> dict[str, torch.Tensor]:
