@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .data import (IGNORE_INDEX, Conversation, columns_of, detect_format, load_rows, pad_collate, to_conversation,
-                   tokenize_messages)
+from .data import (IGNORE_INDEX, Conversation, columns_of, detect_format, load_rows, pad_collate, prompt_text,
+                   to_conversation, tokenize_messages)
 
 
 def load_eval_conversations(path: str, num_samples: int) -> list[Conversation]:
@@ -33,8 +33,7 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
         turn = next((s for s in samples if last in s["turns"]), None)
         if turn is None:
             continue
-        prompt = tokenizer.apply_chat_template(messages[:last], tools=tools, add_generation_prompt=True,
-                                               tokenize=False)
+        prompt = prompt_text(tokenizer, messages[:last], tools)
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg.max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .distributed import is_main
+from .distributed import is_main, print0
 
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
@@ -101,3 +101,27 @@ class MetricsLogger:
             self.file.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar on rank 0 when stderr is a terminal (or FINETUNE_PROGRESS is set); None otherwise."""
+    if not (enabled and is_main()):
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, desc="sft", dynamic_ncols=True, file=sys.stderr,
+                disable=not sys.stderr.isatty() and not os.environ.get("FINETUNE_PROGRESS"))
+
+
+def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
+    """Advance the bar; every log_interval steps, one console line (through the bar when it is shown)."""
+    line = (f"step {record['step']:>5}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+            f"mem {record['peak_mem_mb']:.0f} MB")
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+    if record["step"] % log_interval == 0 or record["step"] == max_steps:
+        if bar is not None and not bar.disable:
+            bar.write(line)
+        else:
+            print0(line)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,7 +16,7 @@ from .data import IGNORE_INDEX, build_samples, pad_collate
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .evaluate import evaluate
-from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb
+from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
 from .model import build_model, find_layers, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 
@@ -76,8 +74,9 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
         loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
         loss.backward()
         loss_sum += loss.detach().double()
-    counts = torch.tensor([0.0, num_input_tokens, float(stop)], dtype=torch.float64).to(device, non_blocking=True)
-    stats = torch.stack([num_tokens.to(device, torch.float64), counts[1], loss_sum, counts[2]])
+    # host-to-device copies with non_blocking: no wait for the GPU here (a blocking copy would be a sync)
+    counts = torch.tensor([num_input_tokens, float(stop)], dtype=torch.float64).to(device, non_blocking=True)
+    stats = torch.stack([num_tokens.to(device, torch.float64, non_blocking=True), counts[0], loss_sum, counts[1]])
     all_reduce(stats)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, (1 / stats[0].clamp(min=1)).float())
@@ -146,6 +145,8 @@ def train(cfg: Config) -> dict:
     bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
     # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
     # checkpoint steps (and every step under nan_policy "skip"), so the GPU never waits for the host in between.
+    # Every record is still exact; on GPU a signal is acted on (and a "stop" non-finite step raised) at that read,
+    # which always comes before a checkpoint is written.
     pending: list[tuple[torch.Tensor, dict]] = []
     record: dict = {}
     try:
@@ -234,25 +235,3 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
 
 def describe_counts(counts: dict) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items())
-
-
-def progress_bar(total: int, initial: int, enabled: bool):
-    if not (enabled and is_main()):
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, desc="sft", dynamic_ncols=True, file=sys.stderr,
-                disable=not sys.stderr.isatty() and not os.environ.get("FINETUNE_PROGRESS"))
-
-
-def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
-    line = (f"step {record['step']:>5}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
-            f"mem {record['peak_mem_mb']:.0f} MB")
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}")
-    if record["step"] % log_interval == 0 or record["step"] == max_steps:
-        if bar is not None and not bar.disable:
-            bar.write(line)
-        else:
-            print0(line)

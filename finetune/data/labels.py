@@ -102,6 +102,12 @@ def _prepared(messages: list[dict], args_as_string: bool) -> list[dict]:
     return out
 
 
+def prompt_text(tokenizer, messages: list[dict], tools=None) -> str:
+    """The context the model answers after messages (prompt_i for what follows): rendered as the labels are."""
+    t = template_of(tokenizer)
+    return t.render(_prepared(messages, t.args_as_string), tools, True)
+
+
 def _shape(m: dict) -> tuple:
     return bool(m.get("content")), bool(m.get("reasoning_content")), len(m.get("tool_calls") or ())
 
