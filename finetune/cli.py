@@ -16,7 +16,7 @@ import typer
 
 from .config import Config, ConfigError, load_config, parse_value
 from .errors import FinetuneError
-from .lock import RUN_LOCK, hold_run_lock
+from .lock import RUN_LOCK, hold_run_lock, release_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
@@ -83,7 +83,7 @@ def check_paths(cfg: Config) -> None:
     remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
     for key, value in remote.items():
         if value.startswith((".", "/", "~")) or value.endswith((".json", ".jsonl", ".parquet")):
-            raise ConfigError(f"{key}: {value} does not exist")
+            raise ConfigError(f"{key.replace('.', ' ')} '{value}' does not exist")
     if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
         raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory")
     proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
@@ -208,25 +208,32 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         if no_resume:
             cfg.checkpoint.resume = False
         lock = Path(cfg.output_dir) / RUN_LOCK
-        if os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):  # a rank our launcher started for this run:
-            return cfg, None  # the launcher checked all this and holds the lock
+        if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
+            return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
         if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
             hold_run_lock(lock, f"output dir {cfg.output_dir}")
-        nothing_to_do = preflight(cfg)
+        try:
+            nothing_to_do = preflight(cfg)
+        except BaseException:
+            release_lock(lock)
+            raise
         hold_run_lock(lock, f"output dir {cfg.output_dir}")
-        return cfg, nothing_to_do
-    cfg, nothing_to_do = guarded(prepare, debug)
-    if nothing_to_do:
-        if os.environ.get("RANK", "0") == "0":
-            print(nothing_to_do, flush=True)
-        return
-    from .checkpoint import latest_complete
-    root = Path(cfg.output_dir) / "checkpoints"
-    before = latest_complete(root, report=False)
-    from .train import train
-    launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+        return cfg, nothing_to_do, lock
+    cfg, nothing_to_do, lock = guarded(prepare, debug)
+    try:  # the lock goes with the process anyway; released here for callers that run commands in-process
+        if nothing_to_do:
+            if os.environ.get("RANK", "0") == "0":
+                print(nothing_to_do, flush=True)
+            return
+        from .checkpoint import latest_complete
+        root = Path(cfg.output_dir) / "checkpoints"
+        before = latest_complete(root, report=False)
+        from .train import train
+        launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+    finally:
+        release_lock(lock)
 
 
 SPLIT_WHY = {"history": "the full conversation renders this turn differently",
@@ -283,11 +290,14 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
         load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         out = Path(cfg.output_dir).resolve()
         hold_run_lock(out.parent / f".{out.name}.lock", f"--output-dir {out}")  # beside it: `out` is replaced
-        return cfg
-    cfg = guarded(prepare, debug)
+        return cfg, out.parent / f".{out.name}.lock"
+    cfg, lock = guarded(prepare, debug)
     from .prepare import prepare_checkpoint as run_prepare
-    launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code, cfg.model.attn_implementation),
-           nproc_per_node, debug)
+    try:
+        launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
+                             cfg.model.attn_implementation), nproc_per_node, debug)
+    finally:
+        release_lock(lock)
 
 
 @app.command("export-hf")
