@@ -14,6 +14,8 @@ import time
 import traceback
 from pathlib import Path
 
+from dataclasses import asdict
+
 import torch
 
 from .config import Config, ConfigError, load_config, to_toml
@@ -111,7 +113,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     model = build_model(cfg.model.path, device, mesh, mixed_precision=t.mixed_precision, ac_ratio=cfg.ac.ratio,
                         ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
                         attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code)
+                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=t.seed)
     optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
     samples = iter(build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None,
                                  streaming=d.streaming, max_seq_len=d.max_seq_len, packing=d.packing, seed=t.seed))

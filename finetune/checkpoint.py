@@ -18,12 +18,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .distributed import any_rank, barrier, is_main, print0, world_size
 
 MARKER = "finetune_complete.json"
+TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # a LoRA checkpoint holds no frozen base weight
+# on load the frozen keys are absent by design (check_compatible has compared the trainable ones)
+TRAINABLE_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
 
@@ -99,12 +102,26 @@ def arch_of(hf_config) -> dict:
 
 def _model_keys(model) -> set[str]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return set(get_model_state_dict(model).keys())
+    return set(get_model_state_dict(model, options=TRAINABLE).keys())
+
+
+def lora_of(lora: dict | None) -> dict | None:
+    """The LoRA settings a resume must match (the base model's path may move)."""
+    return {k: v for k, v in lora.items() if k != "base_model"} if lora else None
 
 
 def check_compatible(path: Path, model, hf_config) -> None:
-    """Same architecture and parameter names as the checkpoint, or a one-line error saying what differs."""
+    """Same architecture, LoRA settings and parameter names as the checkpoint, or a one-line error saying what
+    differs."""
     marker = json.loads((path / MARKER).read_text())
+    saved, run = lora_of(marker.get("lora")), lora_of(model.lora)
+    if saved != run:
+        if saved and run:
+            diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {run[k]!r}" for k in saved if saved[k] != run.get(k)]
+            raise CheckpointError(f"checkpoint {path} has other LoRA settings than this run: {'; '.join(diffs)}")
+        what = lambda lora: f"LoRA (lora.rank={lora['rank']})" if lora else "full fine-tuning (lora.rank=0)"  # noqa
+        raise CheckpointError(f"checkpoint {path} is from {what(saved)}, this run is {what(run)}: resume a run of the "
+                              f"same kind, or start a new one (--no-resume / another --output-dir)")
     diffs = [f"{k}: checkpoint {v!r}, run {getattr(hf_config, k, None)!r}" for k, v in marker.get("arch", {}).items()
              if v != getattr(hf_config, k, None)]
     if diffs:
@@ -120,10 +137,11 @@ def check_compatible(path: Path, model, hf_config) -> None:
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
     check_compatible(path, model, hf_config)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
     sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
     dcp.load(sd, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=TRAINABLE_LOAD)
     scheduler.load_state_dict(sd["scheduler"])
 
 
@@ -144,9 +162,10 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
         sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
+                  "lora": model.lora,
                   "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
         if self.use_async:
             fut = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group)

@@ -62,7 +62,7 @@ def train(cfg: Config) -> dict:
     model = build_model(cfg.model.path, device, mesh, mixed_precision=t.mixed_precision, ac_ratio=cfg.ac.ratio,
                         ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
                         attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code)
+                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=t.seed)
     for m in model.modules():  # our loss is already the global mean: FSDP must sum, not average, over ranks
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
