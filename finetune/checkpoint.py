@@ -100,9 +100,13 @@ def arch_of(hf_config) -> dict:
     return {k: getattr(hf_config, k, None) for k in ARCH_KEYS}
 
 
-def _model_keys(model) -> set[str]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return set(get_model_state_dict(model, options=TRAINABLE).keys())
+def trainable_state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state of the trainable parameters. ignore_frozen_params keeps the second name of a
+    tied frozen weight (lm_head.weight of a tied LoRA base): such names are dropped here."""
+    from .model import clean_fqn
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
+    frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def lora_of(lora: dict | None) -> dict | None:
@@ -110,7 +114,7 @@ def lora_of(lora: dict | None) -> dict | None:
     return {k: v for k, v in lora.items() if k != "base_model"} if lora else None
 
 
-def check_compatible(path: Path, model, hf_config) -> None:
+def check_compatible(path: Path, model, optimizer, hf_config) -> None:
     """Same architecture, LoRA settings and parameter names as the checkpoint, or a one-line error saying what
     differs."""
     marker = json.loads((path / MARKER).read_text())
@@ -128,7 +132,7 @@ def check_compatible(path: Path, model, hf_config) -> None:
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
     saved = {k[len("model."):] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
              if k.startswith("model.")}
-    want = _model_keys(model)
+    want = set(trainable_state_dicts(model, optimizer)[0])
     if saved != want:
         missing, extra = sorted(want - saved), sorted(saved - want)
         raise CheckpointError(f"checkpoint {path} has other parameters than the model: "
@@ -136,8 +140,8 @@ def check_compatible(path: Path, model, hf_config) -> None:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
-    check_compatible(path, model, hf_config)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
+    check_compatible(path, model, optimizer, hf_config)
+    model_sd, optim_sd = trainable_state_dicts(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
     dcp.load(sd, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
@@ -162,7 +166,7 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
+        model_sd, optim_sd = trainable_state_dicts(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
                   "lora": model.lora,

@@ -214,6 +214,8 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", hel
               verify: bool = typer.Option(True, "--verify/--no-verify",
                                           help="reload with from_pretrained and compare logits (needs RAM for one "
                                                "fp32 copy of the model)"),
+              adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoints: write the PEFT adapter dir "
+                                           "(adapter_config.json + adapter_model.safetensors), not the merged model"),
               debug: bool = DEBUG):
     """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
     def run():
@@ -221,7 +223,7 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", hel
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
         try:
-            export(checkpoint, output_dir, dtype, max_shard_size, verify)
+            export(checkpoint, output_dir, dtype, max_shard_size, verify, adapter)
         except VerifyError as e:  # not bad input but a broken export: exit 1, nothing left in --output-dir
             if debug:
                 raise

@@ -108,14 +108,69 @@ def write_adapter(out: Path, lora: dict, base_model: str, tensors: dict[str, tor
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def merged(name: str, base: torch.Tensor, adapters: dict, scale: float) -> torch.Tensor:
+def merged(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
     """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target, the trained copy of a module to save,
-    else the base tensor. `adapters` holds the checkpoint's tensors by their names."""
-    stem = name.rsplit(".", 1)
-    copy = f"{stem[0]}.modules_to_save.default.{stem[1]}"
-    if copy in adapters:
-        return adapters[copy].float()
-    a, b = f"{stem[0]}.lora_A.default.weight", f"{stem[0]}.lora_B.default.weight"
-    if stem[1] == "weight" and a in adapters:
-        return base.float() + scale * (adapters[b].float() @ adapters[a].float())
-    return base
+    else the base tensor. load_adapter(checkpoint key) returns that tensor, or None when the checkpoint has none."""
+    module, leaf = name.rsplit(".", 1)
+    copy = load_adapter(f"{module}.modules_to_save.default.{leaf}")
+    if copy is not None:
+        return copy.float()
+    lora_a = load_adapter(f"{module}.lora_A.default.weight") if leaf == "weight" else None
+    if lora_a is None:
+        return base
+    return base.float() + scale * (load_adapter(f"{module}.lora_B.default.weight").float() @ lora_a.float())
+
+
+def open_safetensors(path: str) -> tuple[dict, callable]:
+    """{name: metadata} and name -> tensor of an HF model's safetensors files (a dir, or a hub id in the cache)."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    from .export import ST_DTYPES
+    from .model import ModelError
+    root = Path(path)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+        root = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.json"]))
+    dtypes = {v: k for k, v in ST_DTYPES.items()}
+    files, metas = {}, {}
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():
+                piece = f.get_slice(k)
+                files[k] = file
+                metas[k] = TensorStorageMetadata(TensorProperties(dtype=dtypes[piece.get_dtype()]),
+                                                 torch.Size(piece.get_shape()), [])
+    if not metas:
+        raise ModelError(f"the LoRA base model '{path}' has no safetensors weights")
+
+    def load(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+    return metas, load
+
+
+def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool) -> dict:
+    """A LoRA checkpoint's PEFT adapter dir; verified by PeftModel.from_pretrained: every adapter tensor must load
+    under its name (no missing or unexpected keys) with the checkpoint's values."""
+    from .export import MetadataOnceReader, VerifyError, load_tensor
+    reader = MetadataOnceReader(str(source.weights))
+    stored = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    tensors = {k: load_tensor(reader, k, meta) for k, meta in stored.items()}
+    write_adapter(out, source.lora, source.model_path, tensors, dtype)
+    if verify:  # on a base built from the config: the check is about names and adapter values
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=source.trust_remote_code)
+        state = PeftModel.from_pretrained(base, str(out)).state_dict()
+        lora_keys = {k for k in state if ".lora_" in k or ".modules_to_save." in k}
+        if lora_keys != {"base_model.model." + k for k in tensors}:
+            raise VerifyError(f"adapter check: peft loads {len(lora_keys)} adapter tensors, the checkpoint has "
+                              f"{len(tensors)}")
+        for k, t in tensors.items():
+            if not torch.equal(state["base_model.model." + k], t.to(dtype).to(state["base_model.model." + k].dtype)):
+                raise VerifyError(f"adapter check: peft's {k} differs from the checkpoint's")
+    print0(f"exported the LoRA adapter of {source.label} -> {out.name}: {len(tensors)} tensors "
+           f"({sum(t.numel() for t in tensors.values()) / 1e6:.3f}M params){', verified with peft' if verify else ''}")
+    return {"source": str(source.weights.resolve()), "base_model": source.model_path, "adapter": True,
+            "dtype": str(dtype).split(".")[1], "lora": source.lora}
