@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -162,7 +163,9 @@ def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool)
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
         base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=source.trust_remote_code)
-        state = PeftModel.from_pretrained(base, str(out)).state_dict()
+        with warnings.catch_warnings():  # transformers' deprecation notes from inside peft
+            warnings.simplefilter("ignore", FutureWarning)
+            state = PeftModel.from_pretrained(base, str(out)).state_dict()
         lora_keys = {k for k in state if ".lora_" in k or ".modules_to_save." in k}
         if lora_keys != {"base_model.model." + k for k in tensors}:
             raise VerifyError(f"adapter check: peft loads {len(lora_keys)} adapter tensors, the checkpoint has "
@@ -170,7 +173,7 @@ def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool)
         for k, t in tensors.items():
             if not torch.equal(state["base_model.model." + k], t.to(dtype).to(state["base_model.model." + k].dtype)):
                 raise VerifyError(f"adapter check: peft's {k} differs from the checkpoint's")
-    print0(f"exported the LoRA adapter of {source.label} -> {out.name}: {len(tensors)} tensors "
+    print0(f"exported the LoRA adapter of {source.label}: {len(tensors)} tensors "
            f"({sum(t.numel() for t in tensors.values()) / 1e6:.3f}M params){', verified with peft' if verify else ''}")
     return {"source": str(source.weights.resolve()), "base_model": source.model_path, "adapter": True,
             "dtype": str(dtype).split(".")[1], "lora": source.lora}

@@ -117,8 +117,9 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
     assert (resumed / "metrics.jsonl").read_text() == before
 
 
-def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, chat_file, tmp_path):
+def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_tied_dir, chat_file, tmp_path):
     from finetune.export import export_hf
+    from finetune.model import ModelError
     run_cli("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "run", *LORA,
             "train.lr=0", "train.max_steps=1", "train.micro_batch_size=4")
     export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), "bfloat16")
@@ -127,20 +128,33 @@ def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, chat_f
     for name, tensor in source.items():
         assert torch.equal(exported[name], tensor), name
 
+    step = tmp_path / "run" / "checkpoints" / "step-1"  # the recorded base replaced by another architecture
+    marker = json.loads((step / "finetune_complete.json").read_text())
+    marker["lora"]["base_model"] = str(qwen_tied_dir)
+    (step / "finetune_complete.json").write_text(json.dumps(marker))
+    with pytest.raises(ModelError, match=f"the LoRA base model '{qwen_tied_dir}' is not the one .* trained: model_type"):
+        export_hf(str(step), str(tmp_path / "other"), "bfloat16")
+    assert not (tmp_path / "other").exists()
 
-def test_training_updates_only_fp32_adapters_and_keeps_the_bf16_base_bit_identical(llama_dir, chat_file):
-    """In process, one rank, bf16 mixed precision: the frozen base is bf16 (no fp32 copy), has no grad, and after a
-    few large optimizer steps still equals the source bit for bit; only the fp32 adapters moved."""
+
+def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit_identical(llama_dir, tmp_path):
+    """In process, one rank, bf16 mixed precision, base weights from a prepared checkpoint: the frozen base is bf16
+    (no fp32 copy), gets no grad, and after a few large optimizer steps still equals the source bit for bit; only the
+    fp32 adapters moved. The merged export over the prepared base equals the one over the HF dir."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+    from finetune.checkpoint import Checkpointer, TrainState
     from finetune.distributed import init_distributed
+    from finetune.export import export_hf
     from finetune.lora import base_name, is_adapter
     from finetune.model import build_model, clean_fqn
-    from finetune.optim import build_optimizer
+    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.prepare import prepare_checkpoint
     device, mesh = init_distributed()
     try:
+        prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
         lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-        model = build_model(str(llama_dir), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
+        model = build_model(str(prepared), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
         optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.95), 1e-8)
         assert sum(len(g["params"]) for g in optimizer.param_groups) == 2 * 7 * 4  # A and B on 7 linears x 4 blocks
         before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if is_adapter(n)}
@@ -159,8 +173,25 @@ def test_training_updates_only_fp32_adapters_and_keeps_the_bf16_base_bit_identic
             else:
                 assert p.dtype == torch.bfloat16 and not p.requires_grad and p.grad is None, name
                 assert torch.equal(p.full_tensor(), source[base_name(clean_fqn(name))]), name
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / "config.toml").write_text(f'[model]\npath = "{prepared}"\n')
+        scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=3, min_lr_ratio=1.0)
+        step = Checkpointer(run / "checkpoints", keep=1, use_async=False).save(3, model, optimizer, scheduler,
+                                                                                TrainState(), model.config)
     finally:
         dist.destroy_process_group()
+    export_hf(str(run), str(tmp_path / "from_prepared"), "float32")
+    marker = json.loads((step / "finetune_complete.json").read_text())
+    assert marker["lora"]["base_model"] == str(prepared)
+    marker["lora"]["base_model"] = str(llama_dir)
+    (step / "finetune_complete.json").write_text(json.dumps(marker))
+    export_hf(str(run), str(tmp_path / "from_hf"), "float32")
+    merged, again = read_weights(tmp_path / "from_prepared"), read_weights(tmp_path / "from_hf")
+    assert set(merged) == set(again) == set(source)
+    assert all(torch.equal(merged[k], again[k]) for k in merged)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           source["model.layers.0.self_attn.q_proj.weight"].float())
 
 
 def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
