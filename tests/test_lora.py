@@ -195,14 +195,19 @@ def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit
 
 
 def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
-    from finetune.config import ConfigError, load_config
+    from finetune.config import ConfigError, load_config, to_toml
     from finetune.lora import apply_lora
     from finetune.model import ModelError, build_skeleton, load_hf_config
     base = {"model.path": str(llama_dir), "data.path": "x.jsonl", "output_dir": str(tmp_path)}
     with pytest.raises(ConfigError, match=r"lora.rank must be >= 0 \(0 = off\), got -1"):
         load_config(None, {**base, "lora.rank": -1})
-    cfg = load_config(None, {**base, "lora.rank": 8, "lora.target_modules": ["q_proj", "v_proj"]})
-    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    cfg = load_config(None, {**base, "lora.rank": 8, "lora.target_modules": ["q_proj", "v_proj"],
+                             "lora.modules_to_save": ["lm_head"]})
+    (tmp_path / "config.toml").write_text(to_toml(cfg))  # what bench's workers (and export) read back
+    assert load_config(tmp_path / "config.toml").lora == cfg.lora
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.lora.rank == 8
+    with pytest.raises(ConfigError, match="lora.target_modules must be str or list, got 3"):
+        load_config(None, {**base, "lora.target_modules": 3})
     cases = [(dict(target_modules=["q_proj", "qkv"]), "lora.target_modules: 'qkv' matches no module of"),
              (dict(target_modules=[]), "lora.target_modules must be"),
              (dict(modules_to_save=["lm_heads"]), "lora.modules_to_save: 'lm_heads' matches no module of")]
