@@ -118,13 +118,13 @@ def check_compatible(path: Path, model, optimizer, hf_config) -> None:
     """Same architecture, LoRA settings and parameter names as the checkpoint, or a one-line error saying what
     differs."""
     marker = json.loads((path / MARKER).read_text())
-    saved, run = lora_of(marker.get("lora")), lora_of(model.lora)
+    saved, run = lora_of(marker.get("lora")), lora_of(getattr(model, "lora", None))
     if saved != run:
         if saved and run:
             diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {run[k]!r}" for k in saved if saved[k] != run.get(k)]
             raise CheckpointError(f"checkpoint {path} has other LoRA settings than this run: {'; '.join(diffs)}")
-        what = lambda lora: f"LoRA (lora.rank={lora['rank']})" if lora else "full fine-tuning (lora.rank=0)"  # noqa
-        raise CheckpointError(f"checkpoint {path} is from {what(saved)}, this run is {what(run)}: resume a run of the "
+        kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
+        raise CheckpointError(f"checkpoint {path} is from {kinds[0]}, this run is {kinds[1]}: resume a run of the "
                               f"same kind, or start a new one (--no-resume / another --output-dir)")
     diffs = [f"{k}: checkpoint {v!r}, run {getattr(hf_config, k, None)!r}" for k, v in marker.get("arch", {}).items()
              if v != getattr(hf_config, k, None)]
@@ -169,7 +169,7 @@ class Checkpointer:
         model_sd, optim_sd = trainable_state_dicts(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
-                  "lora": model.lora,
+                  "lora": getattr(model, "lora", None),
                   "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
         if self.use_async:
             fut = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group)

@@ -179,18 +179,18 @@ def open_tensors(source: Source, hf_config) -> tuple[dict, Callable[[str], torch
 
 
 def untie_trained_apart(source: Source, hf_config) -> None:
-    """A tied embedding that lora.modules_to_save trained apart from its twin is exported untied (says so)."""
+    """A tied embedding that LoRA changed apart from its twin (modules_to_save, or an adapter on it) is exported
+    untied, and the export says so."""
     skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
     embedding = skeleton.get_input_embeddings().weight
-    tied = {n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is embedding}
-    md = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
-    apart = sorted(k[len("model."):].replace(".modules_to_save.default", "") for k in md
-                   if ".modules_to_save.default." in k) if source.lora else []
-    apart = [n for n in apart if n in tied]
+    tied = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is embedding]
+    keys = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
+    apart = [n for n in tied if f"model.{n[:-len('.weight')]}.modules_to_save.default.weight" in keys
+             or f"model.{n[:-len('.weight')]}.lora_A.default.weight" in keys]
     if len(tied) > 1 and apart:
         hf_config.tie_word_embeddings = False
-        print0(f"note: lora.modules_to_save trained {', '.join(apart)} apart from its tied twin: the export unties "
-               f"them (tie_word_embeddings=false)")
+        print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "
+               f"(tie_word_embeddings=false)")
 
 
 def to_disk(skeleton, tensors: dict) -> dict:

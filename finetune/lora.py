@@ -51,16 +51,16 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     and keep it in base_dtype. Returns the settings a checkpoint records (None when rank is 0)."""
     if rank == 0:
         return None
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
     from .model import ModelError, find_layers
     targets = resolve_targets(model, find_layers(model), target_modules)
     names = [n for n, _ in model.named_modules()]
     for name in modules_to_save:
         if not any(n == name or n.endswith("." + name) for n in names):
             raise ModelError(f"lora.modules_to_save: '{name}' matches no module of {type(model).__name__}")
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                        modules_to_save=list(modules_to_save) or None)
-    inject_adapter_in_model(config, model)
+    settings = {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": targets,
+                "modules_to_save": list(modules_to_save)}
+    inject_adapter_in_model(peft_config(settings), model)
     for p in model.parameters():  # frozen weights are never trained: no fp32 master copy of them
         if not p.requires_grad:
             p.data = p.data.to(base_dtype)
@@ -69,15 +69,21 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     num_adapted = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
     print0(f"lora: rank {rank}, alpha {alpha:g} on {num_adapted} linear layers; trainable {trainable / 1e6:.3f}M of "
            f"{total / 1e6:.1f}M params ({trainable / total:.2%})")
-    return {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": targets,
-            "modules_to_save": list(modules_to_save)}
+    return settings
+
+
+def peft_config(lora: dict, **kwargs):
+    """peft's LoraConfig for our settings (training and the adapter dir use the same one)."""
+    from peft import LoraConfig
+    return LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=lora["target_modules"], modules_to_save=lora["modules_to_save"] or None, **kwargs)
 
 
 @torch.no_grad()
 def init_lora_weights(model: nn.Module, seed: int) -> None:
     """As peft initialises them (A kaiming-uniform, B zeros, so training starts at the base model), from `seed`:
     every rank draws the same full tensors in the same order, so any world size starts identically."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if not is_adapter(name):
@@ -85,10 +91,7 @@ def init_lora_weights(model: nn.Module, seed: int) -> None:
         full = torch.zeros(p.shape, dtype=p.dtype)
         if ".lora_A." in name:
             nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
-        if isinstance(p, DTensor):
-            p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
-        else:
-            p.copy_(full)
+        p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
 
 
 def peft_key(fqn: str) -> str:
@@ -99,12 +102,8 @@ def peft_key(fqn: str) -> str:
 
 def write_adapter(out: Path, lora: dict, base_model: str, tensors: dict[str, torch.Tensor], dtype) -> None:
     """adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained lays them out."""
-    from peft import LoraConfig
     from safetensors.torch import save_file
-    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                        target_modules=lora["target_modules"], modules_to_save=lora["modules_to_save"] or None,
-                        task_type="CAUSAL_LM", base_model_name_or_path=base_model)
-    config.save_pretrained(str(out))
+    peft_config(lora, task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
     save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 

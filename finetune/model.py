@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import is_main, print0
-from .lora import apply_lora, init_lora_weights
+from .lora import apply_lora, base_name, init_lora_weights, is_adapter
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
@@ -202,7 +202,6 @@ def load_hf_weights(model: nn.Module, path: str, trust_remote_code: bool = False
     """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype (fp32 masters, or the frozen
     base's dtype under LoRA) and scattered to its shards in turn. LoRA adapters are left to init_lora_weights."""
     from collections import Counter
-    from .lora import base_name, is_adapter
     full = None
     if is_main():
         from transformers import AutoModelForCausalLM
@@ -231,12 +230,14 @@ def load_prepared_weights(model: nn.Module, path: str) -> None:
     """DCP-load a prepared checkpoint straight into the shards (any world size: DCP reshards; it casts to each
     parameter's dtype). A module to save under LoRA loads into its frozen original, then its trained copy."""
     import torch.distributed.checkpoint as dcp
-    from .lora import base_name, is_adapter
     targets, copies = {}, []
     for name, param in model.named_parameters():
         if not is_adapter(name):
             key = base_name(clean_fqn(name))
-            (copies.append((param, key)) if key in targets else targets.__setitem__(key, param))
+            if key in targets:
+                copies.append((param, key))
+            else:
+                targets[key] = param
     dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
     with torch.no_grad():
         for param, key in copies:

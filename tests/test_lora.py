@@ -132,7 +132,8 @@ def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_t
     marker = json.loads((step / "finetune_complete.json").read_text())
     marker["lora"]["base_model"] = str(qwen_tied_dir)
     (step / "finetune_complete.json").write_text(json.dumps(marker))
-    with pytest.raises(ModelError, match=f"the LoRA base model '{qwen_tied_dir}' is not the one .* trained: model_type"):
+    with pytest.raises(ModelError, match=f"the LoRA base model '{qwen_tied_dir}' is not the one .* trained: "
+                                         f"model_type"):
         export_hf(str(step), str(tmp_path / "other"), "bfloat16")
     assert not (tmp_path / "other").exists()
 
