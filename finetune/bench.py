@@ -83,66 +83,55 @@ def saved_for_backward_mb(model, batch: dict, denom: torch.Tensor) -> float:
     return num_bytes / 2**20
 
 
-def train_step(model, optimizer, micro_batches: list[dict], device, max_grad_norm: float) -> None:
-    """One optimizer step as train.train does it: accumulate over micro-batches, sync on the last, clip, step."""
-    from .train import clip_grad_norm
-    num_tokens = sum(int((b["shift_labels"] != -100).sum()) for b in micro_batches)
-    denom = torch.tensor(max(num_tokens, 1.0), device=device)
-    for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        model.set_requires_gradient_sync(last)
-        model.set_is_last_backward(last)
-        model(**batch, num_items_in_batch=denom, use_cache=False).loss.backward()
-    clip_grad_norm(model, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
-    from .data import build_samples
-    from .distributed import init_distributed
+    from .data import IGNORE_INDEX, build_samples
+    from .distributed import init_distributed, world_size
     from .metrics import flops_per_token, peak_flops, peak_mem_mb
     from .model import ac_layer_ids, build_model, load_tokenizer
     from .optim import build_optimizer
-    from .train import next_micro_batches
+    from .train import LOSS, next_micro_batches, train_step
     device, mesh = init_distributed()
-    t, d = cfg.train, cfg.data
-    torch.manual_seed(t.seed)
+    tc, dc = cfg.train, cfg.data
+    torch.manual_seed(tc.seed)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    model = build_model(cfg.model.path, device, mesh, mixed_precision=t.mixed_precision, ac_ratio=cfg.ac.ratio,
+    model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
                         ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
                         attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=t.seed)
-    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
-    samples = iter(build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None,
-                                 streaming=d.streaming, max_seq_len=d.max_seq_len, packing=d.packing, seed=t.seed))
-    batches = [[{k: v.to(device) for k, v in b.items()} for b in next_micro_batches(
-        samples, t.micro_batch_size, t.grad_accum_steps, tok.pad_token_id, d.max_seq_len)[0]] for _ in range(warmup + steps)]
+                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    samples = iter(build_samples(dc.path, tok, fmt=dc.format, split=dc.split, name=dc.name or None,
+                                 streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
+                                 rank=mesh.get_local_rank(), world_size=world_size()))
+    steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
+                                     dc.max_seq_len) for _ in range(warmup + steps)]
+    steps_data = [([{k: v.to(device) for k, v in b.items()} for b in mbs], n) for mbs, n in steps_data]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for micro_batches in batches:
+    times, results = [], []
+    for micro_batches, num_input_tokens in steps_data:
         sync()
         t0 = time.perf_counter()
-        train_step(model, optimizer, micro_batches, device, t.max_grad_norm)
+        results.append(train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
+                                  max_grad_norm=tc.max_grad_norm)[0])
         sync()
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times[warmup:])
     num_layers = model.config.num_hidden_layers  # (find_layers cannot tell mixed FSDP/AC blocks apart yet)
     num_params = sum(p.numel() for p in model.parameters())
-    tokens_per_step = t.micro_batch_size * t.grad_accum_steps * d.max_seq_len
+    tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * dc.max_seq_len
     peak = peak_flops(device)
-    flops_tok = flops_per_token(num_params, num_layers, model.config.hidden_size, d.max_seq_len)
+    flops_tok = flops_per_token(num_params, num_layers, model.config.hidden_size, dc.max_seq_len)
     result = {"ac_ratio": cfg.ac.ratio, "ac_mode": cfg.ac.mode, "ac_blocks": ac_layer_ids(num_layers, cfg.ac.ratio),
-              "num_layers": num_layers, "num_params": num_params, "micro_batch_size": t.micro_batch_size,
-              "grad_accum_steps": t.grad_accum_steps, "seq_len": d.max_seq_len, "step_time_s": step_time,
+              "num_layers": num_layers, "num_params": num_params, "micro_batch_size": tc.micro_batch_size,
+              "grad_accum_steps": tc.grad_accum_steps, "seq_len": dc.max_seq_len, "step_time_s": step_time,
               "step_times_s": times, "tokens_per_s": tokens_per_step / step_time,
               "mfu": tokens_per_step / step_time * flops_tok / peak if peak else None,
               "peak_mem_mb": peak_mem_mb(device),
               "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
-              "device": device_name(), "device_memory_mb": default_budget_mb()}
-    first = batches[0][0]
-    denom = torch.tensor(max(float((first["shift_labels"] != -100).sum()), 1.0), device=device)
+              "device": device_name(), "device_memory_mb": default_budget_mb(),
+              "losses": [r[LOSS] for r in torch.stack(results).tolist()]}
+    first = steps_data[0][0][0]
+    denom = torch.tensor(max(float((first["shift_labels"] != IGNORE_INDEX).sum()), 1.0), device=device)
     result["saved_mb"] = saved_for_backward_mb(model, first, denom)
     return result
 

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from . import faults
 from .distributed import any_rank, barrier, is_main, print0, world_size
 
 MARKER = "finetune_complete.json"
@@ -191,8 +192,7 @@ class Checkpointer:
 
     def _finish(self, path: Path, marker: dict) -> None:
         """Rank 0 marks the checkpoint complete, then prunes: the last complete one survives until then."""
-        if f"kill_in_save={marker['step']}" in os.environ.get("FINETUNE_TEST_FAULTS", ""):  # see train.py
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.kill_if("kill_in_save", marker["step"])
         if not is_main():
             return
         tmp = path / (MARKER + ".tmp")

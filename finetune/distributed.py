@@ -54,6 +54,13 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over ranks in place (a no-op on one rank); returns it."""
+    if world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def all_reduce_sum(value: float | int, device: torch.device) -> float:
     """Sum a Python number over ranks (fp64, so token counts and losses stay exact)."""
     t = torch.tensor(float(value), dtype=torch.float64, device=device)

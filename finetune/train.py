@@ -1,21 +1,21 @@
 """The training loop: one explicit loop from the first batch to the last checkpoint, readable top to bottom."""
 from __future__ import annotations
 
+import json
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from . import checkpoint as ckpt
+from . import faults
 from .config import Config, to_toml
-from .data import build_samples, pad_collate
-from .distributed import all_reduce_sum, init_distributed, is_main, print0, world_size
+from .data import IGNORE_INDEX, build_samples, pad_collate
+from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .evaluate import evaluate
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb
 from .model import build_model, find_layers, load_tokenizer
@@ -28,10 +28,10 @@ class NonFiniteError(RuntimeError):
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
     """Targets for each position (label of the next token); no target across a packed-sample boundary."""
-    shifted = torch.full_like(labels, -100)
+    shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
     if position_ids is not None:
-        shifted[:, :-1][position_ids[:, 1:] == 0] = -100
+        shifted[:, :-1][position_ids[:, 1:] == 0] = IGNORE_INDEX
     return shifted
 
 
@@ -47,117 +47,131 @@ def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pa
     return batches, num_input_tokens
 
 
+# what train_step returns, one float64 device tensor per step: index of each value
+LOSS, GRAD_NORM, NUM_TOKENS, NUM_INPUT_TOKENS, STOP = range(5)
+
+
+def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
+               skip_nonfinite: bool = False, stop: bool = False) -> tuple[torch.Tensor, bool]:
+    """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run).
+
+    Forward/backward each micro-batch on the summed token losses (gradient sync on the last), then ONE all_reduce
+    of [label tokens, input tokens, loss sum, stop] over the ranks; the gradients are divided by the global
+    label-token count on the device, so the loss is the mean over every label token of the global batch, whatever
+    the split into ranks and micro-batches. Then clip and step. Returns ([loss, grad_norm, label tokens, input
+    tokens, stop] as one float64 tensor on the device, never read here, and whether the update was skipped).
+    `skip_nonfinite` (nan_policy "skip") reads loss and grad norm on the host to skip a non-finite update."""
+    device = next(model.parameters()).device
+    one = torch.ones((), device=device)  # num_items_in_batch: HF losses return the sum over label tokens
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    num_tokens = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in micro_batches)
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
+        loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
+        loss.backward()
+        loss_sum += loss.detach().double()
+    counts = torch.tensor([0.0, num_input_tokens, float(stop)], dtype=torch.float64).to(device, non_blocking=True)
+    stats = torch.stack([num_tokens.to(device, torch.float64), counts[1], loss_sum, counts[2]])
+    all_reduce(stats)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, (1 / stats[0].clamp(min=1)).float())
+    grad_norm = clip_grad_norm(model, max_grad_norm)
+    result = torch.stack([stats[2] / stats[0].clamp(min=1), grad_norm.double(), stats[0], stats[1], stats[3]])
+    skipped = skip_nonfinite and not bool(torch.isfinite(result[:2]).all())
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return result, skipped
+
+
 def train(cfg: Config) -> dict:
     """Run SFT as configured; returns the final metrics record (rank 0) and held-out results."""
     device, mesh = init_distributed()
     out = Path(cfg.output_dir)
-    t, d = cfg.train, cfg.data
+    tc, dc = cfg.train, cfg.data
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
-    torch.manual_seed(t.seed)
-    tokenizer = load_tokenizer(cfg.model.path)
+    torch.manual_seed(tc.seed)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
-    model = build_model(cfg.model.path, device, mesh, mixed_precision=t.mixed_precision, ac_ratio=cfg.ac.ratio,
+    model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
                         ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
                         attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=t.seed)
-    for m in model.modules():  # our loss is already the global mean: FSDP must sum, not average, over ranks
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    optimizer = build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
-    scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
-                                min_lr_ratio=t.min_lr_ratio)
+                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
+                                min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
 
-    samples = build_samples(d.path, tokenizer, fmt=d.format, split=d.split, name=d.name or None,
-                            streaming=d.streaming, max_seq_len=d.max_seq_len, packing=d.packing, seed=t.seed,
+    samples = build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
+                            streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
                             rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen)
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
     sample_iter = iter(samples)
-    pad_to = d.max_seq_len if d.pad_to_max else None
-    global_batch = t.micro_batch_size * t.grad_accum_steps * world_size()
+    pad_to = dc.max_seq_len if dc.pad_to_max else None
+    global_batch = tc.micro_batch_size * tc.grad_accum_steps * world_size()
     if state.step and state.samples_seen != state.step * global_batch:  # allowed, but then not the same run
         print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
                f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
 
     num_params = sum(p.numel() for p in model.parameters())
-    cfg_hf = model.config
-    flops_tok = flops_per_token(num_params, len(find_layers(model)), cfg_hf.hidden_size, d.max_seq_len)
+    hf_config = model.config
+    flops_tok = flops_per_token(num_params, len(find_layers(model)), hf_config.hidden_size, dc.max_seq_len)
     peak = peak_flops(device)
     print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type}, "
-           f"{t.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} samples")
+           f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} samples")
 
     eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
     signals = ckpt.SignalFlag()
-    faults = fault_injection()
-    bar = progress_bar(t.max_steps, state.step, cfg.log.progress)
+    bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
+    # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
+    # checkpoint steps (and every step under nan_policy "skip"), so the GPU never waits for the host in between.
+    pending: list[tuple[torch.Tensor, dict]] = []
     record: dict = {}
     try:
-        while state.step < t.max_steps:
+        while state.step < tc.max_steps:
+            step = state.step + 1
+            faults.kill_if("kill_at_step", step)
+            faults.pause_if(step, lambda: signals.name is not None)
             t0 = time.perf_counter()
-            micro_batches, local_input_tokens = next_micro_batches(sample_iter, t.micro_batch_size, t.grad_accum_steps,
-                                               tokenizer.pad_token_id, pad_to)
-            local_tokens = sum(int((b["shift_labels"] != -100).sum()) for b in micro_batches)
-            num_tokens = all_reduce_sum(local_tokens, device)
-            num_input_tokens = all_reduce_sum(local_input_tokens, device)
-            denom = torch.tensor(max(num_tokens, 1.0), device=device)
-            loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-            for i, batch in enumerate(micro_batches):
-                last = i == len(micro_batches) - 1
-                model.set_requires_gradient_sync(last)
-                model.set_is_last_backward(last)
-                batch = {k: v.to(device) for k, v in batch.items() if v is not None}
-                loss = model(**batch, num_items_in_batch=denom, use_cache=False).loss
-                if state.step + 1 == faults.get("nan_at_step"):
-                    loss = loss * float("nan")
-                if state.step + 1 == faults.get("kill_at_step"):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(faults.get("step_sleep_s", 0))
-                loss.backward()
-                loss_sum += loss.detach().double()
-            loss_value = all_reduce_sum(loss_sum.item(), device)
-            grad_norm = clip_grad_norm(model, t.max_grad_norm)
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                if t.nan_policy == "stop":
-                    raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss_value) else 'grad norm'} "
-                                         f"at step {state.step + 1} (loss={loss_value}, grad_norm={grad_norm}); "
-                                         f"stopping (train.nan_policy=\"stop\")")
+            micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
+                                                                 tc.grad_accum_steps, tokenizer.pad_token_id, pad_to)
+            result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
+                                         max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
+                                         stop=signals.name is not None)
+            if skipped:
                 state.skipped_steps += 1
-                print0(f"step {state.step + 1}: non-finite loss/grad norm, update skipped "
-                       f"({state.skipped_steps} skipped so far)")
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                print0(f"step {step}: non-finite loss/grad norm, update skipped ({state.skipped_steps} skipped so far)")
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            state.step += 1
-            state.samples_seen += global_batch
-            state.tokens_seen += int(num_tokens)
-            dt = time.perf_counter() - t0
-            tokens_per_s = num_input_tokens / dt  # all real (non-pad) tokens processed, not only labels
-            record = {"step": state.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                      "num_tokens": int(num_tokens), "tokens_per_s": tokens_per_s, "step_time_s": dt,
-                      "peak_mem_mb": peak_mem_mb(device), "tokens_seen": state.tokens_seen}
-            if peak:
-                record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())
-            logger.log(record)
-            report(bar, record, t.log_interval, t.max_steps)
-            stop = signals.any_set(device)
-            if stop or state.step == t.max_steps or (cfg.checkpoint.interval and
-                                                     state.step % cfg.checkpoint.interval == 0):
-                path = saver.save(state.step, model, optimizer, scheduler, state, model.config)
+            state.step, state.samples_seen = step, state.samples_seen + global_batch
+            pending.append((result, {"step": step, "lr": lr, "step_time_s": time.perf_counter() - t0}))
+            save = step == tc.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
+            if device.type != "cuda" or save or step % tc.log_interval == 0 or tc.nan_policy == "skip":
+                values = torch.stack([r for r, _ in pending]).tolist()  # the one host read
+                for v, timing in zip(values, [t for _, t in pending]):
+                    record = make_record(v, timing, state, tc.nan_policy, device, flops_tok, peak)
+                    logger.log(record)
+                    report(bar, record, tc.log_interval, tc.max_steps)
+                pending.clear()
+                stop = values[-1][STOP] > 0
+                if save or stop:
+                    path = saver.save(step, model, optimizer, scheduler, state, model.config)
                 if stop:
                     saver.wait()
-                    print0(f"received {signals.name}: saved checkpoint {path} at step {state.step}; exiting")
+                    print0(f"received {signals.name or 'a signal (on another rank)'}: saved checkpoint {path} at "
+                           f"step {step}; exiting")
                     return record
         saver.wait()
         if samples.num_samples is None:
@@ -168,30 +182,44 @@ def train(cfg: Config) -> dict:
         if bar is not None:
             bar.close()
     if cfg.eval.path:
-        result = evaluate(model, tokenizer, cfg.eval, device)
-        record["eval"] = result
-        before = f"{eval_before['exact_match']:.1%} -> " if eval_before else ""
-        lbefore = f"{eval_before['loss']:.3f} -> " if eval_before else ""
-        print0(f"held-out ({result['num_samples']} questions): exact match {before}{result['exact_match']:.1%}, "
-               f"loss {lbefore}{result['loss']:.3f}")
-        if is_main():
-            (out / "eval.json").write_text(__import__("json").dumps({"before": eval_before, "after": result}))
+        record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device), eval_before, out)
     return record
 
 
-def fault_injection() -> dict:
-    """Faults the tests inject: FINETUNE_TEST_FAULTS="nan_at_step=6,kill_at_step=6,step_sleep_s=0.5"."""
-    spec = os.environ.get("FINETUNE_TEST_FAULTS", "")
-    return {k: float(v) if "." in v else int(v) for k, _, v in (x.partition("=") for x in spec.split(",") if x)}
+def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_policy: str, device, flops_tok: float,
+                peak: float | None) -> dict:
+    """One step's metrics from train_step's values; counts tokens_seen; raises on non-finite (policy "stop")."""
+    loss, grad_norm = values[LOSS], values[GRAD_NORM]
+    if nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} at step "
+                             f"{timing['step']} (loss={loss}, grad_norm={grad_norm}); stopping "
+                             f"(train.nan_policy=\"stop\")")
+    state.tokens_seen += int(values[NUM_TOKENS])
+    tokens_per_s = values[NUM_INPUT_TOKENS] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
+    record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
+              "num_tokens": int(values[NUM_TOKENS]), "tokens_per_s": tokens_per_s,
+              "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device), "tokens_seen": state.tokens_seen}
+    if peak:
+        record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())
+    return record
 
 
-def clip_grad_norm(model, max_norm: float) -> float:
-    """Global grad norm over all shards (clipped when max_norm > 0)."""
+def report_eval(result: dict, before: dict | None, out: Path) -> dict:
+    """Print the held-out result (beside the one before training) and write eval.json; returns the result."""
+    em = f"{before['exact_match']:.1%} -> " if before else ""
+    loss = f"{before['loss']:.3f} -> " if before else ""
+    print0(f"held-out ({result['num_samples']} questions): exact match {em}{result['exact_match']:.1%}, "
+           f"loss {loss}{result['loss']:.3f}")
+    if is_main():
+        (out / "eval.json").write_text(json.dumps({"before": before, "after": result}))
+    return result
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Global grad norm over all shards (clipped when max_norm > 0), as a tensor on the device."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm.item()
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def describe_counts(counts: dict) -> str:

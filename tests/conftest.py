@@ -64,3 +64,20 @@ def chat_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in make_chat_rows(96)))
     return path
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """reference(model_dir, data, *overrides, nproc=1) -> the output dir of that in-process sft run (helpers.sft),
+    run once per session and shared by every test that compares against it (do not write into it)."""
+    from helpers import sft
+    runs = {}
+
+    def run(model_dir, data, *overrides, nproc=1):
+        key = (str(model_dir), str(data), tuple(map(str, overrides)), nproc)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("reference")
+            sft(model_dir, data, out, *overrides, nproc=nproc)
+            runs[key] = out
+        return runs[key]
+    return run

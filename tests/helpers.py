@@ -1,14 +1,198 @@
-"""Run the real CLI in a subprocess (as users do) and read what it wrote."""
+"""Test helpers: run a function on N gloo ranks in fresh processes (`run_ranks`), run the real CLI in a subprocess
+(`run_cli`), read what a run wrote."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Imported once by the fork server, so a rank forked from it starts warm (~0.1 s) instead of paying the ~5 s
+# torch/transformers import floor of a fresh interpreter. Anything not listed is imported lazily per rank.
+PRELOAD = ["pytest", "torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "datasets", "accelerate",
+           "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen2.modeling_qwen2", "finetune.train", "finetune.bench", "finetune.prepare",
+           "finetune.export", "helpers"]
+
+
+class RankError(RuntimeError):
+    """A rank died without a result, or the ranks did not finish in time."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a rank (shown by pytest as the cause of the re-raised exception)."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _rank_main(conn, fn, args, rank: int, world_size: int, workdir: str, env: dict, timeout_s: float) -> None:
+    """One rank: its stdout/stderr into files the caller replays, the process group on a FileStore, fn(*args)."""
+    for fd, name in ((1, "out"), (2, "err")):
+        f = os.open(os.path.join(workdir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **env})
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        message = ("ok", fn(*args))
+    except BaseException as e:  # noqa: BLE001 - everything, SystemExit included, goes back to the test
+        tb = traceback.format_exc()
+        try:
+            pickle.loads(pickle.dumps(e))
+        except Exception:  # noqa: BLE001 - an exception that does not survive pickling: its text does
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        message = ("error", e, tb)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:  # before the group goes: the other ranks then fail on a closed connection, a symptom of this error
+        conn.send(message)
+    except Exception as e:  # noqa: BLE001 - an unpicklable return value
+        conn.send(("error", RuntimeError(f"rank {rank}: cannot send the return value back: {e}"), ""))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout_s: float = 300) -> list:
+    """Run `fn(*args)` on `world_size` gloo ranks and return their return values, rank 0 first.
+
+    `fn` must be a top-level (picklable) function, its args and return value picklable. Each rank is a fresh
+    process forked from a warm fork server (torch, transformers and finetune already imported), with
+    RANK/WORLD_SIZE/LOCAL_RANK set, OMP_NUM_THREADS=1, the `env` entries added (the server's environment is this
+    process's when it started: pass what a call needs, e.g. FINETUNE_TEST_FAULTS, in `env`), and the default group
+    initialised (gloo, one FileStore per call), so `finetune.train.train(cfg)` and any library function
+    run as under torchrun. The ranks' stdout/stderr are replayed on this process's after the call (pytest's
+    capsys/capfd see them; rank 0 first).
+
+    An exception raised in a rank is re-raised here (the first one to arrive; its remote traceback is the cause);
+    a rank that dies without a result or a call that outlives `timeout_s` raises RankError, and the ranks still
+    running are killed.
+
+        def all_ranks_sum(x):                       # in a test module, at top level
+            import torch, torch.distributed as dist
+            t = torch.tensor(float(x)); dist.all_reduce(t); return t.item()
+
+        assert run_ranks(all_ranks_sum, 2, 3) == [6.0, 6.0]
+    """
+    ctx = _context()
+    workdir = tempfile.mkdtemp(prefix="run_ranks-")
+    procs, conns = {}, {}
+    results: dict[int, object] = {}
+    errors = []  # (rank, exception, traceback text) in order of arrival
+    try:
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, args=(child, fn, args, rank, world_size, workdir, env or {}, timeout_s),
+                            name=f"rank{rank}")
+            p.start()
+            child.close()
+            procs[rank], conns[rank] = p, parent
+        deadline = time.monotonic() + timeout_s
+        while conns:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = set(wait([*conns.values(), *(procs[r].sentinel for r in conns)], timeout=remaining))
+            for rank in list(conns):
+                conn = conns[rank]
+                if conn in ready or procs[rank].sentinel in ready:
+                    try:
+                        message = conn.recv() if conn.poll() else None
+                    except EOFError:
+                        message = None
+                    if message is None:
+                        procs[rank].join(5)
+                        message = ("error", RankError(f"rank {rank} died without a result (exit code "
+                                                      f"{procs[rank].exitcode})"), "")
+                    del conns[rank]
+                    if message[0] == "ok":
+                        results[rank] = message[1]
+                    else:
+                        results[rank] = None
+                        errors.append((rank, message[1], message[2]))
+                        deadline = min(deadline, time.monotonic() + 10)  # the others get a moment to fail too
+        if len(results) < world_size:
+            missing = sorted(set(range(world_size)) - set(results))
+            errors.append((missing[0], RankError(f"rank(s) {missing} did not finish within {timeout_s:g} s"), ""))
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        for conn in conns.values():
+            conn.close()
+        for rank in sorted(procs):
+            for name, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                path = Path(workdir) / f"rank{rank}.{name}"
+                if path.exists():
+                    stream.write(path.read_text(errors="replace"))
+        shutil.rmtree(workdir, ignore_errors=True)
+    if errors:  # the cause, not its echo: a peer's closed connection or a timeout comes after the real error
+        rank, exc, tb = min(errors, key=lambda e: (_is_symptom(e[1]), errors.index(e)))
+        if tb:
+            exc.__cause__ = RemoteTraceback(f"\n\nin rank {rank}:\n{tb}")
+        raise exc
+    return [results[r] for r in range(world_size)]
+
+
+def _is_symptom(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RankError) or "Connection closed by peer" in text or "Connection reset" in text
+
+
+# The one override list every sft run in the tests starts from: fp32 and a constant lr (so an 8-step run and a
+# 4-step run share a schedule and resumes can be compared with a straight run), no eval, no progress bar.
+BASE = ["train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0", "train.min_lr_ratio=1.0", "eval.path=",
+        "log.progress=false"]
+
+
+def sft_config(model_dir, data, out, *overrides):
+    """The Config `finetune sft --model model_dir --dataset data --output-dir out BASE... overrides...` builds."""
+    from finetune.cli import build_config
+    return build_config(None, [*BASE, *map(str, overrides)], **{"model.path": str(model_dir), "data.path": str(data),
+                                                               "output_dir": str(out)})
+
+
+def train_rank(cfg):
+    """finetune.train.train(cfg) on one rank (a top-level function for run_ranks)."""
+    from finetune.train import train
+    return train(cfg)
+
+
+def sft(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None = None) -> list[dict]:
+    """An sft run in-process on `nproc` gloo ranks (run_ranks); returns metrics.jsonl's records."""
+    run_ranks(train_rank, nproc, sft_config(model_dir, data, out, *overrides), env=env)
+    return read_metrics(out)
+
+
+def sft_cli(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None = None, check: bool = True):
+    """The same run through the real CLI (`python -m finetune sft`, the elastic launcher for nproc > 1)."""
+    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
+                   *BASE, *overrides, env=env, check=check)
 
 
 def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:

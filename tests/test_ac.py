@@ -1,5 +1,5 @@
 """Activation checkpointing: which blocks are wrapped (ac.ratio spread over depth), that losses and gradients are
-unchanged for any ratio and mode, that recompute really happens, and the same through FSDP and the CLI."""
+unchanged for any ratio and mode, that recompute really happens, and the same through FSDP and train()."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from finetune.model import ac_layer_ids, apply_ac, clean_child, clean_fqn, find_layers
-from helpers import read_metrics, run_cli
+from helpers import read_metrics, sft
 
 CASES = [(0.25, "block"), (0.5, "block"), (1.0, "block"), (0.5, "op"), (1.0, "op")]
 
@@ -114,8 +114,7 @@ def test_block_mode_recomputes_matmuls_and_op_mode_keeps_them(model8, batch):
     assert flops(1.0, "op")[1] == bwd0
 
 
-COMMON = ["train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0", "eval.path=", "log.progress=false",
-          "train.max_steps=3", "data.max_seq_len=96"]  # global batch 4 samples
+RUN = ("train.max_steps=3", "data.max_seq_len=96")  # global batch 4 samples
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +124,12 @@ def llama8_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ratio, mode, nproc", [(0.5, "block", 2), (0.75, "op", 1)])
-def test_sft_with_ac_matches_sft_without(llama8_dir, chat_file, tmp_path_factory, ratio, mode, nproc):
-    """The real path (FSDP2 + CLI): the same losses and grad norms with and without checkpointing."""
-    def sft(out, *extra, nproc=1):
-        run_cli("sft", "--model", llama8_dir, "--dataset", chat_file, "--output-dir", out, "--nproc-per-node", nproc,
-                f"train.micro_batch_size={4 // nproc}", *COMMON, *extra)
-        return read_metrics(out)
-
-    ref_dir = tmp_path_factory.getbasetemp() / "ac_ref"
-    ref = read_metrics(ref_dir) if (ref_dir / "metrics.jsonl").exists() else sft(ref_dir)
-    got = sft(tmp_path_factory.mktemp("ac"), f"ac.ratio={ratio}", f"ac.mode={mode}", nproc=nproc)
+def test_sft_with_ac_matches_sft_without(llama8_dir, chat_file, tmp_path, reference, ratio, mode, nproc):
+    """The real path (FSDP2 + train(), in-process ranks): the same losses and grad norms with and without
+    checkpointing."""
+    ref = read_metrics(reference(llama8_dir, chat_file, *RUN, "train.micro_batch_size=4"))
+    got = sft(llama8_dir, chat_file, tmp_path / "ac", *RUN, f"train.micro_batch_size={4 // nproc}",
+              f"ac.ratio={ratio}", f"ac.mode={mode}", nproc=nproc)
     assert [r["num_tokens"] for r in got] == [r["num_tokens"] for r in ref]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=1e-5), key

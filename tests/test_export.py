@@ -1,6 +1,7 @@
-"""prepare-checkpoint and export-hf through the CLI: an lr=0 run exports exactly the original tensors (untied Llama,
-tied Qwen2), a sharded export loads like a single-file one, a prepared checkpoint (saved on 2 ranks) trains like
-the HF dir on 1 and 2 ranks, and bad input is one line with exit 2 and nothing written."""
+"""prepare-checkpoint and export-hf: an lr=0 run exports exactly the original tensors (untied Llama, tied Qwen2), a
+sharded export loads like a single-file one, a prepared checkpoint (saved on 2 ranks) trains like the HF dir on 1
+and 2 ranks, and bad input is one line with exit 2 and nothing written. Training runs in-process (run_ranks) and
+most exports call export_hf directly; the CLI runs once for prepare-checkpoint (2 ranks) and once for export-hf."""
 from __future__ import annotations
 
 import json
@@ -11,16 +12,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import losses, run_cli
+from helpers import BASE, losses, run_cli, sft
 
-COMMON = ["train.mixed_precision=fp32", "train.lr=0", "train.warmup_steps=0", "eval.path=", "log.progress=false"]
-def sft(model_dir, data, out, *extra, nproc=1):
-    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
-               *COMMON, *extra)
+LR0 = ("train.lr=0", "train.max_steps=2", "train.micro_batch_size=4")
 
 
-def export(checkpoint, out, *extra, check=True):
-    return run_cli("export-hf", "--checkpoint", checkpoint, "--output-dir", out, *extra, check=check)
+def export(checkpoint, out, dtype: str = "bfloat16", max_shard_size: str = "5GB") -> str:
+    """finetune.export.export_hf in this process; returns what it printed."""
+    import contextlib
+    import io
+    from finetune.export import export_hf
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        export_hf(str(checkpoint), str(out), dtype, max_shard_size)
+    return printed.getvalue()
+
+
+def invoke(*args):
+    """`finetune ...` in-process through the typer app."""
+    from typer.testing import CliRunner
+    from finetune.cli import app
+    return CliRunner().invoke(app, list(map(str, args)))
 
 
 def read_weights(model_dir) -> dict[str, torch.Tensor]:
@@ -38,17 +50,16 @@ def logits_of(model_dir) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def llama_run(llama_dir, chat_file, tmp_path_factory):
+def llama_run(llama_dir, chat_file, reference):
     """2 steps at lr=0 from the HF dir: a checkpoint holding the original weights, and the reference losses."""
-    out = tmp_path_factory.mktemp("llama_run")
-    sft(llama_dir, chat_file, out, "train.max_steps=2", "train.micro_batch_size=4")
-    return out
+    return reference(llama_dir, chat_file, *LR0)
 
 
 @pytest.fixture(scope="module")
 def llama_export(llama_run, tmp_path_factory):
+    """Through the real CLI (the one export-hf subprocess of the suite)."""
     out = tmp_path_factory.mktemp("llama_export") / "hf"
-    proc = export(llama_run, out, "--dtype", "bfloat16")
+    proc = run_cli("export-hf", "--checkpoint", llama_run, "--output-dir", out, "--dtype", "bfloat16")
     assert "verified" in proc.stdout and "max abs diff 0" in proc.stdout, proc.stdout
     return out
 
@@ -67,10 +78,10 @@ def test_lr0_training_exports_the_original_tensors(family, request, chat_file, t
     if family == "llama":
         out = request.getfixturevalue("llama_export")
     else:
-        sft(model_dir, chat_file, tmp_path / "run", "train.max_steps=2", "train.micro_batch_size=4")
+        sft(model_dir, chat_file, tmp_path / "run", *LR0)
         out = tmp_path / "hf"
-        proc = export(tmp_path / "run", out, "--dtype", "bfloat16")
-        assert "verified" in proc.stdout and "max abs diff 0" in proc.stdout, proc.stdout
+        printed = export(tmp_path / "run", out, "bfloat16")
+        assert "verified" in printed and "max abs diff 0" in printed, printed
 
     original, exported = read_weights(model_dir), read_weights(out)
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
@@ -93,29 +104,29 @@ def test_lr0_training_exports_the_original_tensors(family, request, chat_file, t
     assert (out / "generation_config.json").is_file() and (out / "finetune_export.json").is_file()
 
 
-
 @pytest.mark.parametrize("arch,tied", [("gemma2", True), ("gpt_neox", False), ("mixtral", False)])
 def test_lr0_export_of_other_architectures_matches_save_pretrained(arch, tied, chat_file, tmp_path):
     """Gemma2 has no sdpa path (eager is used); GPT-NeoX renames lm_head to embed_out on disk; Mixtral fuses its
     experts in memory and stores them one by one: the export holds save_pretrained's names, shapes and values."""
     from conftest import make_model_dir
     model_dir = make_model_dir(tmp_path / "model", "chatml", arch, tied=tied, num_layers=2)
-    proc = sft(model_dir, chat_file, tmp_path / "run", "train.max_steps=2", "train.micro_batch_size=4")
+    sft(model_dir, chat_file, tmp_path / "run", *LR0)
     out = tmp_path / "hf"
-    proc = export(tmp_path / "run", out, "--dtype", "bfloat16", "--max-shard-size", "60KB")
-    assert "verified" in proc.stdout and "max abs diff 0" in proc.stdout, proc.stdout
+    printed = export(tmp_path / "run", out, "bfloat16", "60KB")
+    assert "verified" in printed and "max abs diff 0" in printed, printed
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     original, exported = read_weights(model_dir), read_weights(out)
     assert set(exported) == set(original)
     for name, tensor in original.items():
         assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name
 
+
 def test_sharded_export_of_a_prepared_checkpoint_gives_the_same_logits(llama_export, prepared, tmp_path):
     single, sharded = llama_export, tmp_path / "sharded"
     sharded.mkdir()  # an earlier export there is replaced whole: stale shards must not survive
     (sharded / "finetune_export.json").write_text("{}")
     (sharded / "model-00001-of-00009.safetensors").write_text("stale")
-    export(prepared, sharded, "--max-shard-size", "100KB")
+    export(prepared, sharded, max_shard_size="100KB")
 
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in sharded.glob("*.safetensors"))
@@ -137,19 +148,20 @@ def test_prepared_checkpoint_trains_like_the_hf_dir_on_1_and_2_ranks(llama_run, 
     assert manifest["source"]["fingerprint"].startswith("sha256:") and manifest["finetune_version"]
 
     reference = losses(llama_run)[0]  # first step: loss of the loaded weights, before any update
-    sft(prepared, chat_file, tmp_path / "one", "train.max_steps=1", "train.micro_batch_size=4")
-    sft(prepared, chat_file, tmp_path / "two", "train.max_steps=1", "train.micro_batch_size=2", nproc=2)
-    assert losses(tmp_path / "one")[0] == reference
-    assert abs(losses(tmp_path / "two")[0] - reference) <= 1e-5 * abs(reference)
+    one = sft(prepared, chat_file, tmp_path / "one", "train.lr=0", "train.max_steps=1", "train.micro_batch_size=4")
+    two = sft(prepared, chat_file, tmp_path / "two", "train.lr=0", "train.max_steps=1", "train.micro_batch_size=2",
+              nproc=2)
+    assert one[0]["loss"] == reference
+    assert two[0]["loss"] == pytest.approx(reference, rel=1e-5)
 
     broken = tmp_path / "broken"  # config.json edited after preparing: sft stops before any rank starts
     shutil.copytree(prepared, broken)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
-    proc = run_cli("sft", "--model", broken, "--dataset", chat_file, "--output-dir", tmp_path / "x", *COMMON,
-                   "--nproc-per-node", 2, check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: prepared checkpoint '{broken}' does not match its "
+    result = invoke("sft", "--model", broken, "--dataset", chat_file, "--output-dir", tmp_path / "x", *BASE,
+                    "--nproc-per-node", 2)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: prepared checkpoint '{broken}' does not match its "
                                                 f"config.json: num_key_value_heads is 2 in the manifest but 4 in "
                                                 f"the config"]
     assert not (tmp_path / "x").exists()
@@ -168,10 +180,10 @@ def test_bad_export_input_is_one_line_and_writes_nothing(case, expect, llama_run
     else:
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-    proc = export(checkpoint, out, check=False)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr
+    result = invoke("export-hf", "--checkpoint", checkpoint, "--output-dir", out)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp dir left
     assert (not out.exists()) if case != "occupied" else [p.name for p in out.iterdir()] == ["notes.txt"]
 

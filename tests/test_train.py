@@ -1,54 +1,39 @@
-"""End-to-end SFT: FSDP on 2 gloo ranks equals 1 process; any micro-batch/accumulation split gives the same
-losses; tied embeddings of another architecture train; AdamW groups and the schedule; config errors."""
+"""SFT (in-process ranks): FSDP on 2 gloo ranks equals 1 process; any micro-batch/accumulation split gives the
+same losses; tied embeddings of another architecture train; AdamW groups and the schedule; config errors."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import losses, read_metrics, run_cli
+from helpers import read_metrics, run_cli, sft
 
-COMMON = ["train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0", "eval.path=", "log.progress=false"]
-
-
-def sft(model_dir, data, out, *extra, nproc=1):
-    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
-                   *COMMON, *extra)
+TWO_RANKS = ("train.max_steps=8", "train.micro_batch_size=2")  # the 2-rank reference run (also test_checkpoint's)
+ONE_RANK = ("train.max_steps=8", "train.micro_batch_size=4")  # the same global batch on 1 rank
 
 
-def rel_diff(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def test_two_ranks_equal_one_process(llama_dir, chat_file, tmp_path):
-    sft(llama_dir, chat_file, tmp_path / "one", "train.max_steps=5", "train.micro_batch_size=4")
-    sft(llama_dir, chat_file, tmp_path / "two", "train.max_steps=5", "train.micro_batch_size=2", nproc=2)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == len(two) == 5
-    assert one[-1] < one[0]
-    assert rel_diff(two, one) < 1e-5, (one, two)
+def test_two_ranks_equal_one_process(llama_dir, chat_file, reference):
+    one, two = read_metrics(reference(llama_dir, chat_file, *ONE_RANK)), \
+        read_metrics(reference(llama_dir, chat_file, *TWO_RANKS, nproc=2))
+    assert len(one) == len(two) == 8
+    assert one[-1]["loss"] < one[0]["loss"]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     # the same global batch: same label-token counts at every step
-    assert [r["num_tokens"] for r in read_metrics(tmp_path / "one")] == \
-        [r["num_tokens"] for r in read_metrics(tmp_path / "two")]
+    assert [r["num_tokens"] for r in one] == [r["num_tokens"] for r in two]
 
 
-def test_micro_batch_and_accumulation_splits_agree(llama_dir, chat_file, tmp_path):
-    runs = {}
-    for mbs, accum in [(4, 1), (2, 2), (1, 4)]:
-        out = tmp_path / f"m{mbs}a{accum}"
-        sft(llama_dir, chat_file, out, "train.max_steps=4", f"train.micro_batch_size={mbs}",
-            f"train.grad_accum_steps={accum}")
-        runs[(mbs, accum)] = read_metrics(out)
-    ref = runs[(4, 1)]
-    for key, recs in runs.items():
-        assert [r["num_tokens"] for r in recs] == [r["num_tokens"] for r in ref], key
-        assert rel_diff([r["loss"] for r in recs], [r["loss"] for r in ref]) < 1e-5, key
-        assert rel_diff([r["grad_norm"] for r in recs], [r["grad_norm"] for r in ref]) < 1e-4, key
+def test_micro_batch_and_accumulation_splits_agree(llama_dir, chat_file, tmp_path, reference):
+    ref = read_metrics(reference(llama_dir, chat_file, *ONE_RANK))[:4]  # constant lr: the first 4 of 8 steps
+    for mbs, accum in [(2, 2), (1, 4)]:
+        recs = sft(llama_dir, chat_file, tmp_path / f"m{mbs}a{accum}", "train.max_steps=4",
+                   f"train.micro_batch_size={mbs}", f"train.grad_accum_steps={accum}")
+        assert [r["num_tokens"] for r in recs] == [r["num_tokens"] for r in ref], (mbs, accum)
+        assert [r["loss"] for r in recs] == pytest.approx([r["loss"] for r in ref], rel=1e-5), (mbs, accum)
+        assert [r["grad_norm"] for r in recs] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-4), (mbs, accum)
 
 
 def test_tied_embedding_model_of_another_architecture_trains_on_two_ranks(qwen_tied_dir, chat_file, tmp_path):
-    out = tmp_path / "qwen"
-    sft(qwen_tied_dir, chat_file, out, "train.max_steps=8", "train.micro_batch_size=4", nproc=2)
-    ls = losses(out)
+    ls = [r["loss"] for r in sft(qwen_tied_dir, chat_file, tmp_path / "qwen", "train.max_steps=8",
+                                 "train.micro_batch_size=4", nproc=2)]
     assert len(ls) == 8 and all(x == x for x in ls)
     assert sum(ls[-2:]) < sum(ls[:2])
 
@@ -80,7 +65,7 @@ def test_lr_schedule_warmup_then_cosine():
     assert values[-1] == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("args, expect", [
+CONFIG_ERRORS = [
     (["train.lrr=1"], "unknown config key 'train.lrr' (did you mean 'lr'?)"),
     (["train.mixed_precision=bf61"], "train.mixed_precision must be one of 'bf16', 'fp32', got 'bf61' (did you mean 'bf16'?)"),
     (["data.max_seq_len=-1"], "data.max_seq_len must be > 0, got -1"),
@@ -88,13 +73,28 @@ def test_lr_schedule_warmup_then_cosine():
     (["--model", "/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
     (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
     (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
-])
+]
+
+
+@pytest.mark.parametrize("args, expect", CONFIG_ERRORS)
 def test_config_errors_are_one_clean_line(args, expect, tmp_path, llama_dir):
-    model = [] if "--model" in args else ["--model", llama_dir]
-    proc = run_cli("sft", "--output-dir", tmp_path, *model, *args, check=False)
+    """In-process through the typer app (what `finetune sft` runs); the next test runs one case as a real process."""
+    from typer.testing import CliRunner
+    from finetune.cli import app
+    model = [] if "--model" in args else ["--model", str(llama_dir)]
+    result = CliRunner().invoke(app, ["sft", "--output-dir", str(tmp_path / "out"), *model, *args])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_error_from_the_real_command_is_one_line_and_exit_2(tmp_path, llama_dir):
+    args, expect = CONFIG_ERRORS[0]
+    proc = run_cli("sft", "--output-dir", tmp_path, "--model", llama_dir, *args, check=False)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {expect}"), proc.stderr
     assert "Traceback" not in proc.stderr
 
 
