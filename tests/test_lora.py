@@ -11,15 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import losses, run_cli
+import helpers
+from helpers import losses
 
-LORA = ["lora.rank=4", "lora.alpha=8", "train.mixed_precision=fp32", "train.warmup_steps=0", "train.lr=1e-2",
-        "eval.path=", "log.progress=false", "train.max_steps=5", "checkpoint.interval=3", "checkpoint.keep=0"]
+# on top of helpers.BASE (fp32, constant lr, no eval)
+LORA = ["lora.rank=4", "lora.alpha=8", "train.lr=1e-2", "train.max_steps=5", "checkpoint.interval=3",
+        "checkpoint.keep=0"]
 
 
-def sft(model_dir, data, out, *extra, nproc=1, check=True):
-    return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
-                   *LORA, *extra, check=check)
+def sft(model_dir, data, out, *extra, nproc=1):
+    """An in-process LoRA sft run on nproc gloo ranks (helpers.run_ranks)."""
+    return helpers.sft(model_dir, data, out, *LORA, *extra, nproc=nproc)
 
 
 def read_weights(model_dir) -> dict[str, torch.Tensor]:
@@ -110,7 +112,7 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
 
     # a LoRA checkpoint does not resume into a full fine-tune: one line, exit 2, nothing written
     before = (resumed / "metrics.jsonl").read_text()
-    proc = sft(model_dir, chat_file, resumed, "lora.rank=0", "train.max_steps=7", check=False)
+    proc = helpers.sft_cli(model_dir, chat_file, resumed, *LORA, "lora.rank=0", "train.max_steps=7", check=False)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "is from LoRA (lora.rank=4), this run is full fine-tuning" in lines[0], proc.stderr
@@ -120,8 +122,7 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
 def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_tied_dir, chat_file, tmp_path):
     from finetune.export import export_hf
     from finetune.model import ModelError
-    run_cli("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "run", *LORA,
-            "train.lr=0", "train.max_steps=1", "train.micro_batch_size=4")
+    sft(llama_dir, chat_file, tmp_path / "run", "train.lr=0", "train.max_steps=1", "train.micro_batch_size=4")
     export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), "bfloat16")
     source, exported = read_weights(llama_dir), read_weights(tmp_path / "hf")
     assert set(exported) == set(source)
@@ -138,56 +139,60 @@ def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_t
     assert not (tmp_path / "other").exists()
 
 
-def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit_identical(llama_dir, tmp_path):
-    """In process, one rank, bf16 mixed precision, base weights from a prepared checkpoint: the frozen base is bf16
-    (no fp32 copy), gets no grad, and after a few large optimizer steps still equals the source bit for bit; only the
-    fp32 adapters moved. The merged export over the prepared base equals the one over the HF dir."""
-    import torch.distributed as dist
+def train_on_prepared_base(llama_dir, tmp_path):
+    """On one rank (run_ranks), bf16 mixed precision, base weights from a prepared checkpoint: a few large optimizer
+    steps, the checks below, then a checkpoint; returns (prepared dir, step dir)."""
     from torch.distributed.tensor import DTensor
     from finetune.checkpoint import Checkpointer, TrainState
     from finetune.distributed import init_distributed
-    from finetune.export import export_hf
     from finetune.lora import base_name, is_adapter
     from finetune.model import build_model, clean_fqn
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.prepare import prepare_checkpoint
     device, mesh = init_distributed()
-    try:
-        prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
-        lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-        model = build_model(str(prepared), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
-        optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.95), 1e-8)
-        assert sum(len(g["params"]) for g in optimizer.param_groups) == 2 * 7 * 4  # A and B on 7 linears x 4 blocks
-        before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if is_adapter(n)}
-        for _ in range(3):
-            ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        source = read_weights(llama_dir)
-        for name, p in model.named_parameters():
-            assert isinstance(p, DTensor), name
-            if is_adapter(name):
-                assert p.dtype == torch.float32 and p.requires_grad
-                if ".lora_B." in name:  # B starts at zero and moves; so the product moves
-                    assert not torch.equal(p.full_tensor(), before[name]), name
-            else:
-                assert p.dtype == torch.bfloat16 and not p.requires_grad and p.grad is None, name
-                assert torch.equal(p.full_tensor(), source[base_name(clean_fqn(name))]), name
-        run = tmp_path / "run"
-        run.mkdir()
-        (run / "config.toml").write_text(f'[model]\npath = "{prepared}"\n')
-        scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=3, min_lr_ratio=1.0)
-        step = Checkpointer(run / "checkpoints", keep=1, use_async=False).save(3, model, optimizer, scheduler,
-                                                                                TrainState(), model.config)
-    finally:
-        dist.destroy_process_group()
-    export_hf(str(run), str(tmp_path / "from_prepared"), "float32")
+    prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
+    lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
+    model = build_model(str(prepared), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
+    optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.95), 1e-8)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == 2 * 7 * 4  # A and B on 7 linears x 4 blocks
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if is_adapter(n)}
+    for _ in range(3):
+        ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    source = read_weights(llama_dir)
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), name
+        if is_adapter(name):
+            assert p.dtype == torch.float32 and p.requires_grad
+            if ".lora_B." in name:  # B starts at zero and moves; so the product moves
+                assert not torch.equal(p.full_tensor(), before[name]), name
+        else:
+            assert p.dtype == torch.bfloat16 and not p.requires_grad and p.grad is None, name
+            assert torch.equal(p.full_tensor(), source[base_name(clean_fqn(name))]), name
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(f'[model]\npath = "{prepared}"\n')
+    scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=3, min_lr_ratio=1.0)
+    step = Checkpointer(run / "checkpoints", keep=1, use_async=False).save(3, model, optimizer, scheduler,
+                                                                            TrainState(), model.config)
+    return prepared, step
+
+
+def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit_identical(llama_dir, tmp_path):
+    """The frozen base is bf16 (no fp32 copy), gets no grad, and after training still equals the source bit for
+    bit; only the fp32 adapters moved (checked in train_on_prepared_base). The merged export over the prepared base
+    equals the one over the HF dir."""
+    from finetune.export import export_hf
+    prepared, step = helpers.run_ranks(train_on_prepared_base, 1, llama_dir, tmp_path)[0]
+    export_hf(str(step.parent.parent), str(tmp_path / "from_prepared"), "float32")
     marker = json.loads((step / "finetune_complete.json").read_text())
     assert marker["lora"]["base_model"] == str(prepared)
     marker["lora"]["base_model"] = str(llama_dir)
     (step / "finetune_complete.json").write_text(json.dumps(marker))
-    export_hf(str(run), str(tmp_path / "from_hf"), "float32")
+    export_hf(str(step.parent.parent), str(tmp_path / "from_hf"), "float32")
+    source = read_weights(llama_dir)
     merged, again = read_weights(tmp_path / "from_prepared"), read_weights(tmp_path / "from_hf")
     assert set(merged) == set(again) == set(source)
     assert all(torch.equal(merged[k], again[k]) for k in merged)
