@@ -7,8 +7,9 @@ checkpoint size and step time, at 1 and 2 ranks, the same global batch.
 The model is the one benchmarks/load_and_export.py builds (random bf16 Llama, 28 layers, hidden 1024, 0.5B params).
 Each point is a fresh `torchrun` (gloo on CPU): build_model (bf16 mixed precision: fp32 masters, bf16 compute; under
 LoRA the frozen base stays bf16), AdamW, `--warmup` + `--steps` optimizer steps on a fixed global batch
-(4 sequences x --seq-len tokens, padded), then one DCP checkpoint as sft writes it. The four points run
-alternating (full, lora at 1 rank, then at 2). Peak RSS is each rank's VmHWM, summed over the node.
+(4 sequences x --seq-len tokens, padded), then one DCP checkpoint as sft writes it. The four points run once each,
+in the order full, LoRA at 1 rank, then at 2. Peak RSS is each rank's VmHWM, summed over the node; weights + grads
++ AdamW state are the bytes of those tensors (each rank's shards, summed), measured after the last step.
 """
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def main() -> None:
 
 def render(rows: list, args, wall_s: float) -> str:
     lines = [HEADING, "",
-             f"`uv run python benchmarks/lora.py --write` ({wall_s / 60:.1f} min). Machine: {machine()}.", "",
+             f"`uv run python benchmarks/lora.py --steps {args.steps} --warmup {args.warmup} --write` "
+             f"({wall_s / 60:.1f} min). Machine: {machine()}.", "",
              f"Model: the 0.5B random Llama of the load benchmark ({rows[0][2]['num_params'] / 1e9:.3f}B params). "
              f"bf16 mixed precision, AdamW, global batch {GLOBAL_BATCH} x {args.seq_len} tokens (micro-batch "
              f"{GLOBAL_BATCH} at 1 rank, 2 per rank at 2), gloo on CPU; {args.steps} timed steps after "

@@ -92,9 +92,6 @@ def train(cfg: Config) -> dict:
     device, mesh = init_distributed()
     out = Path(cfg.output_dir)
     tc, dc = cfg.train, cfg.data
-    if is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(cfg))
     torch.manual_seed(tc.seed)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
@@ -110,6 +107,9 @@ def train(cfg: Config) -> dict:
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
+    if is_main():  # only once the checkpoint is accepted: a refused resume leaves the run's config.toml as it was
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(to_toml(cfg))
 
     samples = build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
                             streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,

@@ -111,12 +111,17 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
     assert losses(resumed)[3:] == pytest.approx(losses(root / "one")[3:], rel=1e-5, abs=1e-5)
 
     # a LoRA checkpoint does not resume into a full fine-tune: one line, exit 2, nothing written
-    before = (resumed / "metrics.jsonl").read_text()
+    before = [(resumed / name).read_text() for name in ("metrics.jsonl", "config.toml")]
     proc = helpers.sft_cli(model_dir, chat_file, resumed, *LORA, "lora.rank=0", "train.max_steps=7", check=False)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "is from LoRA (lora.rank=4), this run is full fine-tuning" in lines[0], proc.stderr
-    assert (resumed / "metrics.jsonl").read_text() == before
+    assert [(resumed / name).read_text() for name in ("metrics.jsonl", "config.toml")] == before
+    from finetune.checkpoint import CheckpointError  # other LoRA settings: the same refusal, naming the keys
+    with pytest.raises(CheckpointError, match=r"has other LoRA settings than this run: lora.rank: checkpoint 4, "
+                                              r"run 8; lora.alpha: checkpoint 8.0, run 16.0"):
+        sft(model_dir, chat_file, resumed, "lora.rank=8", "lora.alpha=16", "train.max_steps=7")
+    assert [(resumed / name).read_text() for name in ("metrics.jsonl", "config.toml")] == before
 
 
 def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_tied_dir, chat_file, tmp_path):
