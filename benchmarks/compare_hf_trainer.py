@@ -32,10 +32,11 @@ def machine() -> str:
     if torch.cuda.is_available():
         dev = f"{torch.cuda.get_device_name(0)} (CUDA)"
     else:
-        cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                    if l.startswith("model name")), platform.processor())
+        cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                    if x.startswith("model name")), platform.processor())
         dev = f"CPU {cpu}, {psutil.cpu_count(logical=False)} physical / {psutil.cpu_count()} logical cores visible"
-    return (f"{dev}; {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; {'no GPU; ' * (not torch.cuda.is_available())}"
+    gpu = "no GPU; " * (not torch.cuda.is_available())
+    return (f"{dev}; {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; {gpu}"
             f"Linux {platform.release()}; torch {torch.__version__}, transformers {transformers.__version__}; "
             f"load average at start {os.getloadavg()[0]:.1f}")
 
@@ -49,7 +50,7 @@ def run_finetune(cfg, args, out: Path, env: dict) -> list[float]:
            f"train.mixed_precision={cfg.train.mixed_precision}", "ac.ratio=0", "eval.path=", "log.progress=false",
            f"train.log_interval={args.warmup + args.steps}"]
     subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(l)["step_time_s"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(x)["step_time_s"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def trainer_worker(job: dict) -> None:
@@ -126,8 +127,9 @@ def main() -> None:
         return trainer_worker(json.loads(args.trainer_worker))
 
     from finetune.config import load_config
-    overrides = {k: v for k, v in {"model.path": args.model, "data.path": args.dataset, "data.max_seq_len": args.seq_len,
-                                   "train.micro_batch_size": args.micro_batch_size}.items() if v is not None}
+    overrides = {"model.path": args.model, "data.path": args.dataset, "data.max_seq_len": args.seq_len,
+                 "train.micro_batch_size": args.micro_batch_size}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = load_config(args.config, overrides)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",

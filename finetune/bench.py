@@ -19,6 +19,7 @@ from dataclasses import asdict
 import torch
 
 from .config import Config, ConfigError, load_config, to_toml
+from .errors import one_line
 
 
 def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
@@ -38,7 +39,7 @@ def device_name() -> str:
         return torch.cuda.get_device_name(0)
     import platform
     info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((l.split(":", 1)[1].strip() for l in info if l.startswith("model name")), platform.processor())
+    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
     return f"{cpu or 'unknown'} (CPU)"
 
 
@@ -145,7 +146,7 @@ def run_worker(job: dict) -> None:
         result = {"error": "out of memory"}
     except Exception as e:  # one line in the table (traceback on stderr); the other points still run
         traceback.print_exc()
-        result = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+        result = {"error": one_line(e)}
     finally:
         teardown()
     Path(job["result"]).write_text(json.dumps(result))

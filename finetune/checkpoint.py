@@ -1,16 +1,20 @@
 """Sharded DCP checkpoints: save (sync or async), completeness marker, retention, resume, preemption signals.
 
 Layout: <output_dir>/checkpoints/step-<N>/ holds DCP's files (`.metadata` is written last, by rank 0) and our
-marker `finetune_complete.json` written after it. Only a directory with both counts as a checkpoint; anything else
-is ignored on resume and reported. The state dict is world-size independent: model and optimizer as DTensors
-(DCP reshards on load), the scheduler, and TrainState (step, global samples seen, tokens, RNG).
+marker `finetune_complete.json` written after it: the size of every file, the sha256 of `.metadata`, and the config
+(model, tokenizer) the run trained with. Only an intact directory (marker readable, every file there at its saved
+size, `.metadata` unchanged) counts as a checkpoint; anything else is reported and passed over on resume. The state
+dict is world-size independent: model and optimizer as DTensors (DCP reshards on load), the scheduler, and
+TrainState (step, global samples seen, tokens, RNG).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import faults
+from .errors import FinetuneError
 from .distributed import any_rank, barrier, is_main, print0, world_size
 
 MARKER = "finetune_complete.json"
@@ -32,7 +37,7 @@ ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_siz
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FinetuneError, ValueError):
     """A checkpoint cannot be used for this run; the message is one line saying why."""
 
 
@@ -61,7 +66,42 @@ class TrainState(Stateful):
 
 
 def is_complete(path: Path) -> bool:
+    """The save finished (the marker is written last); whether the files are still intact is damage()'s question."""
     return (path / ".metadata").is_file() and (path / MARKER).is_file()
+
+
+def write_marker(path: Path, marker: dict) -> None:
+    """Rank 0, once DCP's save has returned: every rank's files are written and fsynced before rank 0 writes
+    .metadata (state_dict_saver: all ranks' write_data, then finish on the coordinator), so their sizes are final."""
+    names = {f.name for f in path.iterdir() if f.is_file() and not f.name.startswith(MARKER)}
+    # the files .metadata points into, by name: a shared filesystem's cached listing may lag other nodes' writes
+    names |= {s.relative_path for s in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()}
+    files = {name: (path / name).stat().st_size for name in sorted(names)}
+    digest = hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()
+    tmp = path / (MARKER + ".tmp")
+    tmp.write_text(json.dumps({**marker, "files": files, "metadata_sha256": digest}))
+    tmp.rename(path / MARKER)
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted, in a few words (None: intact). Preemption, kill -9 and full
+    disks leave missing or truncated files, which the sizes catch at one stat per file; the sha256 covers only the
+    small .metadata. Bit rot inside a shard is not detected: hashing a 70B run's ~1 TB at every resume would take
+    longer than the resume itself."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        files, digest = dict(marker["files"]), marker["metadata_sha256"]
+        assert ".metadata" in files
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"{MARKER} is unreadable or not ours"
+    for name, size in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if (path / name).stat().st_size != size:
+            return f"{name} has {(path / name).stat().st_size} bytes, {size} when saved (truncated?)"
+    if hashlib.sha256((path / ".metadata").read_bytes()).hexdigest() != digest:
+        return ".metadata changed since it was saved"
+    return None
 
 
 def step_dirs(root: Path) -> list[Path]:
@@ -73,28 +113,41 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def latest_complete(root: Path, report: bool = True) -> Path | None:
+    """The newest intact checkpoint under root; `report` prints the step dirs passed over (one line each kind)."""
     dirs = step_dirs(root)
-    complete = [p for p in dirs if is_complete(p)]
-    incomplete = [p.name for p in dirs if not is_complete(p)]
+    incomplete = [p.name for p in dirs if not (p / MARKER).exists()]  # the save did not finish
     if incomplete and report:
         print0(f"ignoring incomplete checkpoint(s) in {root}: {', '.join(incomplete)}")
-    return complete[-1] if complete else None
+    for path in reversed([p for p in dirs if p.name not in incomplete]):
+        problem = damage(path)
+        if problem is None:
+            return path
+        if report:
+            print0(f"skipping damaged checkpoint {path}: {problem}")
+    return None
 
 
 def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool = True) -> Path | None:
-    """The checkpoint this run starts from: --resume-from, else the newest complete one (unless --no-resume).
-    `report` prints the incomplete step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
+    """The checkpoint this run starts from: --resume-from, else the newest intact one (unless --no-resume).
+    `report` prints the step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
     if resume_from:
         path = Path(resume_from)
-        if not is_complete(path):
+        if not (path / MARKER).exists():
             raise CheckpointError(f"checkpoint.resume_from: {path} is not a complete checkpoint "
                                   f"(needs .metadata and {MARKER})")
+        problem = damage(path)
+        if problem:
+            raise CheckpointError(f"checkpoint.resume_from: {path} is damaged: {problem}")
         return path
     latest = latest_complete(Path(output_dir) / "checkpoints", report=resume and report)
     if latest is not None and not resume:
-        raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there would "
-                              f"overwrite them: resume, pick another --output-dir, or remove them")
+        raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there "
+                              f"would overwrite them: resume, pick another --output-dir, or remove them")
     return latest
+
+
+def read_marker(path: Path) -> dict:
+    return json.loads((path / MARKER).read_text())
 
 
 def arch_of(hf_config) -> dict:
@@ -110,16 +163,18 @@ def trainable_state_dicts(model, optimizer) -> tuple[dict, dict]:
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
-def lora_of(lora: dict | None) -> dict | None:
-    """The LoRA settings a resume must match (the base model's path may move)."""
-    return {k: v for k, v in lora.items() if k != "base_model"} if lora else None
+def check_arch(path: Path, hf_config) -> None:
+    """Same architecture as the checkpoint (from its marker: cheap enough for the launcher's pre-flight check)."""
+    diffs = [f"{k}: checkpoint {v!r}, run {getattr(hf_config, k, None)!r}"
+             for k, v in read_marker(path).get("arch", {}).items() if v != getattr(hf_config, k, None)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 
 
 def check_compatible(path: Path, model, optimizer, hf_config) -> None:
     """Same architecture, LoRA settings and parameter names as the checkpoint, or a one-line error saying what
     differs."""
-    marker = json.loads((path / MARKER).read_text())
-    saved, run = lora_of(marker.get("lora")), lora_of(getattr(model, "lora", None))
+    saved, run = read_marker(path).get("lora"), getattr(model, "lora", None)
     if saved != run:
         if saved and run:
             diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {run[k]!r}" for k in saved if saved[k] != run.get(k)]
@@ -127,17 +182,14 @@ def check_compatible(path: Path, model, optimizer, hf_config) -> None:
         kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
         raise CheckpointError(f"checkpoint {path} is from {kinds[0]}, this run is {kinds[1]}: resume a run of the "
                               f"same kind, or start a new one (--no-resume / another --output-dir)")
-    diffs = [f"{k}: checkpoint {v!r}, run {getattr(hf_config, k, None)!r}" for k, v in marker.get("arch", {}).items()
-             if v != getattr(hf_config, k, None)]
-    if diffs:
-        raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
+    check_arch(path, hf_config)
     saved = {k[len("model."):] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
              if k.startswith("model.")}
     want = set(trainable_state_dicts(model, optimizer)[0])
     if saved != want:
         missing, extra = sorted(want - saved), sorted(saved - want)
-        raise CheckpointError(f"checkpoint {path} has other parameters than the model: "
-                              f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
+        raise CheckpointError(f"checkpoint {path} has other parameters than the model: {len(missing)} missing "
+                              f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
@@ -153,8 +205,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, 
 class Checkpointer:
     """Saves step-N checkpoints; with use_async, at most one save in flight (a new save first waits for it)."""
 
-    def __init__(self, root: Path, keep: int, use_async: bool):
-        self.root, self.keep, self.use_async = Path(root), keep, use_async
+    def __init__(self, root: Path, keep: int, use_async: bool, run: dict | None = None):
+        # run: what the marker records about the run besides the step (its config: model, tokenizer)
+        self.root, self.keep, self.use_async, self.run = Path(root), keep, use_async, run or {}
         self.pending = None
         # async saves run collectives from a background thread: give them their own gloo group
         self.group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
@@ -170,8 +223,8 @@ class Checkpointer:
         model_sd, optim_sd = trainable_state_dicts(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
-                  "lora": getattr(model, "lora", None),
-                  "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen}
+                  "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen,
+                  "lora": getattr(model, "lora", None), **self.run}
         if self.use_async:
             fut = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group)
             fut = getattr(fut, "upload_completion", fut)
@@ -191,17 +244,12 @@ class Checkpointer:
         return path
 
     def _finish(self, path: Path, marker: dict) -> None:
-        """Rank 0 marks the checkpoint complete, then prunes: the last complete one survives until then."""
+        """Rank 0 marks the checkpoint complete, then prunes: the last intact one survives until then."""
         faults.kill_if("kill_in_save", marker["step"])
         if not is_main():
             return
-        tmp = path / (MARKER + ".tmp")
-        tmp.write_text(json.dumps(marker))
-        tmp.rename(path / MARKER)
-        if self.keep > 0:
-            complete = [p for p in step_dirs(self.root) if is_complete(p)]
-            for old in complete[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        write_marker(path, marker)
+        prune(self.root, self.keep)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written; raises its error."""
@@ -215,15 +263,27 @@ class Checkpointer:
         self.wait()
 
 
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` intact checkpoints (0: all). Only intact ones count and go: a damaged or incomplete
+    newer dir never pushes out the last intact one (and is left to look at)."""
+    intact = [p for p in step_dirs(root) if is_complete(p) and damage(p) is None]
+    for old in intact[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 class SignalFlag:
-    """Remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal) so the loop can save at the next step boundary."""
+    """Remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal)/SIGINT (Ctrl-C) so the loop can save at the next step
+    boundary; a second Ctrl-C exits at once. (With several local ranks, the `finetune` process owns Ctrl-C: launch.)"""
 
     def __init__(self):
         self.name = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.name == "SIGINT":
+            print("finetune: interrupted again: exiting now, nothing was saved", file=sys.stderr, flush=True)
+            os._exit(130)
         self.name = signal.Signals(signum).name
 
     def any_set(self, device) -> bool:

@@ -1,4 +1,4 @@
-"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks via torchrun's engine.
+"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks (torchrun's engine).
 
 Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2; `--debug` shows the
 traceback instead.
@@ -6,6 +6,8 @@ traceback instead.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, List, NoReturn, Optional
@@ -13,10 +15,26 @@ from typing import Callable, List, NoReturn, Optional
 import typer
 
 from .config import Config, ConfigError, load_config, parse_value
+from .errors import FinetuneError
+from .lock import RUN_LOCK, hold_run_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
                        "export-hf, bench.")
+
+
+def print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+        print(f"finetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
+                                         help="print the version and exit")):
+    pass
+
 
 OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.packing=true",
                            show_default=False)
@@ -28,14 +46,6 @@ NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with tor
 DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Exception types that mean bad input: one line, exit 2."""
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .model import ModelError
-    return ConfigError, DataError, ModelError, CheckpointError
-
-
 def fail(message, code: int = 2) -> NoReturn:
     """`error: <one line>` on stderr, then exit `code` (2: bad input)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -43,13 +53,14 @@ def fail(message, code: int = 2) -> NoReturn:
 
 
 def guarded(fn: Callable, debug: bool, *args, **kwargs):
-    """Run fn; bad input becomes `error: <one line>` and exit 2 (traceback only with --debug)."""
+    """Run fn; our errors become `error: <one line>` and their exit code (2: bad input, 1: a failed run); with
+    --debug, the traceback instead."""
     try:
         return fn(*args, **kwargs)
-    except user_errors() as e:
+    except FinetuneError as e:
         if debug:
             raise
-        fail(e)
+        fail(e, e.exit_code)
 
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
@@ -60,7 +71,32 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags
         if not sep or not key:
             raise ConfigError(f"override '{item}' must look like section.key=value")
         values[key.strip()] = parse_value(value.strip())
-    return load_config(config, values)
+    cfg = load_config(config, values)
+    check_paths(cfg)
+    return cfg
+
+
+def check_paths(cfg: Config) -> None:
+    """Path errors within a second, before torch is imported: a local-looking path that is not there, an output
+    dir that is a file, and hub ids while the hub cannot be reached (huggingface_hub would retry for ~30 s)."""
+    paths = {"model.path": cfg.model.path, "data.path": cfg.data.path, "eval.path": cfg.eval.path}
+    remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
+    for key, value in remote.items():
+        if value.startswith((".", "/", "~")) or value.endswith((".json", ".jsonl", ".parquet")):
+            raise ConfigError(f"{key}: {value} does not exist")
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory")
+    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if not remote or proxy or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return
+    from urllib.parse import urlsplit
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
+    except OSError:
+        key, value = next(iter(remote.items()))
+        raise ConfigError(f"{key} '{value}' is not a local path and the Hugging Face hub ({url.netloc}) cannot be "
+                          f"reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache") from None
 
 
 def set_threads(nproc: int) -> None:
@@ -84,10 +120,27 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from .distributed import _free_port
-    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them. SIGINT
+    # is ours: the ranks run in their own sessions, so a Ctrl-C reaches them only through this process, which passes
+    # the first one on (the ranks save and stop, as on SIGTERM) and kills them on the second. (Not by raising into
+    # the launcher as its own handler does: an except Exception there can swallow that, leaving the ranks paused.)
+    import psutil
+
+    def on_sigint(signum, frame):
+        ranks = psutil.Process().children()
+        if ranks and not getattr(on_sigint, "seen", False):
+            on_sigint.seen = True
+            for rank in ranks:
+                rank.send_signal(signal.SIGINT)
+            return
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
+        os._exit(130)
+    signal.signal(signal.SIGINT, on_sigint)
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                      signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
                       monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:
         elastic_launch(lc, sys.executable)("-m", "finetune", *sys.argv[1:])
@@ -113,28 +166,29 @@ def rank_main(entry: Callable, args: tuple, debug: bool):
         teardown()
 
 
-def run_sft(cfg: Config):
-    from .train import NonFiniteError, train
-    try:
-        return train(cfg)
-    except NonFiniteError as e:
-        fail(e, code=1)
-
-
-def preflight(cfg: Config) -> None:
-    """Fail fast, before any rank starts: model config, tokenizer with a chat template, readable data."""
-    from .data import detect_format, load_rows, columns_of
+def preflight(cfg: Config) -> str | None:
+    """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
+    (intact, same architecture), readable data and eval set. Returns why there is nothing to do, if so."""
+    from .checkpoint import check_arch, find_resume, read_marker
+    from .data import columns_of, detect_format, load_rows
     from .model import load_hf_config, load_tokenizer
-    load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     if not getattr(tok, "chat_template", None):
         from .data import DataError
         raise DataError(f"the tokenizer of '{cfg.model.path}' has no chat template (tokenizer_config.json "
                         f"'chat_template'); instruct data cannot be rendered")
-    from .checkpoint import find_resume
-    find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
+    resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
+    if resume is not None:
+        check_arch(resume, hf_config)
     rows = load_rows(cfg.data.path, split=cfg.data.split, name=cfg.data.name or None, streaming=cfg.data.streaming)
     detect_format(columns_of(rows), cfg.data.format)
+    if cfg.eval.path:  # checked now, not when training ends
+        detect_format(columns_of(load_rows(cfg.eval.path)))
+    if resume is not None and read_marker(resume)["step"] >= cfg.train.max_steps:
+        return (f"nothing to do: checkpoint {resume} is at step {read_marker(resume)['step']} and train.max_steps is "
+                f"{cfg.train.max_steps}; raise train.max_steps to train on")
+    return None
 
 
 @app.command()
@@ -149,13 +203,30 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
             cfg.checkpoint.resume = False
-        preflight(cfg)
-        return cfg
-    cfg = guarded(prepare, debug)
+        if "FINETUNE_LOCK" in os.environ:  # a rank our launcher started: it checked all this and holds the lock
+            return cfg, None
+        if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
+            print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
+        lock = Path(cfg.output_dir) / RUN_LOCK
+        if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
+            hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        nothing_to_do = preflight(cfg)
+        hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        return cfg, nothing_to_do
+    cfg, nothing_to_do = guarded(prepare, debug)
+    if nothing_to_do:
+        if os.environ.get("RANK", "0") == "0":
+            print(nothing_to_do, flush=True)
+        return
     from .checkpoint import latest_complete
     root = Path(cfg.output_dir) / "checkpoints"
     before = latest_complete(root, report=False)
-    launch(run_sft, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+    from .train import train
+    launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+
+
+SPLIT_WHY = {"history": "the full conversation renders this turn differently",
+             "context": "the full conversation renders what precedes it differently"}
 
 
 @app.command("preview-data")
@@ -176,13 +247,19 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
         tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         samples = build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None, streaming=d.streaming,
                                 max_seq_len=d.max_seq_len, packing=d.packing, seed=cfg.train.seed, shuffle=False,
-                                epoch_limit=1)
+                                epoch_limit=1, on_unsupported=d.on_unsupported, num_proc=d.num_proc)
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         for i, sample in zip(range(num), samples):
             if json_out:
                 print(json.dumps({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])}))
             else:
-                print(f"--- sample {i}\n{format_preview(tok, sample, color=color)}")
+                where = "; ".join(f"row {s['row']} turns {','.join(map(str, s['turns']))}"
+                                  + (f" (own sample: {SPLIT_WHY[s['split']]})" if s["split"] else "")
+                                  for s in sample["sources"])
+                print(f"--- sample {i}: {where}\n{format_preview(tok, sample, color=color)}")
+        if not json_out:  # streamed data is counted as it is read: the summary covers the rows read so far
+            counts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in samples.counts.items())
+            print(f"--- {'streamed so far' if samples.num_samples is None else 'all data'}: {counts}")
     guarded(run, debug)
 
 
@@ -199,6 +276,8 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
         check_output_dir(Path(cfg.output_dir), cfg.model.path)
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before any rank starts
         load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        out = Path(cfg.output_dir).resolve()
+        hold_run_lock(out.parent / f".{out.name}.lock", f"--output-dir {out}")  # beside it: `out` is replaced
         return cfg
     cfg = guarded(prepare, debug)
     from .prepare import prepare_checkpoint as run_prepare
@@ -207,10 +286,13 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
 
 
 @app.command("export-hf")
-def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="output dir, step dir or prepared dir"),
+def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
+                                                       help="output dir, step dir or prepared dir"),
               output_dir: Optional[str] = OUTPUT,
-              dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of the exported weights: bfloat16 | float32"),
-              max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors file (5GB, 500MB)"),
+              dtype: str = typer.Option("bfloat16", "--dtype",
+                                        help="dtype of the exported weights: bfloat16 | float32"),
+              max_shard_size: str = typer.Option("5GB", "--max-shard-size",
+                                                 help="largest safetensors file (5GB, 500MB)"),
               verify: bool = typer.Option(True, "--verify/--no-verify",
                                           help="reload with from_pretrained and compare logits (needs RAM for one "
                                                "fp32 copy of the model)"),
@@ -219,15 +301,10 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint", hel
               debug: bool = DEBUG):
     """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
     def run():
-        from .export import VerifyError, export_hf as export
+        from .export import export_hf as export
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
-        try:
-            export(checkpoint, output_dir, dtype, max_shard_size, verify, adapter)
-        except VerifyError as e:  # not bad input but a broken export: exit 1, nothing left in --output-dir
-            if debug:
-                raise
-            fail(e, code=1)
+        export(checkpoint, output_dir, dtype, max_shard_size, verify, adapter)  # VerifyError: exit 1, nothing written
     guarded(run, debug)
 
 
@@ -269,8 +346,15 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def interrupted(signum, frame) -> NoReturn:
+    """Ctrl-C before training started (then checkpoint.SignalFlag takes over: save and stop) or during an export."""
+    print("finetune: interrupted; nothing was saved", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
 def main():
     quiet_libraries()
+    signal.signal(signal.SIGINT, interrupted)
     app()
 
 

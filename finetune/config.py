@@ -13,11 +13,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_type_hints, Literal
 
+from .errors import FinetuneError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PRESET = REPO_ROOT / "configs" / "tiny.toml"
 
 
-class ConfigError(ValueError):
+class ConfigError(FinetuneError, ValueError):
     """A bad key or value; the message is one line that names it."""
 
 
@@ -40,6 +42,8 @@ class DataConfig:
     max_seq_len: int = 2048  # truncate samples (keeping the head) / pack to this many tokens
     packing: bool = False  # concatenate samples into rows of max_seq_len (position_ids restart per sample)
     pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes for benchmarks)
+    on_unsupported: Literal["error", "drop"] = "error"  # a row the chat template cannot hold: stop, or skip and count
+    num_proc: int = 1  # processes that tokenize (datasets map workers; not used when streaming)
 
 
 @dataclass
@@ -151,7 +155,8 @@ def set_key(cfg: Config, dotted: str, value: Any) -> None:
         if name not in names:
             where = ".".join(parts[:i]) or "the top level"
             shown = sorted(n.rstrip("_") for n in names)
-            raise ConfigError(f"unknown config key '{dotted}'{_closest(part, shown)}; keys in {where}: {', '.join(shown)}")
+            raise ConfigError(f"unknown config key '{dotted}'{_closest(part, shown)}; "
+                              f"keys in {where}: {', '.join(shown)}")
         if i < len(parts) - 1:
             target = getattr(target, name)
             if not dataclasses.is_dataclass(target):
@@ -159,7 +164,8 @@ def set_key(cfg: Config, dotted: str, value: Any) -> None:
         else:
             typ = get_type_hints(type(target))[name]
             if dataclasses.is_dataclass(typ):
-                raise ConfigError(f"'{dotted}' is a section; set one of its keys, e.g. {dotted}.{fields(typ)[0].name}=...")
+                raise ConfigError(f"'{dotted}' is a section; set one of its keys, "
+                                  f"e.g. {dotted}.{fields(typ)[0].name}=...")
             setattr(target, name, _coerce(dotted, value, typ))
 
 
@@ -191,7 +197,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         try:
             table = tomllib.loads(preset.read_text())
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{preset}: invalid TOML ({e})") from None
+            raise ConfigError(f"{preset}: invalid TOML ({e})") from e
         for key, value in _flatten(table).items():
             if key in PATH_KEYS and value:
                 value = resolve_path(value, preset.parent)
@@ -232,6 +238,7 @@ def validate(cfg: Config) -> None:
         ("lora.rank", cfg.lora.rank >= 0, ">= 0 (0 = off)"),
         ("lora.alpha", cfg.lora.alpha > 0, "> 0"),
         ("lora.dropout", 0 <= cfg.lora.dropout < 1, "in [0, 1)"),
+        ("data.num_proc", d.num_proc > 0, "> 0"),
         ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, ">= 0 (0 = no periodic checkpoint)"),
         ("checkpoint.keep", cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
@@ -242,7 +249,8 @@ def validate(cfg: Config) -> None:
         if not ok:
             section, name = key.split(".")
             raise ConfigError(f"{key} must be {rule}, got {getattr(getattr(cfg, section), name)!r}")
-    if cfg.model.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
+    attn = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+    if cfg.model.attn_implementation not in attn:
         raise ConfigError(f"model.attn_implementation must be one of sdpa, eager, flash_attention_2, "
                           f"flash_attention_3, flex_attention, got {cfg.model.attn_implementation!r}")
     for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):

@@ -1,42 +1,51 @@
-"""Held-out evaluation: loss on assistant tokens and exact match of greedy answers to the last user turn."""
+"""Held-out evaluation: loss on trained tokens and exact match of greedy answers to the last assistant turn."""
 from __future__ import annotations
 
 import torch
 
-from .data import columns_of, detect_format, load_rows, pad_collate, to_messages, tokenize_messages
+from .data import (IGNORE_INDEX, Conversation, columns_of, detect_format, load_rows, pad_collate, prompt_text,
+                   to_conversation, tokenize_messages)
 
 
-def load_eval_conversations(path: str, num_samples: int) -> list[list[dict]]:
+def load_eval_conversations(path: str, num_samples: int) -> list[Conversation]:
     rows = load_rows(path)
     fmt = detect_format(columns_of(rows))
-    return [to_messages(row, fmt, f"{path} row {i}") for i, row in zip(range(num_samples), rows)]
+    return [to_conversation(row, fmt, f"{path} row {i}") for i, row in zip(range(num_samples), rows)]
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
-    """Every rank runs the same conversations (FSDP needs every rank in every forward); fine for small sets."""
+    """Every rank runs the same conversations (FSDP needs every rank in every forward); fine for small sets.
+    The exact-match target is the last assistant turn's trained text (reasoning and tool calls included, so a
+    turn with null content is scored too), without special tokens."""
     was_training = model.training
     model.eval()
-    convs = load_eval_conversations(eval_cfg.path, eval_cfg.num_samples)
     loss_sum, num_tokens, correct, scored = 0.0, 0, 0, 0
-    for messages in convs:
-        sample, _ = tokenize_messages(tokenizer, messages, max_seq_len=4096)
-        if sample is not None:
+    for i, (messages, tools) in enumerate(load_eval_conversations(eval_cfg.path, eval_cfg.num_samples)):
+        samples, _ = tokenize_messages(tokenizer, messages, 4096, f"{eval_cfg.path} row {i}", tools)
+        for sample in samples:
             batch = pad_collate([sample], pad_id=tokenizer.pad_token_id)
             labels = batch["labels"].to(device)
-            n = int((labels[:, 1:] != -100).sum())
             out = model(input_ids=batch["input_ids"].to(device), labels=labels, use_cache=False,
                         num_items_in_batch=torch.tensor(1.0, device=device))
-            loss_sum, num_tokens = loss_sum + out.loss.item(), num_tokens + n
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-        if last is None:
+            loss_sum, num_tokens = loss_sum + out.loss.item(), num_tokens + int((labels[:, 1:] != IGNORE_INDEX).sum())
+        last = max((j for j, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        turn = next((s for s in samples if last in s["turns"]), None)
+        if turn is None:
             continue
-        prompt = tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True, tokenize=False)
+        prompt = prompt_text(tokenizer, messages[:last], tools)
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg.max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id)
         answer = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
-        correct += answer == str(messages[last]["content"]).strip()
+        # the last run of labels in that sample is the last turn (the one whose context is the prompt above)
+        labels = turn["labels"]
+        end = max(k for k, lab in enumerate(labels) if lab != IGNORE_INDEX) + 1
+        start = end
+        while start > 0 and labels[start - 1] != IGNORE_INDEX:
+            start -= 1
+        target = tokenizer.decode(labels[start:end], skip_special_tokens=True).strip()
+        correct += answer == target
         scored += 1
     model.train(was_training)
     return {"exact_match": correct / max(scored, 1), "loss": loss_sum / max(num_tokens, 1), "num_samples": scored}

@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import shutil
 import struct
 import time
-import tomllib
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -24,10 +22,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import MARKER, CheckpointError, is_complete, latest_complete, step_dirs
-from .config import REPO_ROOT, ConfigError
+from .checkpoint import MARKER, CheckpointError, damage, latest_complete, read_marker, step_dirs
+from .config import ConfigError
 from .distributed import print0
+from .errors import FinetuneError
+from .lock import hold_lock, release_lock, remove_stale_partials
+from .metrics import peak_rss_mb
 from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
+from .outdir import check_output_dir, publish_dir
 from .prepare import save_hf_files
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
@@ -37,8 +39,10 @@ ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
              torch.bool: "BOOL"}
 
 
-class VerifyError(RuntimeError):
-    """The exported model does not reproduce the checkpoint; the message is one line."""
+class VerifyError(FinetuneError):
+    """The exported model does not reproduce the checkpoint (a failure: exit 1); the message is one line."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -80,46 +84,26 @@ def find_source(path: str) -> Source:
         manifest = json.loads((p / MANIFEST).read_text())
         return Source(p / "weights", str(p), bool(manifest.get("trust_remote_code", False)), f"prepared {p}")
     if (p / ".metadata").exists() or (p / MARKER).exists() or p.name.startswith("step-"):
-        if not is_complete(p):
+        if not (p / MARKER).exists():
             raise CheckpointError(f"{p} is an incomplete checkpoint (needs .metadata and {MARKER}; its save did not "
                                   f"finish)")
-        step, run_dir = p, p.parent.parent
+        if damage(p):
+            raise CheckpointError(f"checkpoint {p} is damaged: {damage(p)}")
+        step = p
     elif (p / "checkpoints").is_dir():
-        step, run_dir = latest_complete(p / "checkpoints", report=False), p
+        step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
         if step is None:
             found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
-            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} (step dirs: {found})")
+            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} that is intact "
+                                  f"(step dirs: {found})")
     else:
         raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
                               f"dir or a prepared checkpoint (with {MANIFEST})")
-    model_path, trust = run_model_path(run_dir)
-    lora = json.loads((step / MARKER).read_text()).get("lora")
-    return Source(step, lora["base_model"] if lora else model_path, trust, str(step), lora)
-
-
-def run_model_path(run_dir: Path) -> tuple[str, bool]:
-    """model.path (and trust_remote_code) from a training output dir's config.toml: where config/tokenizer live."""
-    toml_path = run_dir / "config.toml"
-    if not toml_path.is_file():
-        raise CheckpointError(f"cannot tell which model {run_dir} trained: {toml_path} is missing (it names the "
-                              f"model whose config and tokenizer the export needs)")
-    model = tomllib.loads(toml_path.read_text()).get("model", {})
-    path = model.get("path", "")
-    # config.toml keeps paths as given: relative ones were relative to the training run's working directory
-    for base in (Path.cwd(), run_dir, REPO_ROOT):
-        if path and not Path(path).is_absolute() and (base / path).exists():
-            path = str((base / path).resolve())
-            break
-    return path, bool(model.get("trust_remote_code", False))
-
-
-def check_output_dir(out: Path) -> None:
-    """Empty, missing, or an earlier export (which is replaced once the new one is verified)."""
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"--output-dir {out} is a file")
-    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
-        raise CheckpointError(f"--output-dir {out} is not empty and not an earlier export (no {EXPORT_MARKER}); "
-                              f"refusing to overwrite it: pick another directory")
+    # the model (config, tokenizer) this checkpoint trained: its marker says, whatever config.toml says now
+    model = read_marker(step).get("config", {}).get("model", {})
+    if not model.get("path"):
+        raise CheckpointError(f"{step / MARKER} does not name the model it trained (saved by an older finetune)")
+    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), read_marker(step).get("lora"))
 
 
 def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict]:
@@ -317,16 +301,6 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
     return diff
 
 
-def peak_rss_mb() -> float:
-    """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
-    parent's RSS at fork/exec time, so a child of a big process would report the parent's size.)"""
-    status = Path("/proc/self/status")
-    for line in status.read_text().splitlines() if status.exists() else []:
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes
-
-
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
               verify: bool = True, adapter: bool = False) -> Path:
     """Write the HF model dir `output_dir` from `checkpoint` (with adapter=True: the PEFT adapter dir of a LoRA
@@ -336,7 +310,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     source = find_source(checkpoint)
     if adapter and not source.lora:
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
-    check_output_dir(out)
+    check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
     if source.lora:
         check_lora_base(source, hf_config)
@@ -362,16 +336,18 @@ def check_lora_base(source: Source, hf_config) -> None:
 
 def publish(out: Path, write: Callable[[Path], dict]) -> Path:
     """Run write(tmp) in a sibling temp dir, mark it as our export, then move it into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"  # beside `out`: the dir itself is replaced by a rename at the end
+    hold_lock(lock, f"--output-dir {out}")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        remove_stale_partials(out.parent, out.name)
+        tmp.mkdir()
         record = write(tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
-        replace_dir(tmp, out)
+        publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        release_lock(lock)
     return out
 
 
@@ -397,15 +373,3 @@ def write_model(tmp: Path, out: Path, checkpoint: str, source: Source, hf_config
             "model_path": source.model_path, "dtype": str(dtype).split(".")[1], "num_shards": len(shards),
             "verified_max_abs_logit_diff": diff, "lora": source.lora}
 
-
-def replace_dir(new: Path, out: Path) -> None:
-    """Move `new` to `out`; an empty or earlier-export `out` is replaced (the old one removed only after)."""
-    old = None
-    if out.is_dir() and any(out.iterdir()):
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    elif out.is_dir():
-        out.rmdir()
-    new.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -44,6 +44,7 @@ def kill_if(kind: str, step: int) -> None:
 
 def pause_if(step: int, released: Callable[[], bool]) -> None:
     if spec().get("pause_at_step") == step:
-        print(f"finetune: rank {os.environ.get('RANK', '0')} paused at step {step}", file=sys.stderr, flush=True)
+        sys.stderr.flush()  # one write of the whole line: print() writes the newline apart, and ranks interleave
+        os.write(2, f"finetune: rank {os.environ.get('RANK', '0')} paused at step {step}\n".encode())
         while not released():
             time.sleep(0.02)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .distributed import is_main
+from .distributed import is_main, print0
 
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
@@ -31,8 +31,39 @@ def peak_mem_mb(device: torch.device) -> float:
     """CUDA: max allocated since start; CPU: this process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
+    parent's RSS at fork/exec time, so a child of a big process, such as a bench point, would report the parent's.)"""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.exists() else []:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20  # macOS: bytes
+
+
+def repair_metrics(path: Path, start_step: int) -> None:
+    """On resume: keep the records up to the checkpoint's step (later steps are redone) and drop lines a killed run
+    left half-written, saying so. Written to a temp file and renamed: a crash here loses nothing."""
+    kept, bad = [], []
+    for n, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True), 1):
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, TypeError, KeyError):
+            if line.strip():
+                bad.append(n)
+            continue
+        if step <= start_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if bad:
+        print(f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
+              f"e.g. half-written by a killed run", flush=True)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.rename(path)
 
 
 class MetricsLogger:
@@ -49,9 +80,8 @@ class MetricsLogger:
             while path.with_suffix(f".jsonl.{n}").exists():
                 n += 1
             path.rename(path.with_suffix(f".jsonl.{n}"))
-        elif path.exists():  # resuming: steps after the checkpoint are redone, so their old lines go
-            lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start_step]
-            path.write_text("".join(l + "\n" for l in lines))
+        elif path.exists():
+            repair_metrics(path, start_step)
         self.file = open(path, "a")
         if use_wandb:
             import wandb
@@ -71,3 +101,27 @@ class MetricsLogger:
             self.file.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar on rank 0 when stderr is a terminal (or FINETUNE_PROGRESS is set); None otherwise."""
+    if not (enabled and is_main()):
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, desc="sft", dynamic_ncols=True, file=sys.stderr,
+                disable=not sys.stderr.isatty() and not os.environ.get("FINETUNE_PROGRESS"))
+
+
+def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
+    """Advance the bar; every log_interval steps, one console line (through the bar when it is shown)."""
+    line = (f"step {record['step']:>5}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+            f"mem {record['peak_mem_mb']:.0f} MB")
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+    if record["step"] % log_interval == 0 or record["step"] == max_steps:
+        if bar is not None and not bar.disable:
+            bar.write(line)
+        else:
+            print0(line)

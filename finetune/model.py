@@ -25,12 +25,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import is_main, print0
+from .errors import FinetuneError, one_line
 from .lora import apply_lora, base_name, init_lora_weights, is_adapter
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
 
-class ModelError(ValueError):
+class ModelError(FinetuneError, ValueError):
     """The model cannot be loaded or does not match; the message is one line."""
 
 
@@ -51,8 +52,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load model '{path}': {first}") from None
+        raise ModelError(f"cannot load model '{path}': {one_line(e)}") from e
     if is_prepared(path):
         check_manifest(path, hf_config)
     return hf_config
@@ -64,7 +64,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of '{path}': {str(e).strip().splitlines()[0]}") from None
+        raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -96,7 +96,8 @@ def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_re
     from transformers import AutoModelForCausalLM
     attn_implementation = resolve_attn_implementation(hf_config, attn_implementation)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation,
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
     return model
@@ -132,8 +133,8 @@ def apply_kernels(model: nn.Module, liger: bool) -> None:
         raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels)")
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError:
-        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from None
+    except ImportError as e:
+        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
     _apply_liger_kernel_to_instance(model=model)
 
 
@@ -282,7 +283,6 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
         load_hf_weights(model, path, trust_remote_code)
     if model.lora:
         init_lora_weights(model, seed)
-        model.lora["base_model"] = str(Path(path).resolve()) if Path(path).exists() else path
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
         assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype
     model.train()

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from . import __version__
+from . import __version__, outdir
 from .checkpoint import arch_of
 from .distributed import barrier, init_distributed, is_main, print0, world_size
-from .model import MANIFEST, ModelError, build_model, is_prepared, load_hf_config
+from .errors import one_line
+from .model import MANIFEST, ModelError, build_model, load_hf_config
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
 
@@ -29,11 +30,7 @@ def check_output_dir(out: Path, model_path: str) -> None:
     """Missing, empty, or an earlier prepared checkpoint (replaced at the end); never the source itself."""
     if Path(model_path).exists() and Path(model_path).resolve() == out.resolve():
         raise ModelError(f"--output-dir {out} is the model being prepared; pick another directory")
-    if out.exists() and not out.is_dir():
-        raise ModelError(f"--output-dir {out} is a file")
-    if out.is_dir() and any(out.iterdir()) and not is_prepared(out):
-        raise ModelError(f"--output-dir {out} is not empty and not a prepared checkpoint (no {MANIFEST}); "
-                         f"refusing to overwrite it: pick another directory")
+    outdir.check_output_dir(out, MANIFEST, "a prepared checkpoint")
 
 
 def source_dir(model_path: str) -> tuple[Path, str | None]:
@@ -86,7 +83,7 @@ def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool
     try:
         tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of '{model_path}': {str(e).strip().splitlines()[0]}") from None
+        raise ModelError(f"cannot load the tokenizer of '{model_path}': {one_line(e)}") from e
     tok.save_pretrained(out)
     # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
     # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped
@@ -119,9 +116,7 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
         save_hf_files(partial, model_path, hf_config, trust_remote_code)
         manifest = build_manifest(model, model_path, hf_config, list(sd), trust_remote_code)
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks the dir as prepared
-        if out.exists():  # empty, or an earlier prepared checkpoint (checked before launch)
-            shutil.rmtree(out)
-        partial.rename(out)
+        outdir.publish_dir(partial, out)  # out: empty, or an earlier prepared checkpoint (checked before launch)
         print0(f"prepared {out}: {manifest['num_params'] / 1e6:.1f}M params, {len(sd)} tensors, fp32 DCP; train "
                f"with `finetune sft --model {out}` at any --nproc-per-node")
     barrier()

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -16,14 +14,17 @@ from . import faults
 from .config import Config, to_toml
 from .data import IGNORE_INDEX, build_samples, pad_collate
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
+from .errors import FinetuneError
 from .evaluate import evaluate
-from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb
+from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
 from .model import build_model, find_layers, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 
 
-class NonFiniteError(RuntimeError):
-    """Loss or grad norm became NaN/inf with train.nan_policy = "stop"."""
+class NonFiniteError(FinetuneError):
+    """Loss or grad norm became NaN/inf with train.nan_policy = "stop": the run failed (exit 1)."""
+
+    exit_code = 1
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -73,8 +74,9 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
         loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
         loss.backward()
         loss_sum += loss.detach().double()
-    counts = torch.tensor([0.0, num_input_tokens, float(stop)], dtype=torch.float64).to(device, non_blocking=True)
-    stats = torch.stack([num_tokens.to(device, torch.float64), counts[1], loss_sum, counts[2]])
+    # host-to-device copies with non_blocking: no wait for the GPU here (a blocking copy would be a sync)
+    counts = torch.tensor([num_input_tokens, float(stop)], dtype=torch.float64).to(device, non_blocking=True)
+    stats = torch.stack([num_tokens.to(device, torch.float64, non_blocking=True), counts[0], loss_sum, counts[1]])
     all_reduce(stats)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, (1 / stats[0].clamp(min=1)).float())
@@ -92,6 +94,8 @@ def train(cfg: Config) -> dict:
     device, mesh = init_distributed()
     out = Path(cfg.output_dir)
     tc, dc = cfg.train, cfg.data
+    if is_main():
+        out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
@@ -107,13 +111,11 @@ def train(cfg: Config) -> dict:
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
-    if is_main():  # only once the checkpoint is accepted: a refused resume leaves the run's config.toml as it was
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(cfg))
 
     samples = build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
                             streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
-                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen)
+                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen,
+                            on_unsupported=dc.on_unsupported, num_proc=dc.num_proc)
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
     sample_iter = iter(samples)
@@ -132,11 +134,19 @@ def train(cfg: Config) -> dict:
 
     eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
-    saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
+    if is_main():  # only now, with the run accepted (model, checkpoint, data): a refused run rewrites nothing
+        (out / "config.toml").write_text(to_toml(cfg))
+    run = asdict(cfg)  # each checkpoint names the model (config, tokenizer) it trained: export-hf reads that
+    if Path(cfg.model.path).exists():
+        run["model"]["path"] = str(Path(cfg.model.path).resolve())
+    saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
+                              run={"config": run})
     signals = ckpt.SignalFlag()
     bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
     # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
     # checkpoint steps (and every step under nan_policy "skip"), so the GPU never waits for the host in between.
+    # Every record is still exact; on GPU a signal is acted on (and a "stop" non-finite step raised) at that read,
+    # which always comes before a checkpoint is written.
     pending: list[tuple[torch.Tensor, dict]] = []
     record: dict = {}
     try:
@@ -198,7 +208,8 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
     tokens_per_s = values[NUM_INPUT_TOKENS] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
     record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
               "num_tokens": int(values[NUM_TOKENS]), "tokens_per_s": tokens_per_s,
-              "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device), "tokens_seen": state.tokens_seen}
+              "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
+              "tokens_seen": state.tokens_seen}
     if peak:
         record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())
     return record
@@ -224,25 +235,3 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
 
 def describe_counts(counts: dict) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items())
-
-
-def progress_bar(total: int, initial: int, enabled: bool):
-    if not (enabled and is_main()):
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, desc="sft", dynamic_ncols=True, file=sys.stderr,
-                disable=not sys.stderr.isatty() and not os.environ.get("FINETUNE_PROGRESS"))
-
-
-def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
-    line = (f"step {record['step']:>5}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
-            f"mem {record['peak_mem_mb']:.0f} MB")
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}")
-    if record["step"] % log_interval == 0 or record["step"] == max_steps:
-        if bar is not None and not bar.disable:
-            bar.write(line)
-        else:
-            print0(line)

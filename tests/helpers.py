@@ -197,9 +197,10 @@ def sft_cli(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None =
 
 def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     # each CLI child imports torch/transformers: let them share compiled bytecode even where .pyc writing is off
-    cache = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "finetune-pycache")}
-    full_env = {**os.environ, **cache, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    cache = {"PYTHONDONTWRITEBYTECODE": "",
+             "PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "finetune-pycache")}
+    full_env = {**os.environ, **cache, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -109,14 +109,18 @@ def test_sigterm_saves_and_exits_zero_then_resume_is_exact(llama_dir, chat_file,
            "--nproc-per-node", str(nproc), *BASE, *TWO_RANKS, *accum]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_TEST_FAULTS": "pause_at_step=3"}
     proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    seen, paused = [], 0
-    while paused < nproc and (line := proc.stderr.readline()):
-        seen.append(line)
-        paused += "paused at step 3" in line
-    assert paused == nproc, "".join(seen)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=180)
+                            text=True, start_new_session=True)
+    try:
+        seen, paused = [], 0
+        while paused < nproc and (line := proc.stderr.readline()):
+            seen.append(line)
+            paused += line.count("paused at step 3")
+        assert paused == nproc, "".join(seen)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:  # a failed test leaves no paused ranks behind
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
     assert steps(out) == [3]
     assert f"received SIGTERM: saved checkpoint {out / 'checkpoints' / 'step-3'} at step 3" in stdout

@@ -55,7 +55,7 @@ def test_two_ranks_train_like_one_process_and_checkpoints_hold_only_adapters(run
                         if k != "model.lm_head.modules_to_save.default.weight"), keys[:3]
     assert ("model.lm_head.modules_to_save.default.weight" in keys) == (kind == "qwen_tied_head")
     marker = json.loads((step / "finetune_complete.json").read_text())
-    assert marker["lora"]["rank"] == 4 and marker["lora"]["base_model"] == str(Path(model_dir).resolve())
+    assert marker["lora"]["rank"] == 4 and marker["config"]["model"]["path"] == str(Path(model_dir).resolve())
     # fp32 weights + 2 AdamW moments (12 bytes each) of the trainable params only; a full checkpoint holds them for
     # every param. (DCP adds ~1.5 KB per tensor, which dominates at this toy size.)
     metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
@@ -136,7 +136,7 @@ def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_t
 
     step = tmp_path / "run" / "checkpoints" / "step-1"  # the recorded base replaced by another architecture
     marker = json.loads((step / "finetune_complete.json").read_text())
-    marker["lora"]["base_model"] = str(qwen_tied_dir)
+    marker["config"]["model"]["path"] = str(qwen_tied_dir)
     (step / "finetune_complete.json").write_text(json.dumps(marker))
     with pytest.raises(ModelError, match=f"the LoRA base model '{qwen_tied_dir}' is not the one .* trained: "
                                          f"model_type"):
@@ -176,12 +176,10 @@ def train_on_prepared_base(llama_dir, tmp_path):
         else:
             assert p.dtype == torch.bfloat16 and not p.requires_grad and p.grad is None, name
             assert torch.equal(p.full_tensor(), source[base_name(clean_fqn(name))]), name
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.toml").write_text(f'[model]\npath = "{prepared}"\n')
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=3, min_lr_ratio=1.0)
-    step = Checkpointer(run / "checkpoints", keep=1, use_async=False).save(3, model, optimizer, scheduler,
-                                                                            TrainState(), model.config)
+    saver = Checkpointer(tmp_path / "run" / "checkpoints", keep=1, use_async=False,
+                         run={"config": {"model": {"path": str(prepared)}}})  # as train() names the model
+    step = saver.save(3, model, optimizer, scheduler, TrainState(), model.config)
     return prepared, step
 
 
@@ -193,8 +191,8 @@ def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit
     prepared, step = helpers.run_ranks(train_on_prepared_base, 1, llama_dir, tmp_path)[0]
     export_hf(str(step.parent.parent), str(tmp_path / "from_prepared"), "float32")
     marker = json.loads((step / "finetune_complete.json").read_text())
-    assert marker["lora"]["base_model"] == str(prepared)
-    marker["lora"]["base_model"] = str(llama_dir)
+    assert marker["config"]["model"]["path"] == str(prepared)
+    marker["config"]["model"]["path"] = str(llama_dir)
     (step / "finetune_complete.json").write_text(json.dumps(marker))
     export_hf(str(step.parent.parent), str(tmp_path / "from_hf"), "float32")
     source = read_weights(llama_dir)

@@ -1,0 +1,182 @@
+"""Samples in a world-size-independent order: tokenize rows (one row may give several samples), shuffle, shard, pack."""
+
+from __future__ import annotations
+
+import collections
+
+import datasets
+import numpy as np
+import torch
+
+from .formats import DataError, columns_of, detect_format, load_rows, to_conversation
+from .labels import DROP_REASONS, tokenize_messages
+
+_META = ("row", "turns", "split")  # where a sample comes from: row index, trained message indices, why split out
+
+
+def _greedy_packs(items, max_len: int):
+    """Group consecutive (item, length) pairs into lists whose lengths sum to at most max_len."""
+    group, used = [], 0
+    for item, n in items:
+        if group and used + n > max_len:
+            yield group
+            group, used = [], 0
+        group.append(item)
+        used += n
+    if group:
+        yield group
+
+
+def _count(counts: dict, samples: list[dict], reason: str | None) -> None:
+    counts["rows"] += 1
+    if reason:
+        counts[f"dropped_{reason}"] = counts.get(f"dropped_{reason}", 0) + 1
+        return
+    counts["kept"] += 1
+    counts["samples"] += len(samples)
+    counts["turns_trained"] += sum(len(s["turns"]) for s in samples)
+    for s in samples:
+        if s["split"]:
+            counts[f"turns_split_{s['split']}"] = counts.get(f"turns_split_{s['split']}", 0) + 1
+
+
+def _new_counts() -> dict:
+    return dict(rows=0, kept=0, samples=0, turns_trained=0, **{f"dropped_{r}": 0 for r in DROP_REASONS})
+
+
+class SampleStream(torch.utils.data.IterableDataset):
+    """This rank's samples, forever (or epoch_limit epochs). Global sample g (world-size independent, counted
+    across epochs) goes to rank g % world_size; iteration starts at global sample start_sample. A row's samples
+    follow each other in row order before shuffling. Iterate it in the training process (DataLoader num_workers=0):
+    counts for streaming data are filled in as it goes. `tokenize(row, idx)` returns (samples, drop reason)."""
+
+    def __init__(self, rows, tokenize, *, streaming, shuffle, packing, max_seq_len, seed, rank, world_size,
+                 start_sample, epoch_limit, source, num_proc=1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.streaming, self.shuffle, self.packing, self.max_seq_len = streaming, shuffle, packing, max_seq_len
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.start_sample, self.epoch_limit, self.source = start_sample, epoch_limit, source
+        self._rows, self._tokenize = rows, tokenize
+        self.counts = _new_counts()
+        self.num_samples: int | None = None
+        if streaming:
+            return
+        ints = getattr(datasets, "List", datasets.Sequence)(datasets.Value("int32"))  # List is datasets>=4
+        features = datasets.Features({"input_ids": ints, "labels": ints, "length": datasets.Value("int32"),
+                                      "drop": datasets.Value("string"), "row": datasets.Value("int64"),
+                                      "turns": ints, "split": datasets.Value("string")})
+
+        def tokenize_batch(batch, indices):  # one output per sample, or one placeholder naming why a row is dropped
+            out = {k: [] for k in features}
+            for j, idx in enumerate(indices):
+                samples, reason = tokenize({k: v[j] for k, v in batch.items()}, idx)
+                for s in samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]:
+                    for k in ("input_ids", "labels", "turns", "split"):
+                        out[k].append(s[k])
+                    out["length"].append(len(s["input_ids"]))
+                    out["drop"].append(reason or "")
+                    out["row"].append(idx)
+            return out
+
+        # Tokenize once; every epoch then only reorders sample indices.
+        self._tok = rows.map(tokenize_batch, batched=True, batch_size=64, with_indices=True,
+                             remove_columns=rows.column_names, features=features, keep_in_memory=True,
+                             load_from_cache_file=False, num_proc=num_proc if num_proc > 1 else None,
+                             desc="Tokenizing")
+        drops, turns, splits, row_ids = (self._tok[k] for k in ("drop", "turns", "split", "row"))
+        kept = [i for i, d in enumerate(drops) if not d]
+        reasons = collections.Counter(d for d in drops if d)
+        kept_rows = len({row_ids[i] for i in kept})
+        self.counts.update(rows=kept_rows + sum(reasons.values()), kept=kept_rows, samples=len(kept),
+                           turns_trained=sum(len(turns[i]) for i in kept),
+                           **{f"turns_split_{k}": v for k, v in sorted(collections.Counter(
+                               splits[i] for i in kept if splits[i]).items())},
+                           **{f"dropped_{r}": n for r, n in reasons.items()})
+        if packing:  # pack once in file order, then shuffle the packs each epoch: a constant epoch length
+            lengths = self._tok["length"]
+            self._units = list(_greedy_packs(((i, lengths[i]) for i in kept), max_seq_len))
+        else:
+            self._units = np.asarray(kept, dtype=np.int64)
+        self.num_samples = len(self._units)
+        if not self.num_samples:
+            raise DataError(f"{source}: no usable samples ({self.counts})")
+
+    def _assemble(self, samples: list[dict]) -> dict:
+        sources = [{k: s[k] for k in _META} for s in samples]  # for the preview; the collator ignores it
+        if not self.packing:
+            return {"input_ids": list(samples[0]["input_ids"]), "labels": list(samples[0]["labels"]),
+                    "sources": sources}
+        # position_ids restart per sample: transformers derives the block-diagonal attention from them.
+        return {"input_ids": [t for s in samples for t in s["input_ids"]],
+                "labels": [t for s in samples for t in s["labels"]],
+                "position_ids": [p for s in samples for p in range(len(s["input_ids"]))], "sources": sources}
+
+    def _epoch_indexed(self, epoch: int, g0: int):
+        n = self.num_samples
+        order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
+        first = max(0, self.start_sample - g0)
+        first += (self.rank - g0 - first) % self.world_size
+        for p in range(first, n, self.world_size):
+            unit = self._units[order[p]]
+            rows = self._tok[[int(unit)] if not self.packing else unit]
+            yield self._assemble([dict(zip(rows, values)) for values in zip(*rows.values())])
+        return n
+
+    def _epoch_streamed(self, epoch: int, g0: int):
+        first_pass = self.num_samples is None
+        if first_pass:  # counts describe one pass over the data
+            self.counts = _new_counts()
+
+        def kept():
+            for idx, row in enumerate(self._rows):
+                samples, reason = self._tokenize(row, idx)
+                if first_pass:
+                    _count(self.counts, samples, reason)
+                for s in samples:
+                    yield {**s, "row": idx}, len(s["input_ids"])
+
+        units = _greedy_packs(kept(), self.max_seq_len) if self.packing else ([s] for s, _ in kept())
+        n = 0
+        for n, unit in enumerate(units, 1):
+            g = g0 + n - 1
+            if g >= self.start_sample and g % self.world_size == self.rank:
+                yield self._assemble(unit)
+        if not n:
+            raise DataError(f"{self.source}: no usable samples ({self.counts})")
+        if first_pass:
+            self.num_samples = n
+        return n
+
+    def __iter__(self):
+        g0, epoch = 0, 0
+        while self.epoch_limit is None or epoch < self.epoch_limit:
+            if self.num_samples is not None and g0 + self.num_samples <= self.start_sample:
+                n = self.num_samples  # the whole epoch lies before the resume point
+            elif self.streaming:
+                n = yield from self._epoch_streamed(epoch, g0)
+            else:
+                n = yield from self._epoch_indexed(epoch, g0)
+            g0, epoch = g0 + n, epoch + 1
+
+
+def build_samples(path, tokenizer, *, fmt="auto", split="train", name=None, streaming=False, max_seq_len=2048,
+                  packing=False, shuffle=True, seed=0, rank=0, world_size=1, start_sample=0,
+                  epoch_limit=None, on_unsupported="error", num_proc=1) -> SampleStream:
+    """This rank's tokenized (optionally packed) samples; see SampleStream for the order contract.
+    Non-streaming data is tokenized up front (num_proc workers) and shuffled per epoch (seed + epoch) when shuffle;
+    streaming data is read lazily in file order (never shuffled), so it matches non-streaming with shuffle=False.
+    Rows the chat template cannot hold stop with a DataError (on_unsupported="error") or are dropped and counted."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{path}: the tokenizer has no chat template; use a chat/instruct model's tokenizer")
+    rows = load_rows(path, split=split, name=name, streaming=streaming)
+    fmt = detect_format(columns_of(rows), fmt)
+
+    def tokenize(row: dict, idx: int):
+        where = f"{path} row {idx}"
+        conv = to_conversation(row, fmt, where)
+        return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported)
+
+    return SampleStream(rows, tokenize, streaming=streaming, shuffle=shuffle and not streaming, packing=packing,
+                        max_seq_len=max_seq_len, seed=seed, rank=rank, world_size=world_size,
+                        start_sample=start_sample, epoch_limit=epoch_limit, source=path, num_proc=num_proc)

@@ -1,0 +1,91 @@
+"""Ownership of output dirs: an exclusive OS lock (flock) held for a whole run and released however the process ends
+(kill -9 included, unlike a pid file), and removal of what interrupted exports left behind. Imports no torch."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+from .errors import FinetuneError
+
+RUN_LOCK = ".finetune.lock"  # in a training output dir
+_held: dict[str, int] = {}  # lock path -> open fd: the lock lasts while the fd stays open, i.e. this process
+
+
+class LockError(FinetuneError):
+    """Another process owns the directory; the message names it."""
+
+
+def hold_lock(path: Path, what: str) -> None:
+    """Take the exclusive lock at `path` (creating it) for the rest of this process, or raise LockError naming the
+    holder, whose pid, host and command the lock file holds."""
+    path = Path(path).resolve()
+    if str(path) in _held:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise LockError(f"{what} is in use by {holder}; wait for it to finish or pick another directory") from None
+    except OSError as e:  # a filesystem without locks (some NFS set-ups): run, but say it is unprotected
+        print(f"note: cannot lock {path} ({e.strerror}); nothing stops a second run into {what}", flush=True)
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} ({shlex.join(['finetune', *sys.argv[1:]])})".encode())
+    _held[str(path)] = fd
+
+
+def release_lock(path: Path) -> None:
+    fd = _held.pop(str(Path(path).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def hold_run_lock(lock_path: Path, what: str) -> None:
+    """The run's lock, taken once per run: by the `finetune` process (the ranks it launches inherit FINETUNE_LOCK and
+    leave it to their parent), or under a bare torchrun launch by global rank 0."""
+    key = str(Path(lock_path).resolve())
+    if os.environ.get("FINETUNE_LOCK") == key or os.environ.get("RANK", "0") != "0":
+        return
+    hold_lock(lock_path, what)
+    os.environ["FINETUNE_LOCK"] = key
+
+
+def is_free(path: Path) -> bool:
+    """Nobody holds the lock at `path` (this process's own locks count as held)."""
+    if str(Path(path).resolve()) in _held:
+        return False
+    if not Path(path).exists():
+        return True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the lock we may just have taken
+
+
+def remove_stale_partials(parent: Path, own: str) -> None:
+    """Remove `.<name>.partial-<pid>` dirs in `parent` that no running export is writing: those of `own` (whose lock
+    this process holds) and those whose `.<name>.lock` is free. A kill -9 during an export leaves one behind, holding
+    a full copy of the weights (~140 GB at 70B)."""
+    removed, num_bytes = [], 0
+    for partial in sorted(parent.glob(".*.partial-*")):
+        name = partial.name[1:].rsplit(".partial-", 1)[0]
+        if partial.is_dir() and (name == own or is_free(parent / f".{name}.lock")):
+            num_bytes += sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+            shutil.rmtree(partial, ignore_errors=True)
+            removed.append(partial.name)
+    if removed:
+        print(f"removed {len(removed)} partial export(s) left by interrupted runs in {parent} "
+              f"({', '.join(removed)}): {num_bytes / 1e9:.3f} GB freed", flush=True)
