@@ -105,7 +105,7 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
     resumed = tmp_path / "resumed"
     shutil.copytree(root / "two", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step-5")
-    (resumed / "metrics.jsonl").write_text("".join(l + "\n" for l in (resumed / "metrics.jsonl").read_text()
+    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in (resumed / "metrics.jsonl").read_text()
                                                    .splitlines()[:3]))
     sft(model_dir, chat_file, resumed, "train.micro_batch_size=4")
     assert losses(resumed)[3:] == pytest.approx(losses(root / "one")[3:], rel=1e-5, abs=1e-5)
