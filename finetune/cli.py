@@ -311,13 +311,15 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
               verify: bool = typer.Option(True, "--verify/--no-verify",
                                           help="reload with from_pretrained and compare logits (needs RAM for one "
                                                "fp32 copy of the model)"),
+              adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoints: write the PEFT adapter dir "
+                                           "(adapter_config.json + adapter_model.safetensors), not the merged model"),
               debug: bool = DEBUG):
     """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
     def run():
         from .export import export_hf as export
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
-        export(checkpoint, output_dir, dtype, max_shard_size, verify)  # VerifyError: exit 1, nothing written
+        export(checkpoint, output_dir, dtype, max_shard_size, verify, adapter)  # VerifyError: exit 1, nothing written
     guarded(run, debug)
 
 
