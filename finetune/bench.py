@@ -14,6 +14,8 @@ import time
 import traceback
 from pathlib import Path
 
+from dataclasses import asdict
+
 import torch
 
 from .config import Config, ConfigError, load_config, to_toml
@@ -97,7 +99,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
                         ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
                         attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code)
+                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
     samples = iter(build_samples(dc.path, tok, fmt=dc.format, split=dc.split, name=dc.name or None,
                                  streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,

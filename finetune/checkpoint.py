@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import faults
@@ -30,6 +30,9 @@ from .errors import FinetuneError
 from .distributed import barrier, is_main, print0, world_size
 
 MARKER = "finetune_complete.json"
+TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # a LoRA checkpoint holds no frozen base weight
+# on load the frozen keys are absent by design (check_compatible has compared the trainable ones)
+TRAINABLE_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
 
@@ -151,9 +154,13 @@ def arch_of(hf_config) -> dict:
     return {k: getattr(hf_config, k, None) for k in ARCH_KEYS}
 
 
-def _model_keys(model) -> set[str]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return set(get_model_state_dict(model).keys())
+def trainable_state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state of the trainable parameters. ignore_frozen_params keeps the second name of a
+    tied frozen weight (lm_head.weight of a tied LoRA base): such names are dropped here."""
+    from .model import clean_fqn
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
+    frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def check_arch(path: Path, hf_config) -> None:
@@ -164,12 +171,21 @@ def check_arch(path: Path, hf_config) -> None:
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 
 
-def check_compatible(path: Path, model, hf_config) -> None:
-    """Same architecture and parameter names as the checkpoint, or a one-line error saying what differs."""
+def check_compatible(path: Path, model, optimizer, hf_config) -> None:
+    """Same architecture, LoRA settings and parameter names as the checkpoint, or a one-line error saying what
+    differs."""
+    saved, run = read_marker(path).get("lora"), getattr(model, "lora", None)
+    if saved != run:
+        if saved and run:
+            diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {run[k]!r}" for k in saved if saved[k] != run.get(k)]
+            raise CheckpointError(f"checkpoint {path} has other LoRA settings than this run: {'; '.join(diffs)}")
+        kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
+        raise CheckpointError(f"checkpoint {path} is from {kinds[0]}, this run is {kinds[1]}: resume a run of the "
+                              f"same kind, or start a new one (--no-resume / another --output-dir)")
     check_arch(path, hf_config)
     saved = {k[len("model."):] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
              if k.startswith("model.")}
-    want = _model_keys(model)
+    want = set(trainable_state_dicts(model, optimizer)[0])
     if saved != want:
         missing, extra = sorted(want - saved), sorted(saved - want)
         raise CheckpointError(f"checkpoint {path} has other parameters than the model: {len(missing)} missing "
@@ -177,11 +193,12 @@ def check_compatible(path: Path, model, hf_config) -> None:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
-    check_compatible(path, model, hf_config)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    check_compatible(path, model, optimizer, hf_config)
+    model_sd, optim_sd = trainable_state_dicts(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
     dcp.load(sd, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=TRAINABLE_LOAD)
     scheduler.load_state_dict(sd["scheduler"])
 
 
@@ -203,10 +220,11 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = trainable_state_dicts(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
-                  "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen, **self.run}
+                  "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen,
+                  "lora": getattr(model, "lora", None), **self.run}
         if self.use_async:
             fut = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group)
             fut = getattr(fut, "upload_completion", fut)

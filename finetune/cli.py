@@ -16,7 +16,7 @@ import typer
 
 from .config import Config, ConfigError, load_config, parse_value
 from .errors import FinetuneError
-from .lock import RUN_LOCK, hold_run_lock
+from .lock import RUN_LOCK, hold_run_lock, release_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
@@ -83,7 +83,7 @@ def check_paths(cfg: Config) -> None:
     remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
     for key, value in remote.items():
         if value.startswith((".", "/", "~")) or value.endswith((".json", ".jsonl", ".parquet")):
-            raise ConfigError(f"{key}: {value} does not exist")
+            raise ConfigError(f"{key.replace('.', ' ')} '{value}' does not exist")
     if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
         raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory")
     proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
@@ -107,12 +107,15 @@ def set_threads(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
+def check_nproc(nproc: int) -> None:
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+
+
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
     that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
-    if nproc < 1:
-        fail(f"--nproc-per-node must be >= 1, got {nproc}")
-    set_threads(nproc)
+    set_threads(nproc)  # nproc >= 1: checked with the rest of the input (check_nproc)
     if nproc <= 1 or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     import uuid
@@ -199,32 +202,38 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         debug: bool = DEBUG):
     """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
     def prepare():
-        if nproc_per_node < 1:  # before the output dir is locked (made)
-            raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+        check_nproc(nproc_per_node)  # before the output dir is locked (made)
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
             cfg.checkpoint.resume = False
-        if "FINETUNE_LOCK" in os.environ:  # a rank our launcher started: it checked all this and holds the lock
-            return cfg, None
+        lock = Path(cfg.output_dir) / RUN_LOCK
+        if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
+            return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-        lock = Path(cfg.output_dir) / RUN_LOCK
         if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
             hold_run_lock(lock, f"output dir {cfg.output_dir}")
-        nothing_to_do = preflight(cfg)
+        try:
+            nothing_to_do = preflight(cfg)
+        except BaseException:
+            release_lock(lock)
+            raise
         hold_run_lock(lock, f"output dir {cfg.output_dir}")
-        return cfg, nothing_to_do
-    cfg, nothing_to_do = guarded(prepare, debug)
-    if nothing_to_do:
-        if os.environ.get("RANK", "0") == "0":
-            print(nothing_to_do, flush=True)
-        return
-    from .checkpoint import latest_complete
-    root = Path(cfg.output_dir) / "checkpoints"
-    before = latest_complete(root, report=False)
-    from .train import train
-    launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+        return cfg, nothing_to_do, lock
+    cfg, nothing_to_do, lock = guarded(prepare, debug)
+    try:  # the lock goes with the process anyway; released here for callers that run commands in-process
+        if nothing_to_do:
+            if os.environ.get("RANK", "0") == "0":
+                print(nothing_to_do, flush=True)
+            return
+        from .checkpoint import latest_complete
+        root = Path(cfg.output_dir) / "checkpoints"
+        before = latest_complete(root, report=False)
+        from .train import train
+        launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+    finally:
+        release_lock(lock)
 
 
 SPLIT_WHY = {"history": "the full conversation renders this turn differently",
@@ -272,6 +281,7 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
     def prepare():
         from .model import load_hf_config, load_tokenizer
         from .prepare import check_output_dir
+        check_nproc(nproc_per_node)
         if not model or not output_dir:
             raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
@@ -280,11 +290,14 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
         load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         out = Path(cfg.output_dir).resolve()
         hold_run_lock(out.parent / f".{out.name}.lock", f"--output-dir {out}")  # beside it: `out` is replaced
-        return cfg
-    cfg = guarded(prepare, debug)
+        return cfg, out.parent / f".{out.name}.lock"
+    cfg, lock = guarded(prepare, debug)
     from .prepare import prepare_checkpoint as run_prepare
-    launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code, cfg.model.attn_implementation),
-           nproc_per_node, debug)
+    try:
+        launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
+                             cfg.model.attn_implementation), nproc_per_node, debug)
+    finally:
+        release_lock(lock)
 
 
 @app.command("export-hf")
@@ -298,13 +311,15 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
               verify: bool = typer.Option(True, "--verify/--no-verify",
                                           help="reload with from_pretrained and compare logits (needs RAM for one "
                                                "fp32 copy of the model)"),
+              adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoints: write the PEFT adapter dir "
+                                           "(adapter_config.json + adapter_model.safetensors), not the merged model"),
               debug: bool = DEBUG):
     """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
     def run():
         from .export import export_hf as export
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
-        export(checkpoint, output_dir, dtype, max_shard_size, verify)  # VerifyError: exit 1, nothing written
+        export(checkpoint, output_dir, dtype, max_shard_size, verify, adapter)  # VerifyError: exit 1, nothing written
     guarded(run, debug)
 
 

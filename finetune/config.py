@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import tomllib
+import types
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_type_hints, Literal
@@ -65,6 +66,15 @@ class TrainConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0  # LoRA rank (0 = off: full fine-tuning); adapters via peft, frozen base kept in bf16
+    alpha: float = 16.0  # scale of the update: alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: str | list = "all-linear"  # "all-linear" (every Linear in the decoder blocks) or module names
+    modules_to_save: list = field(default_factory=list)  # modules trained in full beside the adapters, e.g. ["lm_head"]
+
+
+@dataclass
 class ACConfig:
     ratio: float = 0.0  # fraction of decoder blocks under activation checkpointing, spread evenly (0..1)
     mode: Literal["block", "op"] = "block"  # block: recompute whole block; op: keep matmul/attention outputs
@@ -99,6 +109,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     ac: ACConfig = field(default_factory=ACConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -121,6 +132,10 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if value not in choices:
             hint = _closest(str(value), choices) if isinstance(value, str) else ""
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}")
+        return value
+    if isinstance(typ, types.UnionType):  # str | list: any of the members
+        if not any(isinstance(value, t) for t in get_args(typ)):
+            raise ConfigError(f"{key} must be {' or '.join(t.__name__ for t in get_args(typ))}, got {value!r}")
         return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -220,6 +235,9 @@ def validate(cfg: Config) -> None:
         ("train.max_grad_norm", t.max_grad_norm >= 0, ">= 0"),
         ("train.log_interval", t.log_interval > 0, "> 0"),
         ("data.max_seq_len", d.max_seq_len > 0, "> 0"),
+        ("lora.rank", cfg.lora.rank >= 0, ">= 0 (0 = off)"),
+        ("lora.alpha", cfg.lora.alpha > 0, "> 0"),
+        ("lora.dropout", 0 <= cfg.lora.dropout < 1, "in [0, 1)"),
         ("data.num_proc", d.num_proc > 0, "> 0"),
         ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, ">= 0 (0 = no periodic checkpoint)"),
@@ -248,6 +266,8 @@ def to_toml(cfg: Config) -> str:
             return "true" if v else "false"
         if isinstance(v, str):
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(map(fmt, v)) + "]"
         return repr(v)
 
     top, sections = [], []

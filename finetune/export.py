@@ -15,6 +15,7 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ class Source:
     model_path: str  # HF dir/id or prepared dir with config.json and tokenizer files
     trust_remote_code: bool
     label: str
+    lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -101,7 +103,7 @@ def find_source(path: str) -> Source:
     model = read_marker(step).get("config", {}).get("model", {})
     if not model.get("path"):
         raise CheckpointError(f"{step / MARKER} does not name the model it trained (saved by an older finetune)")
-    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step))
+    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), read_marker(step).get("lora"))
 
 
 def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict]:
@@ -109,9 +111,7 @@ def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict
     {on-disk name: (HF name, shape)}: where transformers stores weights in another layout on disk than in memory
     (renamings such as GPT-NeoX's embed_out, fused MoE experts), the names and shapes save_pretrained writes)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    md = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
-    stored = {k[len("model."):]: v for k, v in md.items()
-              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    stored, _ = open_tensors(source, hf_config)
     skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
     expected = skeleton.state_dict()
     missing = [k for k in expected if k not in stored]
@@ -135,6 +135,46 @@ def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict
                          f"does not convert tensor by tensor (transformers weight conversions); export-hf cannot "
                          f"write it yet")
     return skeleton, {k: stored[k] for k in kept}, disk
+
+
+def open_tensors(source: Source, hf_config) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """{HF name: metadata} of the tensors `source` holds, and name -> full tensor (read one at a time). For a LoRA
+    checkpoint, those of the merged model: W + alpha/r * B @ A in fp32 over the base weights (prepared or HF dir)."""
+    reader = MetadataOnceReader(str(source.weights))
+    stored = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
+              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not source.lora:
+        return stored, lambda name: load_tensor(reader, name, stored[name])
+    from .lora import merged, open_safetensors
+    base = find_source(source.model_path) if is_prepared(source.model_path) else None
+    metas, load_base = open_tensors(base, hf_config) if base else open_safetensors(source.model_path)
+    on_disk = set(metas)
+    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
+    names = {id(m): f"{n}.weight" for n, m in skeleton.named_modules()}
+    embedding, head = names[id(skeleton.get_input_embeddings())], names.get(id(skeleton.get_output_embeddings()))
+    if head and head not in on_disk:  # a tied base stores its embedding once; an untied export's head starts there
+        metas[head] = metas[embedding]
+    scale = source.lora["alpha"] / source.lora["rank"]
+
+    def load(name: str) -> torch.Tensor:
+        return merged(name, load_base(name if name in on_disk else embedding),
+                      lambda k: load_tensor(reader, k, stored[k]) if k in stored else None, scale)
+    return metas, load
+
+
+def untie_trained_apart(source: Source, hf_config) -> None:
+    """A tied embedding that LoRA changed apart from its twin (modules_to_save, or an adapter on it) is exported
+    untied, and the export says so."""
+    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
+    embedding = skeleton.get_input_embeddings().weight
+    tied = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is embedding]
+    keys = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
+    apart = [n for n in tied if f"model.{n[:-len('.weight')]}.modules_to_save.default.weight" in keys
+             or f"model.{n[:-len('.weight')]}.lora_A.default.weight" in keys]
+    if len(tied) > 1 and apart:
+        hf_config.tie_word_embeddings = False
+        print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "
+               f"(tie_word_embeddings=false)")
 
 
 def to_disk(skeleton, tensors: dict) -> dict:
@@ -193,7 +233,7 @@ def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dt
     metas = {d: torch.empty(shape, dtype=out_dtype_of(plan[k], dtype), device="meta") for d, (k, shape) in disk.items()}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    reader = MetadataOnceReader(str(source.weights))
+    _, load = open_tensors(source, skeleton.config)
     converted = any(d != k for d, (k, _) in disk.items())
     last: dict = {}  # the on-disk pieces of the last in-memory tensor read (one fused MoE tensor -> many on disk)
 
@@ -201,7 +241,7 @@ def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dt
         k = disk[d][0]
         if last.get("name") != k:
             last.clear()  # free the previous tensor before reading the next: one in RAM at a time
-            t = load_tensor(reader, k, plan[k])
+            t = load(k)
             last.update(name=k, pieces=to_disk(skeleton, {k: t}) if converted else {k: t})
         return last["pieces"].pop(d)  # each piece is written once: dropping it here frees it after its write
 
@@ -234,9 +274,9 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
                                                   attn_implementation=reference.config._attn_implementation,
                                                   trust_remote_code=source.trust_remote_code).eval()
     state = loaded.state_dict()
-    reader = MetadataOnceReader(str(source.weights))
+    _, load = open_tensors(source, hf_config)
     for name, meta in plan.items():
-        want = load_tensor(reader, name, meta).to(out_dtype_of(meta, dtype))
+        want = load(name).to(out_dtype_of(meta, dtype))
         if name not in state or not torch.equal(state[name], want.to(state[name].dtype)):
             raise VerifyError(f"export check: from_pretrained's {name} differs from the checkpoint's tensor")
     stored_ptrs = {state[n].data_ptr() for n in plan}
@@ -262,41 +302,74 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
 
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
-              verify: bool = True) -> Path:
-    """Write the HF model dir `output_dir` from `checkpoint`; returns it. Nothing lands there unless verified."""
+              verify: bool = True, adapter: bool = False) -> Path:
+    """Write the HF model dir `output_dir` from `checkpoint` (with adapter=True: the PEFT adapter dir of a LoRA
+    checkpoint); returns it. Nothing lands there unless verified."""
     dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
     out = Path(output_dir)
     source = find_source(checkpoint)
+    if adapter and not source.lora:
+        raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
     check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
+    if source.lora:
+        check_lora_base(source, hf_config)
+    if adapter:
+        from .lora import save_adapter
+        return publish(out, lambda tmp: save_adapter(tmp, source, hf_config, dtype, verify))
+    untie_trained_apart(source, hf_config)
     skeleton, plan, disk = plan_tensors(source, hf_config)
+    return publish(out, lambda tmp: write_model(tmp, out, checkpoint, source, hf_config, skeleton, plan, disk, dtype,
+                                                dtype_name, shard_bytes, verify))
+
+
+def check_lora_base(source: Source, hf_config) -> None:
+    """The base model a LoRA checkpoint is merged onto must have the architecture it was trained on."""
+    from .checkpoint import arch_of
+    arch = json.loads((source.weights / MARKER).read_text()).get("arch", {})
+    diffs = [f"{k}: checkpoint {v!r}, base {arch_of(hf_config).get(k)!r}" for k, v in arch.items()
+             if v != arch_of(hf_config).get(k)]
+    if diffs:
+        raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
+                         f"{'; '.join(diffs)}")
+
+
+def publish(out: Path, write: Callable[[Path], dict]) -> Path:
+    """Run write(tmp) in a sibling temp dir, mark it as our export, then move it into place."""
     lock = out.parent / f".{out.name}.lock"  # beside `out`: the dir itself is replaced by a rename at the end
     hold_lock(lock, f"--output-dir {out}")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         remove_stale_partials(out.parent, out.name)
         tmp.mkdir()
-        t0 = time.perf_counter()
-        num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in plan.values())
-        largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
-        shards = save_weights(tmp, source, skeleton, plan, disk, dtype, shard_bytes)
-        hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
-        hf_config.architectures = [type(skeleton).__name__]
-        save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
-        print0(f"exported {source.label} -> {out}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in "
-               f"{len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
-               f"(largest stored tensor {largest_mb:.0f} MB)")
-        diff = None
-        if verify:
-            diff = verify_export(tmp, source, hf_config, plan, disk, dtype, shards)
-            print0(f"verified: {len(plan)} tensors equal the checkpoint's; from_pretrained(dtype=float32) logits "
-                   f"max abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
-        record = {"source": str(Path(checkpoint).resolve()), "weights": str(source.weights.resolve()),
-                  "model_path": source.model_path, "dtype": str(dtype).split(".")[1], "num_shards": len(shards),
-                  "verified_max_abs_logit_diff": diff, "time": time.time()}
-        (tmp / EXPORT_MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        record = write(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
         publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         release_lock(lock)
     return out
+
+
+def write_model(tmp: Path, out: Path, checkpoint: str, source: Source, hf_config, skeleton, plan: dict, disk: dict,
+                dtype: torch.dtype, dtype_name: str, shard_bytes: int, verify: bool) -> dict:
+    """The merged/full HF model dir, written and verified; returns what the export marker records."""
+    t0 = time.perf_counter()
+    num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in plan.values())
+    largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
+    shards = save_weights(tmp, source, skeleton, plan, disk, dtype, shard_bytes)
+    hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
+    hf_config.architectures = [type(skeleton).__name__]
+    save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
+    print0(f"exported {source.label} -> {out}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in "
+           f"{len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
+           f"(largest stored tensor {largest_mb:.0f} MB)")
+    diff = None
+    if verify:
+        diff = verify_export(tmp, source, hf_config, plan, disk, dtype, shards)
+        print0(f"verified: {len(plan)} tensors equal the checkpoint's; from_pretrained(dtype=float32) logits "
+               f"max abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
+    return {"source": str(Path(checkpoint).resolve()), "weights": str(source.weights.resolve()),
+            "model_path": source.model_path, "dtype": str(dtype).split(".")[1], "num_shards": len(shards),
+            "verified_max_abs_logit_diff": diff, "lora": source.lora}
+

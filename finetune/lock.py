@@ -53,7 +53,7 @@ def hold_run_lock(lock_path: Path, what: str) -> None:
     """The run's lock, taken once per run: by the `finetune` process (the ranks it launches inherit FINETUNE_LOCK and
     leave it to their parent), or under a bare torchrun launch by global rank 0."""
     key = str(Path(lock_path).resolve())
-    if os.environ.get("FINETUNE_LOCK") == key or os.environ.get("RANK", "0") != "0":
+    if "RANK" in os.environ and (os.environ.get("FINETUNE_LOCK") == key or os.environ["RANK"] != "0"):
         return
     hold_lock(lock_path, what)
     os.environ["FINETUNE_LOCK"] = key

@@ -2,6 +2,8 @@
 
 `build_model` is the one place where the order lives:
   1. apply_kernels  patches modules (Liger) while they are plain HF modules;
+     apply_lora     injects peft adapters into the Linear layers (before AC/compile/FSDP wrap the blocks, so each
+                    block's FSDP unit holds its adapters too: every parameter is a DTensor);
   2. apply_ac       wraps whole decoder blocks with torch's non-reentrant checkpoint (not HF's
                     gradient_checkpointing, which under FSDP all-gathers each block again on recompute);
   3. apply_compile  compiles each block (regional compile must see the block before FSDP hooks it);
@@ -16,7 +18,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .distributed import is_main, print0
 from .errors import FinetuneError, one_line
+from .lora import apply_lora, base_name, init_lora_weights, is_adapter
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
@@ -202,39 +204,50 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str, mesh: DeviceMesh, trust_remote_code: bool = False) -> None:
-    """Rank 0 reads the HF checkpoint; each tensor is cast to fp32 and scattered to its shards in turn."""
+def load_hf_weights(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
+    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype (fp32 masters, or the frozen
+    base's dtype under LoRA) and scattered to its shards in turn. LoRA adapters are left to init_lora_weights."""
+    from collections import Counter
     full = None
     if is_main():
         from transformers import AutoModelForCausalLM
         src = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
         full = src.state_dict()
         del src
-    names = [clean_fqn(n) for n, _ in model.named_parameters()]
+    params = [(base_name(clean_fqn(n)), p) for n, p in model.named_parameters() if not is_adapter(n)]
+    uses = Counter(key for key, _ in params)  # a module to save and its trained copy load the same tensor
     if is_main():
-        missing = [n for n in names if n not in full]
+        missing = [key for key in uses if key not in full]
         if missing:
             raise ModelError(f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}")
-    for (name, param), key in zip(model.named_parameters(), names):
-        src_t = full.pop(key).to(param.device, torch.float32) if is_main() else \
-            torch.empty(param.shape, dtype=torch.float32, device=param.device)
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
-            param.to_local().copy_(shard.to_local())
+    for key, param in params:
+        uses[key] -= 1
+        if is_main():
+            src_t = (full.pop(key) if uses[key] == 0 else full[key]).to(param.device, param.dtype)
         else:
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast(src_t, 0)
-            param.copy_(src_t)
+            src_t = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        assert isinstance(param, DTensor), key  # fully_shard at the root makes every parameter a DTensor
+        shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
+        param.to_local().copy_(shard.to_local())
         del src_t
 
 
 def load_prepared_weights(model: nn.Module, path: str) -> None:
-    """DCP-load a prepared checkpoint straight into the shards (any world size: DCP reshards)."""
+    """DCP-load a prepared checkpoint straight into the shards (any world size: DCP reshards; it casts to each
+    parameter's dtype). A module to save under LoRA loads into its frozen original, then its trained copy."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    sd = get_model_state_dict(model)
-    dcp.load({"model": sd}, checkpoint_id=str(Path(path) / "weights"))
-    set_model_state_dict(model, sd)
+    targets, copies = {}, []
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            key = base_name(clean_fqn(name))
+            if key in targets:
+                copies.append((param, key))
+            else:
+                targets[key] = param
+    dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
+    with torch.no_grad():
+        for param, key in copies:
+            param.copy_(targets[key])
 
 
 def check_manifest(path: str, hf_config) -> None:
@@ -249,12 +262,17 @@ def check_manifest(path: str, hf_config) -> None:
 
 def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_precision: str = "bf16",
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False, liger: bool = False,
-                attn_implementation: str = "sdpa", trust_remote_code: bool = False) -> nn.Module:
-    """A sharded, fp32-master model ready to train, with the weights of `path` (HF dir/id or prepared dir)."""
+                attn_implementation: str = "sdpa", trust_remote_code: bool = False, lora: dict | None = None,
+                seed: int = 0) -> nn.Module:
+    """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
+    with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
+    bf16 (fp32 when mixed_precision is fp32)."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     prepared = is_prepared(path)
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     apply_kernels(model, liger)
+    base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    model.lora = apply_lora(model, **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
     apply_ac(model, ac_ratio, ac_mode)
     apply_compile(model, compile)
     apply_fsdp(model, mesh, mixed_precision)
@@ -262,8 +280,10 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     if prepared:
         load_prepared_weights(model, path)
     else:
-        load_hf_weights(model, path, mesh, trust_remote_code)
-    for p in model.parameters():  # invariant: sharded master weights are fp32
-        assert p.dtype == torch.float32, p.dtype
+        load_hf_weights(model, path, trust_remote_code)
+    if model.lora:
+        init_lora_weights(model, seed)
+    for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
+        assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype
     model.train()
     return model

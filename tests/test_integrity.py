@@ -261,7 +261,7 @@ def test_partial_export_of_a_killed_run_is_removed_by_the_next(run_dir, tmp_path
 # 8, 9 and the start-up items: one line, exit 2, before torch is imported
 
 @pytest.mark.parametrize("args, env, message", [
-    (["sft", "eval.path=/no/such/eval.jsonl"], {}, "eval.path: /no/such/eval.jsonl does not exist"),
+    (["sft", "eval.path=/no/such/eval.jsonl"], {}, "eval path '/no/such/eval.jsonl' does not exist"),
     (["sft", "-o", "{file}"], {}, "is a file, not a directory"),
     (["sft", "train.max_stepz=3"], {}, "unknown config key 'train.max_stepz'"),
     (["sft", "--model", "org/no-model"], {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},

@@ -10,14 +10,17 @@ from finetune.data import DataError, build_samples, to_conversation, tokenize_me
 from helpers import REPO, sft
 
 # GPT-OSS style: channels; the final answer ends with <|return|> when it is the last message and <|end|> in history,
-# where its analysis is dropped; a tool call ends with <|call|>; reasoning is read from `thinking`.
+# where its analysis is dropped; a tool call ends with <|call|>, its analysis dropped once a final answer follows;
+# reasoning is read from `thinking`.
 HARMONY = (
-    "{%- for m in messages %}"
+    "{%- for m in messages %}{%- set ns = namespace(final=false) %}{%- for f in messages[loop.index:] %}"
+    "{%- if f.role == 'assistant' and not f.tool_calls %}{%- set ns.final = true %}{%- endif %}{%- endfor %}"
     "{%- if m.role in ['system', 'user'] %}{{ '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}"
     "{%- elif m.role == 'tool' %}{{ '<|start|>functions.' + m.name + ' to=assistant<|channel|>commentary<|message|>'"
     " + m.content + '<|end|>' }}"
     "{%- elif m.tool_calls %}"
-    "{%- if m.thinking %}{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{%- endif %}"
+    "{%- if m.thinking and not ns.final %}{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking +"
+    " '<|end|>' }}{%- endif %}"
     "{%- set c = m.tool_calls[0].function %}{{ '<|start|>assistant to=functions.' + c.name +"
     " '<|channel|>commentary json<|message|>' + (c.arguments | tojson) + '<|call|>' }}"
     "{%- else %}"
@@ -111,13 +114,18 @@ def tool(text, name="get_weather"):
     return {"role": "tool", "content": text, "name": name, "tool_call_id": "c1"}
 
 
-def expected(tok, messages, tools, eot):
-    """Independent renders: {i: (prompt_i, completion_i)}, completion_i cut after its last end-of-turn token."""
+def expected(tok, messages, tools, eot, answers=None):
+    """Independent renders: {i: (prompt_i, completion_i)}, completion_i cut after its last end-of-turn token;
+    `answers` gives completion_i by hand where the rendering through turn i does not extend prompt_i."""
     out = {}
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and m.get("train", True):
             prompt = tok.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True, tokenize=False)
             upto = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
+            if i in (answers or {}):
+                assert not upto.startswith(prompt) and upto.endswith(answers[i])
+                out[i] = prompt, answers[i]
+                continue
             assert upto.startswith(prompt)
             completion = upto[len(prompt):]
             out[i] = prompt, completion[: max(completion.rfind(e) + len(e) for e in eot if e in completion)]
@@ -128,13 +136,13 @@ def decode(tok, ids):
     return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def check(tok, messages, tools=None, eot=("<|im_end|>",), row=None, render_messages=None):
+def check(tok, messages, tools=None, eot=("<|im_end|>",), row=None, render_messages=None, answers=None):
     """Label the row (`row` defaults to {messages, tools}); every trained run decodes to completion_i and all
     before it to prompt_i, as rendered here from `render_messages` (default: messages). Returns the samples."""
     conv = to_conversation(row or {"messages": messages, "tools": tools}, "messages", "t.jsonl row 0")
     samples, reason = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
     assert reason is None
-    want = expected(tok, render_messages or messages, tools, eot)
+    want = expected(tok, render_messages or messages, tools, eot, answers)
     got = {}
     for s in samples:
         ids, labels = s["input_ids"], s["labels"]
@@ -193,8 +201,12 @@ def test_gpt_oss_channels_and_end_tokens():
     messages = [user("Hi"), assistant("Hello!", reasoning="Greet."), user("Weather?"),
                 assistant(None, reasoning="Call it.", calls=[call(city="Paris")]), tool("21", "get_weather"),
                 assistant("Sunny.", reasoning="Done.")]
-    samples = check(tok, messages, eot=("<|return|>", "<|call|>"))
-    assert splits(samples) == [([1], "history"), ([3, 5], "")]
+    # The last answer: its context at inference still shows the tool call's analysis, which the rendering of the
+    # whole row drops once the answer follows; so it is trained after prompt_i, in a sample of its own.
+    answer = "<|channel|>analysis<|message|>Done.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
+    samples = check(tok, messages, eot=("<|return|>", "<|call|>"), answers={5: answer})
+    assert splits(samples) == [([1], "history"), ([3], "history"), ([5], "context")]
+    assert "<|message|>Call it.<|end|>" in decode(tok, samples[2]["input_ids"])
     first = decode(tok, samples[0]["input_ids"])
     assert first.endswith("<|start|>assistant<|channel|>analysis<|message|>Greet.<|end|>"
                           "<|start|>assistant<|channel|>final<|message|>Hello!<|return|>")

@@ -16,7 +16,7 @@ FORMATS = ("messages", "sharegpt", "alpaca")
 _EXTS = (".json", ".jsonl", ".parquet")
 # ShareGPT's `from` values and OpenAI roles; function_call turns become assistant tool calls.
 _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-          "tool": "tool", "observation": "tool", "function_call": "assistant"}
+          "tool": "tool", "observation": "tool", "function": "tool", "function_call": "assistant"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
 
 
@@ -235,7 +235,7 @@ def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
         role = _ROLES.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise DataError(f"{where}: unknown role {raw_role!r} in message {j} (allowed: system, user, assistant, "
-                            f"tool; sharegpt also human, gpt, function_call, observation)")
+                            f"tool; also human, gpt, function_call, observation, function)")
         content = m.get("content") if m.get("content") is not None else m.get("value")
         msg = {"role": role}
         if raw_role.strip().lower() == "function_call":  # ShareGPT: the value is the call as JSON

@@ -1,10 +1,11 @@
 """Exact labels: the tokens a model emits at inference for each assistant turn, in the context it sees there.
 
 For assistant message i, prompt_i is the template's rendering of messages[:i] (with the row's tools) and a generation
-prompt; completion_i is the rendering of messages[:i+1] minus prompt_i, cut right after the end-of-turn token that
-closes it. Turns whose prompt_i + completion_i begin the full rendering share one sample (the rendering of the whole
-row); a turn the full rendering shows differently (reasoning dropped from history, a think block only in the last
-turn, a system prompt moved) gets a sample of its own, prompt_i + completion_i.
+prompt; completion_i is the rendering of messages[:i+1] minus prompt_i (where that rendering also changes the
+history, as GPT-OSS does, what follows its generation prompt for message i), cut right after the end-of-turn token
+that closes it. Turns whose prompt_i + completion_i begin the full rendering share one sample (the rendering of the
+whole row); a turn the full rendering shows differently (reasoning dropped from history, a think block only in the
+last turn, a system prompt moved) gets a sample of its own, prompt_i + completion_i.
 """
 
 from __future__ import annotations
@@ -106,6 +107,25 @@ def prompt_text(tokenizer, messages: list[dict], tools=None) -> str:
     """The context the model answers after messages (prompt_i for what follows): rendered as the labels are."""
     t = template_of(tokenizer)
     return t.render(_prepared(messages, t.args_as_string), tools, True)
+
+
+def _answer_start(t: _Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
+    """Where message i's answer starts in `upto` when `upto` does not extend `prompt` because the template renders
+    the history differently once message i follows (GPT-OSS drops the analysis of tool calls before a final
+    answer): right after the generation prompt that `upto` writes for message i, i.e. the occurrence of it whose
+    preceding text matches the end of `prompt` the longest (at least the previous message)."""
+    history = t.render(msgs[:i], tools, False)
+    if not prompt.startswith(history) or len(prompt) == len(history):
+        return None
+    gen = prompt[len(history):]
+    best, best_len = None, len(gen)
+    for p in _find_all(upto, gen):
+        end = p + len(gen)
+        n = next((k for k in range(min(end, len(prompt))) if upto[end - 1 - k] != prompt[-1 - k]),
+                 min(end, len(prompt)))
+        if n > best_len:
+            best, best_len = end, n
+    return best
 
 
 def _shape(m: dict) -> tuple:
@@ -238,10 +258,11 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
         for i in trained:
             prompt = t.render(msgs[:i], tools, True)
             upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
-            if not upto.startswith(prompt):
+            start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
+            if start is None:
                 raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                                 f"generation prompt, so there is no answer to train")
-            completion = upto[len(prompt):]
+            completion = upto[start:]
             completion = completion[:_turn_length(tokenizer, t, msgs, i, tools, completion)]
             if not completion:
                 raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")

@@ -1,0 +1,178 @@
+"""LoRA via peft: inject adapters into the HF model (names stay HF names), initialise them, and the key maps that
+checkpoints, export (merged W + alpha/r * B @ A) and PEFT adapter dirs share."""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .distributed import print0
+
+# peft wraps a target Linear as <name>.base_layer + <name>.lora_A/B.default, and a module to save as
+# <name>.original_module (frozen) + <name>.modules_to_save.default (the trained copy)
+_WRAPPERS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
+
+
+def base_name(fqn: str) -> str:
+    """The HF name a (wrapped) parameter is loaded from: q_proj.base_layer.weight -> q_proj.weight."""
+    return _WRAPPERS.sub("", fqn)
+
+
+def is_adapter(fqn: str) -> bool:
+    return ".lora_A." in fqn or ".lora_B." in fqn
+
+
+def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:
+    """"all-linear": a regex naming every Linear inside the decoder blocks (peft's own "all-linear" is every Linear
+    but the output layer); a list of names: checked to match at least one module each."""
+    names = [n for n, _ in model.named_modules()]
+    if target_modules == "all-linear":
+        prefix = next(n for n, m in model.named_modules() if m is layers)
+        leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
+                         if isinstance(m, nn.Linear)})
+        return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})"
+    from .model import ModelError
+    if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
+        raise ModelError(f"lora.target_modules must be \"all-linear\" or a non-empty list of module names, "
+                         f"got {target_modules!r}")
+    for name in target_modules:
+        if not any(n == name or n.endswith("." + name) for n in names):
+            raise ModelError(f"lora.target_modules: '{name}' matches no module of {type(model).__name__}")
+    return list(target_modules)
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules, modules_to_save: list,
+               base_dtype: torch.dtype) -> dict | None:
+    """Inject peft LoRA layers (and trainable copies of modules_to_save) into the meta skeleton; freeze the rest
+    and keep it in base_dtype. Returns the settings a checkpoint records (None when rank is 0)."""
+    if rank == 0:
+        return None
+    from peft import inject_adapter_in_model
+    from .model import ModelError, find_layers
+    targets = resolve_targets(model, find_layers(model), target_modules)
+    names = [n for n, _ in model.named_modules()]
+    for name in modules_to_save:
+        if not any(n == name or n.endswith("." + name) for n in names):
+            raise ModelError(f"lora.modules_to_save: '{name}' matches no module of {type(model).__name__}")
+    settings = {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": targets,
+                "modules_to_save": list(modules_to_save)}
+    inject_adapter_in_model(peft_config(settings), model)
+    for p in model.parameters():  # frozen weights are never trained: no fp32 master copy of them
+        if not p.requires_grad:
+            p.data = p.data.to(base_dtype)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    num_adapted = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+    print0(f"lora: rank {rank}, alpha {alpha:g} on {num_adapted} linear layers; trainable {trainable / 1e6:.3f}M of "
+           f"{total / 1e6:.1f}M params ({trainable / total:.2%})")
+    return settings
+
+
+def peft_config(lora: dict, **kwargs):
+    """peft's LoraConfig for our settings (training and the adapter dir use the same one)."""
+    from peft import LoraConfig
+    return LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=lora["target_modules"], modules_to_save=lora["modules_to_save"] or None, **kwargs)
+
+
+@torch.no_grad()
+def init_lora_weights(model: nn.Module, seed: int) -> None:
+    """As peft initialises them (A kaiming-uniform, B zeros, so training starts at the base model), from `seed`:
+    every rank draws the same full tensors in the same order, so any world size starts identically."""
+    from torch.distributed.tensor import distribute_tensor
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        full = torch.zeros(p.shape, dtype=p.dtype)
+        if ".lora_A." in name:
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+        p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
+
+
+def peft_key(fqn: str) -> str:
+    """Our checkpoint key -> the key PeftModel.save_pretrained writes (adapter name dropped)."""
+    return "base_model.model." + fqn.replace(".lora_A.default.", ".lora_A.").replace(
+        ".lora_B.default.", ".lora_B.").replace(".modules_to_save.default.", ".")
+
+
+def write_adapter(out: Path, lora: dict, base_model: str, tensors: dict[str, torch.Tensor], dtype) -> None:
+    """adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained lays them out."""
+    from safetensors.torch import save_file
+    peft_config(lora, task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
+    save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def merged(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
+    """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target, the trained copy of a module to save,
+    else the base tensor. load_adapter(checkpoint key) returns that tensor, or None when the checkpoint has none."""
+    module, leaf = name.rsplit(".", 1)
+    copy = load_adapter(f"{module}.modules_to_save.default.{leaf}")
+    if copy is not None:
+        return copy.float()
+    lora_a = load_adapter(f"{module}.lora_A.default.weight") if leaf == "weight" else None
+    if lora_a is None:
+        return base
+    return base.float() + scale * (load_adapter(f"{module}.lora_B.default.weight").float() @ lora_a.float())
+
+
+def open_safetensors(path: str) -> tuple[dict, callable]:
+    """{name: metadata} and name -> tensor of an HF model's safetensors files (a dir, or a hub id in the cache)."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    from .export import ST_DTYPES
+    from .model import ModelError
+    root = Path(path)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+        root = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.json"]))
+    dtypes = {v: k for k, v in ST_DTYPES.items()}
+    files, metas = {}, {}
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():
+                piece = f.get_slice(k)
+                files[k] = file
+                metas[k] = TensorStorageMetadata(TensorProperties(dtype=dtypes[piece.get_dtype()]),
+                                                 torch.Size(piece.get_shape()), [])
+    if not metas:
+        raise ModelError(f"the LoRA base model '{path}' has no safetensors weights")
+
+    def load(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+    return metas, load
+
+
+def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool) -> dict:
+    """A LoRA checkpoint's PEFT adapter dir; verified by PeftModel.from_pretrained: every adapter tensor must load
+    under its name (no missing or unexpected keys) with the checkpoint's values."""
+    from .export import MetadataOnceReader, VerifyError, load_tensor
+    reader = MetadataOnceReader(str(source.weights))
+    stored = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    tensors = {k: load_tensor(reader, k, meta) for k, meta in stored.items()}
+    write_adapter(out, source.lora, source.model_path, tensors, dtype)
+    if verify:  # on a base built from the config: the check is about names and adapter values
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=source.trust_remote_code)
+        with warnings.catch_warnings():  # transformers' deprecation notes from inside peft
+            warnings.simplefilter("ignore", FutureWarning)
+            state = PeftModel.from_pretrained(base, str(out)).state_dict()
+        lora_keys = {k for k in state if ".lora_" in k or ".modules_to_save." in k}
+        if lora_keys != {"base_model.model." + k for k in tensors}:
+            raise VerifyError(f"adapter check: peft loads {len(lora_keys)} adapter tensors, the checkpoint has "
+                              f"{len(tensors)}")
+        for k, t in tensors.items():
+            if not torch.equal(state["base_model.model." + k], t.to(dtype).to(state["base_model.model." + k].dtype)):
+                raise VerifyError(f"adapter check: peft's {k} differs from the checkpoint's")
+    print0(f"exported the LoRA adapter of {source.label}: {len(tensors)} tensors "
+           f"({sum(t.numel() for t in tensors.values()) / 1e6:.3f}M params){', verified with peft' if verify else ''}")
+    return {"source": str(source.weights.resolve()), "base_model": source.model_path, "adapter": True,
+            "dtype": str(dtype).split(".")[1], "lora": source.lora}
