@@ -12,7 +12,7 @@ CONFIG_ERRORS = [
      "train.mixed_precision must be one of 'bf16', 'fp32', got 'bf61' (did you mean 'bf16'?)"),
     (["data.max_seq_len=-1"], "data.max_seq_len must be > 0, got -1"),
     (["ac.ratio=2"], "ac.ratio must be in [0, 1], got 2.0"),
-    (["--model", "/nonexistent/model"], "model.path: /nonexistent/model does not exist"),
+    (["--model", "/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
     (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
     (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
 ]
