@@ -14,8 +14,6 @@ import time
 import traceback
 from pathlib import Path
 
-from dataclasses import asdict
-
 import torch
 
 from .config import Config, ConfigError, load_config, to_toml
@@ -89,18 +87,13 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from .data import IGNORE_INDEX, build_samples
     from .distributed import init_distributed, world_size
     from .metrics import flops_per_token, peak_flops, peak_mem_mb
-    from .model import ac_layer_ids, build_model, load_tokenizer
-    from .optim import build_optimizer
-    from .train import LOSS, next_micro_batches, train_step
+    from .model import ac_layer_ids, load_tokenizer
+    from .train import LOSS, build_model_and_optimizer, next_micro_batches, train_step
     device, mesh = init_distributed()
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
-                        ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
-                        attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    model, optimizer = build_model_and_optimizer(cfg, device, mesh)
     samples = iter(build_samples(dc.path, tok, fmt=dc.format, split=dc.split, name=dc.name or None,
                                  streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
                                  rank=mesh.get_local_rank(), world_size=world_size()))

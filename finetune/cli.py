@@ -46,21 +46,16 @@ NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with tor
 DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 
 
-def fail(message, code: int = 2) -> NoReturn:
-    """`error: <one line>` on stderr, then exit `code` (2: bad input)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
 def guarded(fn: Callable, debug: bool, *args, **kwargs):
-    """Run fn; our errors become `error: <one line>` and their exit code (2: bad input, 1: a failed run); with
-    --debug, the traceback instead."""
+    """Run fn; our errors become `error: <one line>` on stderr and their exit code (2: bad input, 1: a failed run);
+    with --debug, the traceback instead."""
     try:
         return fn(*args, **kwargs)
     except FinetuneError as e:
         if debug:
             raise
-        fail(e, e.exit_code)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code)
 
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
@@ -173,12 +168,11 @@ def preflight(cfg: Config) -> str | None:
     """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
     (intact, same architecture), readable data and eval set. Returns why there is nothing to do, if so."""
     from .checkpoint import check_arch, find_resume, read_marker
-    from .data import columns_of, detect_format, load_rows
+    from .data import DataError, columns_of, detect_format, load_rows
     from .model import load_hf_config, load_tokenizer
     hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     if not getattr(tok, "chat_template", None):
-        from .data import DataError
         raise DataError(f"the tokenizer of '{cfg.model.path}' has no chat template (tokenizer_config.json "
                         f"'chat_template'); instruct data cannot be rendered")
     resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
