@@ -182,8 +182,9 @@ def preflight(cfg: Config) -> str | None:
     detect_format(columns_of(rows), cfg.data.format)
     if cfg.eval.path:  # checked now, not when training ends
         detect_format(columns_of(load_rows(cfg.eval.path)))
-    if resume is not None and read_marker(resume)["step"] >= cfg.train.max_steps:
-        return (f"nothing to do: checkpoint {resume} is at step {read_marker(resume)['step']} and train.max_steps is "
+    step = read_marker(resume)["step"] if resume is not None else 0
+    if step >= cfg.train.max_steps:
+        return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
                 f"{cfg.train.max_steps}; raise train.max_steps to train on")
     return None
 
@@ -245,6 +246,7 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
         import json
         from .data import build_samples, format_preview
         from .model import load_tokenizer
+        from .train import describe_counts
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         if num < 1:
             raise ConfigError(f"--num must be >= 1, got {num}")
@@ -263,8 +265,8 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
                                   for s in sample["sources"])
                 print(f"--- sample {i}: {where}\n{format_preview(tok, sample, color=color)}")
         if not json_out:  # streamed data is counted as it is read: the summary covers the rows read so far
-            counts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in samples.counts.items())
-            print(f"--- {'streamed so far' if samples.num_samples is None else 'all data'}: {counts}")
+            print(f"--- {'streamed so far' if samples.num_samples is None else 'all data'}: "
+                  f"{describe_counts(samples.counts)}")
     guarded(run, debug)
 
 
@@ -283,8 +285,9 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before any rank starts
         load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         out = Path(cfg.output_dir).resolve()
-        hold_run_lock(out.parent / f".{out.name}.lock", f"--output-dir {out}")  # beside it: `out` is replaced
-        return cfg, out.parent / f".{out.name}.lock"
+        lock = out.parent / f".{out.name}.lock"  # beside it: `out` is replaced
+        hold_run_lock(lock, f"--output-dir {out}")
+        return cfg, lock
     cfg, lock = guarded(prepare, debug)
     from .prepare import prepare_checkpoint as run_prepare
     try:
@@ -347,14 +350,6 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
     guarded(run, debug)
 
 
-def quiet_libraries() -> None:
-    """Our progress bar and log lines only: no per-load bars from transformers/datasets."""
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 def interrupted(signum, frame) -> NoReturn:
     """Ctrl-C before training started (then checkpoint.SignalFlag takes over: save and stop) or during an export."""
     print("finetune: interrupted; nothing was saved", file=sys.stderr, flush=True)
@@ -362,7 +357,11 @@ def interrupted(signum, frame) -> NoReturn:
 
 
 def main():
-    quiet_libraries()
+    # our progress bar and log lines only: no per-load bars from transformers/datasets
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, interrupted)
     app()
 

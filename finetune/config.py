@@ -10,6 +10,7 @@ import difflib
 import tomllib
 import types
 from dataclasses import dataclass, field, fields
+from functools import reduce
 from pathlib import Path
 from typing import Any, get_args, get_type_hints, Literal
 
@@ -249,11 +250,9 @@ def validate(cfg: Config) -> None:
     ]
     for key, ok, rule in checks:
         if not ok:
-            section, name = key.split(".")
-            raise ConfigError(f"{key} must be {rule}, got {getattr(getattr(cfg, section), name)!r}")
+            raise ConfigError(f"{key} must be {rule}, got {reduce(getattr, key.split('.'), cfg)!r}")
     for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
-        section, _, name = key.rpartition(".")
-        if not getattr(getattr(cfg, section) if section else cfg, name):
+        if not reduce(getattr, key.split("."), cfg):
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
 
 
