@@ -1,8 +1,6 @@
 """The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks (torchrun's engine).
 
-Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2; `--debug` shows the
-traceback instead.
-"""
+Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
 
 import os
@@ -102,15 +100,15 @@ def set_threads(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
-def check_nproc(nproc: int) -> None:
-    if nproc < 1:
-        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+def check_flag(flag: str, ok: bool, rule: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{flag} must be {rule}, got {value}")
 
 
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
     that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
-    set_threads(nproc)  # nproc >= 1: checked with the rest of the input (check_nproc)
+    set_threads(nproc)  # nproc >= 1: checked with the rest of the input
     if nproc <= 1 or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     import uuid
@@ -197,7 +195,7 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         debug: bool = DEBUG):
     """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
     def prepare():
-        check_nproc(nproc_per_node)  # before the output dir is locked (made)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir) is made
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
@@ -248,8 +246,7 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
         from .model import load_tokenizer
         from .train import describe_counts
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
-        if num < 1:
-            raise ConfigError(f"--num must be >= 1, got {num}")
+        check_flag("--num", num >= 1, ">= 1", num)
         d = cfg.data
         tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         samples = build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None, streaming=d.streaming,
@@ -277,7 +274,7 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
     def prepare():
         from .model import load_hf_config, load_tokenizer
         from .prepare import check_output_dir
-        check_nproc(nproc_per_node)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
         if not model or not output_dir:
             raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
@@ -338,11 +335,9 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         from .model import load_hf_config
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
-        for flag, ok, rule, value in (("--steps", steps > 0, "> 0", steps), ("--warmup", warmup >= 0, ">= 0", warmup),
-                                      ("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)",
-                                       memory_budget)):
-            if not ok:
-                raise ConfigError(f"{flag} must be {rule}, got {value}")
+        check_flag("--steps", steps > 0, "> 0", steps)
+        check_flag("--warmup", warmup >= 0, ">= 0", warmup)
+        check_flag("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)", memory_budget)
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model path fails here, not per point
         set_threads(1)
