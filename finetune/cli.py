@@ -44,11 +44,11 @@ NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with tor
 DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 
 
-def guarded(fn: Callable, debug: bool, *args, **kwargs):
+def guarded(fn: Callable, debug: bool, *args):
     """Run fn; our errors become `error: <one line>` on stderr and their exit code (2: bad input, 1: a failed run);
     with --debug, the traceback instead."""
     try:
-        return fn(*args, **kwargs)
+        return fn(*args)
     except FinetuneError as e:
         if debug:
             raise
