@@ -242,16 +242,13 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
     """Show the first samples in dataset order as the trainer sees them: text with trained tokens highlighted."""
     def run():
         import json
-        from .data import build_samples, format_preview
+        from .data import format_preview
         from .model import load_tokenizer
-        from .train import describe_counts
+        from .train import build_run_samples, describe_counts
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         check_flag("--num", num >= 1, ">= 1", num)
-        d = cfg.data
         tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-        samples = build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None, streaming=d.streaming,
-                                max_seq_len=d.max_seq_len, packing=d.packing, seed=cfg.train.seed, shuffle=False,
-                                epoch_limit=1, on_unsupported=d.on_unsupported, num_proc=d.num_proc)
+        samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1)
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         for i, sample in zip(range(num), samples):
             if json_out:

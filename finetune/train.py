@@ -89,6 +89,14 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     return result, skipped
 
 
+def build_run_samples(cfg: Config, tokenizer, **kwargs):
+    """The sample stream `cfg.data` describes (one call for sft, bench and preview-data, so they see the same data)."""
+    dc = cfg.data
+    return build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
+                         streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=cfg.train.seed,
+                         on_unsupported=dc.on_unsupported, num_proc=dc.num_proc, **kwargs)
+
+
 def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
     """The model and its AdamW as configured (what `sft` and `bench` both train)."""
     tc = cfg.train
@@ -118,10 +126,8 @@ def train(cfg: Config) -> dict:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
 
-    samples = build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
-                            streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
-                            rank=mesh.get_local_rank(), world_size=world_size(), start_sample=state.samples_seen,
-                            on_unsupported=dc.on_unsupported, num_proc=dc.num_proc)
+    samples = build_run_samples(cfg, tokenizer, rank=mesh.get_local_rank(), world_size=world_size(),
+                                start_sample=state.samples_seen)
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
     sample_iter = iter(samples)
