@@ -214,14 +214,11 @@ def _tools(raw, where: str) -> list[dict] | None:
 def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
     """Normalise one row; every error names `where`."""
     if fmt == "alpaca":
-        user = _text(row.get("instruction"), where, "instruction")
-        extra = _text(row.get("input"), where, "input")
-        if extra.strip():
-            user += "\n\n" + extra
-        system = _text(row.get("system"), where, "system")
-        head = [{"role": "system", "content": system}] if system else []
-        return Conversation(head + [{"role": "user", "content": user}, {"role": "assistant", "content": _text(
-            row.get("output"), where, "output")}], None)
+        f = {k: _text(row.get(k), where, k) for k in ("instruction", "input", "system", "output")}
+        user = f["instruction"] + ("\n\n" + f["input"] if f["input"].strip() else "")
+        head = [{"role": "system", "content": f["system"]}] if f["system"] else []
+        return Conversation(head + [{"role": "user", "content": user}, {"role": "assistant", "content": f["output"]}],
+                            None)
     if fmt not in FORMATS:
         raise DataError(f"{where}: unknown format {fmt!r}; valid formats: {', '.join(FORMATS)}")
     conv = row.get("messages") if row.get("messages") is not None else row.get("conversations")

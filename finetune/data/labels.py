@@ -11,6 +11,7 @@ last turn, a system prompt moved) gets a sample of its own, prompt_i + completio
 from __future__ import annotations
 
 import json
+import os
 import weakref
 from collections.abc import Mapping
 
@@ -117,12 +118,11 @@ def _answer_start(t: _Template, msgs, i, tools, prompt: str, upto: str) -> int |
     history = t.render(msgs[:i], tools, False)
     if not prompt.startswith(history) or len(prompt) == len(history):
         return None
-    gen = prompt[len(history):]
+    gen, backwards = prompt[len(history):], prompt[::-1]
     best, best_len = None, len(gen)
     for p in _find_all(upto, gen):
         end = p + len(gen)
-        n = next((k for k in range(min(end, len(prompt))) if upto[end - 1 - k] != prompt[-1 - k]),
-                 min(end, len(prompt)))
+        n = len(os.path.commonprefix([upto[end - 1::-1], backwards]))  # how far upto[:end] ends as prompt does
         if n > best_len:
             best, best_len = end, n
     return best
@@ -159,7 +159,7 @@ def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int |
         more = _try_render(tokenizer, messages[:i] + [m, nxt], tools)
         if more and _NEXT in more:
             more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)]
-            common = next((k for k, (a, b) in enumerate(zip(tail, more)) if a != b), min(len(tail), len(more)))
+            common = len(os.path.commonprefix([tail, more]))
             inside = [h for h in hits if h[0] + len(h[2]) <= common]
             if inside:
                 return tail, max(p + len(c) for p, _, c in inside)
@@ -269,10 +269,11 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             _check_kept(messages[i], i, completion)
             if tools and i == trained[0] and t.render(msgs[:i], None, True) == prompt:
                 raise Unsupported("drops_tools", f"message {i}: the chat template does not show the row's tools")
+            span = (i, len(prompt), len(prompt) + len(completion))
             if full.startswith(prompt + completion):
-                main.append((i, len(prompt), len(prompt) + len(completion)))
+                main.append(span)
             else:  # "history": the full rendering shows this turn differently; "context": what precedes it differs
-                alone.append((i, prompt, completion, "history" if full.startswith(prompt) else "context"))
+                alone.append((prompt + completion, [span], "history" if full.startswith(prompt) else "context"))
     except Unsupported as e:
         if e.reason == "template_error" and not str(e).startswith("message"):  # name the first message it fails on
             k = next((k for k in range(len(msgs)) if _try_render(tokenizer, msgs[: k + 1], tools) is None), None)
@@ -288,9 +289,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
         if t.backend is None and list(tokenizer(full, add_special_tokens=False)["input_ids"]) != ref:
             raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
         t.checked = True
-    samples = [{**_encode(tokenizer, t, full, main, max_seq_len, where), "split": ""}] if main else []
-    for i, prompt, completion, why in alone:
-        span = [(i, len(prompt), len(prompt) + len(completion))]
-        samples.append({**_encode(tokenizer, t, prompt + completion, span, max_seq_len, where), "split": why})
+    samples = [{**_encode(tokenizer, t, text, spans, max_seq_len, where), "split": why}
+               for text, spans, why in ([(full, main, "")] if main else []) + alone]
     samples = sorted((s for s in samples if s["turns"]), key=lambda s: s["turns"][0])
     return (samples, None) if samples else ([], "no_labels_after_truncation")

@@ -103,14 +103,11 @@ class SampleStream(torch.utils.data.IterableDataset):
             raise DataError(f"{source}: no usable samples ({self.counts})")
 
     def _assemble(self, samples: list[dict]) -> dict:
-        sources = [{k: s[k] for k in _META} for s in samples]  # for the preview; the collator ignores it
-        if not self.packing:
-            return {"input_ids": list(samples[0]["input_ids"]), "labels": list(samples[0]["labels"]),
-                    "sources": sources}
-        # position_ids restart per sample: transformers derives the block-diagonal attention from them.
-        return {"input_ids": [t for s in samples for t in s["input_ids"]],
-                "labels": [t for s in samples for t in s["labels"]],
-                "position_ids": [p for s in samples for p in range(len(s["input_ids"]))], "sources": sources}
+        unit = {k: [t for s in samples for t in s[k]] for k in ("input_ids", "labels")}
+        if self.packing:  # position_ids restart per sample: transformers derives the block-diagonal attention from them
+            unit["position_ids"] = [p for s in samples for p in range(len(s["input_ids"]))]
+        unit["sources"] = [{k: s[k] for k in _META} for s in samples]  # for the preview; the collator ignores it
+        return unit
 
     def _epoch_indexed(self, epoch: int, g0: int):
         n = self.num_samples
