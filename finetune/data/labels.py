@@ -191,10 +191,8 @@ def _turn_length(tokenizer, t: _Template, messages, i, tools, completion: str) -
 def _check_kept(m: dict, i: int, completion: str) -> None:
     """What the row carries must be in what is trained: the message's content, reasoning and tool calls (templates
     strip text; Qwen-style ones re-render inline <think> reasoning, so its parts are looked for one by one)."""
-    content = m.get("content") or ""
-    head, tag, answer = content.rpartition("</think>")
-    if any(p not in completion for p in ([answer.strip(), head.split("<think>")[-1].strip()] if tag else
-                                         [content.strip()])):
+    head, _, answer = (m.get("content") or "").rpartition("</think>")  # without </think>: head "", answer all of it
+    if any(p.strip() not in completion for p in (answer, head.split("<think>")[-1])):
         raise Unsupported("drops_content", f"message {i}: the chat template drops (or rewrites) its content")
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:

@@ -72,11 +72,9 @@ class SampleStream(torch.utils.data.IterableDataset):
             for j, idx in enumerate(indices):
                 samples, reason = tokenize({k: v[j] for k, v in batch.items()}, idx)
                 for s in samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]:
-                    for k in ("input_ids", "labels", "turns", "split"):
-                        out[k].append(s[k])
-                    out["length"].append(len(s["input_ids"]))
-                    out["drop"].append(reason or "")
-                    out["row"].append(idx)
+                    entry = {**s, "length": len(s["input_ids"]), "drop": reason or "", "row": idx}
+                    for k in features:
+                        out[k].append(entry[k])
             return out
 
         # Tokenize once; every epoch then only reorders sample indices.
