@@ -118,7 +118,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             yield self._assemble([dict(zip(rows, values)) for values in zip(*rows.values())])
         return n
 
-    def _epoch_streamed(self, epoch: int, g0: int):
+    def _epoch_streamed(self, g0: int):
         first_pass = self.num_samples is None
         if first_pass:  # counts describe one pass over the data
             self.counts = _new_counts()
@@ -149,7 +149,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             if self.num_samples is not None and g0 + self.num_samples <= self.start_sample:
                 n = self.num_samples  # the whole epoch lies before the resume point
             elif self.streaming:
-                n = yield from self._epoch_streamed(epoch, g0)
+                n = yield from self._epoch_streamed(g0)
             else:
                 n = yield from self._epoch_indexed(epoch, g0)
             g0, epoch = g0 + n, epoch + 1
