@@ -205,21 +205,9 @@ def _check_kept(m: dict, i: int, completion: str) -> None:
             raise Unsupported("drops_tool_calls", f"message {i}: the chat template drops its tool call '{name}'")
 
 
-def _labels(ids: np.ndarray, offsets: np.ndarray, spans, is_added: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Labels, and for each labelled token the index of its span (-1 elsewhere)."""
-    owner = np.full(len(ids), -1)
-    starts, ends = offsets[:, 0], offsets[:, 1]
-    for k, (a, b) in reversed(list(enumerate(spans))):  # reversed: a token touching two spans belongs to the first
-        # Every token that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a
-        # prompt ending in ' ', an end-of-turn token with rstrip that swallowed the '\n' after it), but never a
-        # template token that only swallowed the answer's leading whitespace (a header with rstrip).
-        owner[(starts < b) & (ends > a) & ((starts >= a) | ~is_added)] = k
-    return np.where(owner >= 0, ids, IGNORE_INDEX), owner
-
-
 def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: str) -> dict:
-    # The template already holds bos etc.: this is exactly what apply_chat_template(tokenize=True) feeds the model
-    # (checked on the first row).
+    # Spans: (message index, start, end) of the trained text. The template already holds bos etc.: this is exactly
+    # what apply_chat_template(tokenize=True) feeds the model (checked on the first row).
     if t.backend is not None:
         enc = t.backend.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
@@ -230,8 +218,15 @@ def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: 
                             f"labels cannot be placed; use a fast (tokenizers-backed) tokenizer")
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
     ids = np.asarray(ids, dtype=np.int64)
-    labels, owner = _labels(ids, np.asarray(offsets, dtype=np.int64).reshape(-1, 2), [s[1:] for s in spans],
-                            t.is_added[np.minimum(ids, len(t.is_added) - 1)] & (ids < len(t.is_added)))
+    starts, ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
+    is_added = t.is_added[np.minimum(ids, len(t.is_added) - 1)] & (ids < len(t.is_added))
+    owner = np.full(len(ids), -1)  # the index of the span each token is trained for (-1: none)
+    for k, (_, a, b) in reversed(list(enumerate(spans))):  # reversed: a token touching two spans belongs to the first
+        # Every token that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a
+        # prompt ending in ' ', an end-of-turn token with rstrip that swallowed the '\n' after it), but never a
+        # template token that only swallowed the answer's leading whitespace (a header with rstrip).
+        owner[(starts < b) & (ends > a) & ((starts >= a) | ~is_added)] = k
+    labels = np.where(owner >= 0, ids, IGNORE_INDEX)
     kept = np.unique(owner[:max_seq_len])  # turns with a label left after truncation
     return {"input_ids": ids[:max_seq_len].tolist(), "labels": labels[:max_seq_len].tolist(),
             "turns": [spans[k][0] for k in kept if k >= 0]}
