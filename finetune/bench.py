@@ -14,8 +14,6 @@ import time
 import traceback
 from pathlib import Path
 
-from dataclasses import asdict
-
 import torch
 
 from .config import Config, ConfigError, load_config, to_toml
@@ -53,7 +51,7 @@ def default_budget_mb() -> float:
 
 # ----------------------------------------------------------------------------------------------- one point
 
-def saved_for_backward_mb(model, batch: dict, denom: torch.Tensor) -> float:
+def saved_for_backward_mb(model, batch: dict) -> float:
     """MB that one forward keeps for backward: tensors autograd saves (and op-level AC caches) outside
     checkpointed regions, plus the inputs a checkpointed block holds for its recompute. Unique storages;
     parameters are excluded (they are resident anyway)."""
@@ -74,8 +72,9 @@ def saved_for_backward_mb(model, batch: dict, denom: torch.Tensor) -> float:
 
     ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")]
     handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
+    one = torch.ones((), device=batch["input_ids"].device)  # the summed loss, as in train_step (same memory)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        loss = model(**batch, num_items_in_batch=denom, use_cache=False).loss
+        loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
     for h in handles:
         h.remove()
@@ -86,21 +85,16 @@ def saved_for_backward_mb(model, batch: dict, denom: torch.Tensor) -> float:
 
 def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
-    from .data import IGNORE_INDEX, build_samples
+    from .data import build_samples
     from .distributed import init_distributed, world_size
     from .metrics import flops_per_token, peak_flops, peak_mem_mb
-    from .model import ac_layer_ids, build_model, load_tokenizer
-    from .optim import build_optimizer
-    from .train import LOSS, next_micro_batches, train_step
+    from .model import ac_layer_ids, load_tokenizer
+    from .train import LOSS, build_model_and_optimizer, next_micro_batches, train_step
     device, mesh = init_distributed()
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
-                        ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
-                        attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    model, optimizer = build_model_and_optimizer(cfg, device, mesh)
     samples = iter(build_samples(dc.path, tok, fmt=dc.format, split=dc.split, name=dc.name or None,
                                  streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=tc.seed,
                                  rank=mesh.get_local_rank(), world_size=world_size()))
@@ -131,9 +125,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
               "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
               "device": device_name(), "device_memory_mb": default_budget_mb(),
               "losses": [r[LOSS] for r in torch.stack(results).tolist()]}
-    first = steps_data[0][0][0]
-    denom = torch.tensor(max(float((first["shift_labels"] != IGNORE_INDEX).sum()), 1.0), device=device)
-    result["saved_mb"] = saved_for_backward_mb(model, first, denom)
+    result["saved_mb"] = saved_for_backward_mb(model, steps_data[0][0][0])
     return result
 
 

@@ -1,8 +1,6 @@
 """The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks (torchrun's engine).
 
-Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2; `--debug` shows the
-traceback instead.
-"""
+Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
 
 import os
@@ -46,21 +44,16 @@ NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with tor
 DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 
 
-def fail(message, code: int = 2) -> NoReturn:
-    """`error: <one line>` on stderr, then exit `code` (2: bad input)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-def guarded(fn: Callable, debug: bool, *args, **kwargs):
-    """Run fn; our errors become `error: <one line>` and their exit code (2: bad input, 1: a failed run); with
-    --debug, the traceback instead."""
+def guarded(fn: Callable, debug: bool, *args):
+    """Run fn; our errors become `error: <one line>` on stderr and their exit code (2: bad input, 1: a failed run);
+    with --debug, the traceback instead."""
     try:
-        return fn(*args, **kwargs)
+        return fn(*args)
     except FinetuneError as e:
         if debug:
             raise
-        fail(e, e.exit_code)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code)
 
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
@@ -107,15 +100,15 @@ def set_threads(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
-def check_nproc(nproc: int) -> None:
-    if nproc < 1:
-        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+def check_flag(flag: str, ok: bool, rule: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{flag} must be {rule}, got {value}")
 
 
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
     that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
-    set_threads(nproc)  # nproc >= 1: checked with the rest of the input (check_nproc)
+    set_threads(nproc)  # nproc >= 1: checked with the rest of the input
     if nproc <= 1 or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     import uuid
@@ -173,12 +166,11 @@ def preflight(cfg: Config) -> str | None:
     """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
     (intact, same architecture), readable data and eval set. Returns why there is nothing to do, if so."""
     from .checkpoint import check_arch, find_resume, read_marker
-    from .data import columns_of, detect_format, load_rows
+    from .data import DataError, columns_of, detect_format, load_rows
     from .model import load_hf_config, load_tokenizer
     hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     if not getattr(tok, "chat_template", None):
-        from .data import DataError
         raise DataError(f"the tokenizer of '{cfg.model.path}' has no chat template (tokenizer_config.json "
                         f"'chat_template'); instruct data cannot be rendered")
     resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
@@ -188,8 +180,9 @@ def preflight(cfg: Config) -> str | None:
     detect_format(columns_of(rows), cfg.data.format)
     if cfg.eval.path:  # checked now, not when training ends
         detect_format(columns_of(load_rows(cfg.eval.path)))
-    if resume is not None and read_marker(resume)["step"] >= cfg.train.max_steps:
-        return (f"nothing to do: checkpoint {resume} is at step {read_marker(resume)['step']} and train.max_steps is "
+    step = read_marker(resume)["step"] if resume is not None else 0
+    if step >= cfg.train.max_steps:
+        return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
                 f"{cfg.train.max_steps}; raise train.max_steps to train on")
     return None
 
@@ -202,7 +195,7 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         debug: bool = DEBUG):
     """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
     def prepare():
-        check_nproc(nproc_per_node)  # before the output dir is locked (made)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir) is made
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
@@ -251,9 +244,9 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
         import json
         from .data import build_samples, format_preview
         from .model import load_tokenizer
+        from .train import describe_counts
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
-        if num < 1:
-            raise ConfigError(f"--num must be >= 1, got {num}")
+        check_flag("--num", num >= 1, ">= 1", num)
         d = cfg.data
         tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         samples = build_samples(d.path, tok, fmt=d.format, split=d.split, name=d.name or None, streaming=d.streaming,
@@ -269,8 +262,8 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
                                   for s in sample["sources"])
                 print(f"--- sample {i}: {where}\n{format_preview(tok, sample, color=color)}")
         if not json_out:  # streamed data is counted as it is read: the summary covers the rows read so far
-            counts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in samples.counts.items())
-            print(f"--- {'streamed so far' if samples.num_samples is None else 'all data'}: {counts}")
+            print(f"--- {'streamed so far' if samples.num_samples is None else 'all data'}: "
+                  f"{describe_counts(samples.counts)}")
     guarded(run, debug)
 
 
@@ -281,7 +274,7 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
     def prepare():
         from .model import load_hf_config, load_tokenizer
         from .prepare import check_output_dir
-        check_nproc(nproc_per_node)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
         if not model or not output_dir:
             raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
@@ -289,8 +282,9 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before any rank starts
         load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         out = Path(cfg.output_dir).resolve()
-        hold_run_lock(out.parent / f".{out.name}.lock", f"--output-dir {out}")  # beside it: `out` is replaced
-        return cfg, out.parent / f".{out.name}.lock"
+        lock = out.parent / f".{out.name}.lock"  # beside it: `out` is replaced
+        hold_run_lock(lock, f"--output-dir {out}")
+        return cfg, lock
     cfg, lock = guarded(prepare, debug)
     from .prepare import prepare_checkpoint as run_prepare
     try:
@@ -341,24 +335,14 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         from .model import load_hf_config
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
-        for flag, ok, rule, value in (("--steps", steps > 0, "> 0", steps), ("--warmup", warmup >= 0, ">= 0", warmup),
-                                      ("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)",
-                                       memory_budget)):
-            if not ok:
-                raise ConfigError(f"{flag} must be {rule}, got {value}")
+        check_flag("--steps", steps > 0, "> 0", steps)
+        check_flag("--warmup", warmup >= 0, ">= 0", warmup)
+        check_flag("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)", memory_budget)
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model path fails here, not per point
         set_threads(1)
         run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget)
     guarded(run, debug)
-
-
-def quiet_libraries() -> None:
-    """Our progress bar and log lines only: no per-load bars from transformers/datasets."""
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def interrupted(signum, frame) -> NoReturn:
@@ -368,7 +352,11 @@ def interrupted(signum, frame) -> NoReturn:
 
 
 def main():
-    quiet_libraries()
+    # our progress bar and log lines only: no per-load bars from transformers/datasets
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, interrupted)
     app()
 

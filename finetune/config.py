@@ -10,6 +10,7 @@ import difflib
 import tomllib
 import types
 from dataclasses import dataclass, field, fields
+from functools import reduce
 from pathlib import Path
 from typing import Any, get_args, get_type_hints, Literal
 
@@ -222,6 +223,7 @@ def resolve_path(value: str, base: Path) -> str:
 def validate(cfg: Config) -> None:
     """Range checks that types cannot express; each error names the key and the allowed range."""
     t, d = cfg.train, cfg.data
+    attn = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
     checks = [
         ("train.max_steps", t.max_steps > 0, "> 0"),
         ("train.micro_batch_size", t.micro_batch_size > 0, "> 0"),
@@ -244,18 +246,13 @@ def validate(cfg: Config) -> None:
         ("checkpoint.keep", cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
         ("eval.num_samples", cfg.eval.num_samples >= 0, ">= 0"),
         ("eval.max_new_tokens", cfg.eval.max_new_tokens > 0, "> 0"),
+        ("model.attn_implementation", cfg.model.attn_implementation in attn, f"one of {', '.join(attn)}"),
     ]
     for key, ok, rule in checks:
         if not ok:
-            section, name = key.split(".")
-            raise ConfigError(f"{key} must be {rule}, got {getattr(getattr(cfg, section), name)!r}")
-    attn = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-    if cfg.model.attn_implementation not in attn:
-        raise ConfigError(f"model.attn_implementation must be one of sdpa, eager, flash_attention_2, "
-                          f"flash_attention_3, flex_attention, got {cfg.model.attn_implementation!r}")
+            raise ConfigError(f"{key} must be {rule}, got {reduce(getattr, key.split('.'), cfg)!r}")
     for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
-        section, _, name = key.rpartition(".")
-        if not getattr(getattr(cfg, section) if section else cfg, name):
+        if not reduce(getattr, key.split("."), cfg):
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
 
 

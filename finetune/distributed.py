@@ -37,16 +37,12 @@ def init_distributed(timeout_s: int = 1800) -> tuple[torch.device, DeviceMesh]:
     return device, mesh
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def is_main() -> bool:
-    return rank() == 0
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def print0(*args, **kwargs) -> None:
@@ -59,15 +55,6 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         dist.all_reduce(t)
     return t
-
-
-def broadcast_object(obj, src: int = 0):
-    """`obj` from rank `src` on every rank."""
-    if world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def barrier() -> None:

@@ -89,6 +89,16 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     return result, skipped
 
 
+def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
+    """The model and its AdamW as configured (what `sft` and `bench` both train)."""
+    tc = cfg.train
+    model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
+                        ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
+                        attn_implementation=cfg.model.attn_implementation,
+                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
+    return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+
+
 def train(cfg: Config) -> dict:
     """Run SFT as configured; returns the final metrics record (rank 0) and held-out results."""
     device, mesh = init_distributed()
@@ -100,11 +110,7 @@ def train(cfg: Config) -> dict:
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
-    model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
-                        ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
-                        attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    model, optimizer = build_model_and_optimizer(cfg, device, mesh)
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
@@ -126,8 +132,7 @@ def train(cfg: Config) -> dict:
                f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
 
     num_params = sum(p.numel() for p in model.parameters())
-    hf_config = model.config
-    flops_tok = flops_per_token(num_params, len(find_layers(model)), hf_config.hidden_size, dc.max_seq_len)
+    flops_tok = flops_per_token(num_params, len(find_layers(model)), model.config.hidden_size, dc.max_seq_len)
     peak = peak_flops(device)
     print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type}, "
            f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} samples")
