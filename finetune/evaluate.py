@@ -1,6 +1,8 @@
 """Held-out evaluation: loss on trained tokens and exact match of greedy answers to the last assistant turn."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .data import (IGNORE_INDEX, Conversation, columns_of, detect_format, load_rows, pad_collate, prompt_text,
@@ -39,12 +41,8 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
                              do_sample=False, pad_token_id=tokenizer.pad_token_id)
         answer = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
         # the last run of labels in that sample is the last turn (the one whose context is the prompt above)
-        labels = turn["labels"]
-        end = max(k for k, lab in enumerate(labels) if lab != IGNORE_INDEX) + 1
-        start = end
-        while start > 0 and labels[start - 1] != IGNORE_INDEX:
-            start -= 1
-        target = tokenizer.decode(labels[start:end], skip_special_tokens=True).strip()
+        runs = [list(run) for trained, run in itertools.groupby(turn["labels"], lambda x: x != IGNORE_INDEX) if trained]
+        target = tokenizer.decode(runs[-1], skip_special_tokens=True).strip()
         correct += answer == target
         scored += 1
     model.train(was_training)

@@ -17,20 +17,16 @@ def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> 
     width = longest if pad_to is None else pad_to
     if width < longest:
         raise ValueError(f"pad_to={pad_to} is shorter than the longest sample ({longest} tokens)")
-    shape = (len(samples), width)
-    input_ids = torch.full(shape, pad_id, dtype=torch.long)
-    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    attention_mask = torch.zeros(shape, dtype=torch.long)
+    fills = {"input_ids": pad_id, "labels": IGNORE_INDEX, "position_ids": 0, "attention_mask": 0}
+    batch = {k: torch.full((len(samples), width), fill, dtype=torch.long) for k, fill in fills.items()}
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
-        input_ids[i, :n] = torch.as_tensor(s["input_ids"])
-        labels[i, :n] = torch.as_tensor(s["labels"])
-        position_ids[i, :n] = torch.as_tensor(s["position_ids"]) if "position_ids" in s else torch.arange(n)
-        attention_mask[i, :n] = 1
-    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
-    if not any("position_ids" in s for s in samples):
-        batch["attention_mask"] = attention_mask
+        for k in ("input_ids", "labels"):
+            batch[k][i, :n] = torch.as_tensor(s[k])
+        batch["position_ids"][i, :n] = torch.as_tensor(s["position_ids"]) if "position_ids" in s else torch.arange(n)
+        batch["attention_mask"][i, :n] = 1
+    if any("position_ids" in s for s in samples):
+        del batch["attention_mask"]
     return batch
 
 

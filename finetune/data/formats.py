@@ -9,6 +9,8 @@ import re
 from typing import NamedTuple
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ..errors import FinetuneError, one_line
 
@@ -49,8 +51,6 @@ def _local_files(path: str) -> list[str] | None:
 def _iter_file(file: str):
     """Yield (location, row) with exact line numbers, so errors point at the offending line."""
     if file.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
         for b, batch in enumerate(pq.ParquetFile(file).iter_batches(batch_size=1024)):
             for i, row in enumerate(batch.to_pylist()):
                 yield f"{file} row {b * 1024 + i}", row
@@ -101,8 +101,6 @@ def _not_utf8(file: str) -> str:
 
 
 def _from_list(rows: list[dict], path: str) -> datasets.Dataset:
-    import pyarrow as pa
-
     try:
         # Odd rows (content a string here, a list of parts there) defeat Arrow's type inference: store as JSON.
         # from_dict over the union of keys: from_list keeps only the first row's columns (a later `tools` is lost).
@@ -126,9 +124,6 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         # A tuple, not a list: datasets would shard list gen_kwargs, and the order must stay the file order.
         return datasets.IterableDataset.from_generator(_iter_rows, gen_kwargs={"files": tuple(files)})
     if all(f.endswith(".parquet") for f in files):  # straight to Arrow, no Python round trip
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         try:
             return datasets.Dataset(pa.concat_tables([pq.read_table(f) for f in files]))
         except (pa.ArrowInvalid, OSError) as e:
@@ -214,14 +209,11 @@ def _tools(raw, where: str) -> list[dict] | None:
 def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
     """Normalise one row; every error names `where`."""
     if fmt == "alpaca":
-        user = _text(row.get("instruction"), where, "instruction")
-        extra = _text(row.get("input"), where, "input")
-        if extra.strip():
-            user += "\n\n" + extra
-        system = _text(row.get("system"), where, "system")
-        head = [{"role": "system", "content": system}] if system else []
-        return Conversation(head + [{"role": "user", "content": user}, {"role": "assistant", "content": _text(
-            row.get("output"), where, "output")}], None)
+        f = {k: _text(row.get(k), where, k) for k in ("instruction", "input", "system", "output")}
+        user = f["instruction"] + ("\n\n" + f["input"] if f["input"].strip() else "")
+        head = [{"role": "system", "content": f["system"]}] if f["system"] else []
+        return Conversation(head + [{"role": "user", "content": user}, {"role": "assistant", "content": f["output"]}],
+                            None)
     if fmt not in FORMATS:
         raise DataError(f"{where}: unknown format {fmt!r}; valid formats: {', '.join(FORMATS)}")
     conv = row.get("messages") if row.get("messages") is not None else row.get("conversations")

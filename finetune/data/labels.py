@@ -11,6 +11,7 @@ last turn, a system prompt moved) gets a sample of its own, prompt_i + completio
 from __future__ import annotations
 
 import json
+import os
 import weakref
 from collections.abc import Mapping
 
@@ -117,12 +118,11 @@ def _answer_start(t: _Template, msgs, i, tools, prompt: str, upto: str) -> int |
     history = t.render(msgs[:i], tools, False)
     if not prompt.startswith(history) or len(prompt) == len(history):
         return None
-    gen = prompt[len(history):]
+    gen, backwards = prompt[len(history):], prompt[::-1]
     best, best_len = None, len(gen)
     for p in _find_all(upto, gen):
         end = p + len(gen)
-        n = next((k for k in range(min(end, len(prompt))) if upto[end - 1 - k] != prompt[-1 - k]),
-                 min(end, len(prompt)))
+        n = len(os.path.commonprefix([upto[end - 1::-1], backwards]))  # how far upto[:end] ends as prompt does
         if n > best_len:
             best, best_len = end, n
     return best
@@ -159,7 +159,7 @@ def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int |
         more = _try_render(tokenizer, messages[:i] + [m, nxt], tools)
         if more and _NEXT in more:
             more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)]
-            common = next((k for k, (a, b) in enumerate(zip(tail, more)) if a != b), min(len(tail), len(more)))
+            common = len(os.path.commonprefix([tail, more]))
             inside = [h for h in hits if h[0] + len(h[2]) <= common]
             if inside:
                 return tail, max(p + len(c) for p, _, c in inside)
@@ -191,10 +191,8 @@ def _turn_length(tokenizer, t: _Template, messages, i, tools, completion: str) -
 def _check_kept(m: dict, i: int, completion: str) -> None:
     """What the row carries must be in what is trained: the message's content, reasoning and tool calls (templates
     strip text; Qwen-style ones re-render inline <think> reasoning, so its parts are looked for one by one)."""
-    content = m.get("content") or ""
-    head, tag, answer = content.rpartition("</think>")
-    if any(p not in completion for p in ([answer.strip(), head.split("<think>")[-1].strip()] if tag else
-                                         [content.strip()])):
+    head, _, answer = (m.get("content") or "").rpartition("</think>")  # without </think>: head "", answer all of it
+    if any(p.strip() not in completion for p in (answer, head.split("<think>")[-1])):
         raise Unsupported("drops_content", f"message {i}: the chat template drops (or rewrites) its content")
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:
@@ -207,21 +205,9 @@ def _check_kept(m: dict, i: int, completion: str) -> None:
             raise Unsupported("drops_tool_calls", f"message {i}: the chat template drops its tool call '{name}'")
 
 
-def _labels(ids: np.ndarray, offsets: np.ndarray, spans, is_added: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Labels, and for each labelled token the index of its span (-1 elsewhere)."""
-    owner = np.full(len(ids), -1)
-    starts, ends = offsets[:, 0], offsets[:, 1]
-    for k, (a, b) in reversed(list(enumerate(spans))):  # reversed: a token touching two spans belongs to the first
-        # Every token that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a
-        # prompt ending in ' ', an end-of-turn token with rstrip that swallowed the '\n' after it), but never a
-        # template token that only swallowed the answer's leading whitespace (a header with rstrip).
-        owner[(starts < b) & (ends > a) & ((starts >= a) | ~is_added)] = k
-    return np.where(owner >= 0, ids, IGNORE_INDEX), owner
-
-
 def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: str) -> dict:
-    # The template already holds bos etc.: this is exactly what apply_chat_template(tokenize=True) feeds the model
-    # (checked on the first row).
+    # Spans: (message index, start, end) of the trained text. The template already holds bos etc.: this is exactly
+    # what apply_chat_template(tokenize=True) feeds the model (checked on the first row).
     if t.backend is not None:
         enc = t.backend.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
@@ -232,8 +218,15 @@ def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: 
                             f"labels cannot be placed; use a fast (tokenizers-backed) tokenizer")
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
     ids = np.asarray(ids, dtype=np.int64)
-    labels, owner = _labels(ids, np.asarray(offsets, dtype=np.int64).reshape(-1, 2), [s[1:] for s in spans],
-                            t.is_added[np.minimum(ids, len(t.is_added) - 1)] & (ids < len(t.is_added)))
+    starts, ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
+    is_added = t.is_added[np.minimum(ids, len(t.is_added) - 1)] & (ids < len(t.is_added))
+    owner = np.full(len(ids), -1)  # the index of the span each token is trained for (-1: none)
+    for k, (_, a, b) in reversed(list(enumerate(spans))):  # reversed: a token touching two spans belongs to the first
+        # Every token that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a
+        # prompt ending in ' ', an end-of-turn token with rstrip that swallowed the '\n' after it), but never a
+        # template token that only swallowed the answer's leading whitespace (a header with rstrip).
+        owner[(starts < b) & (ends > a) & ((starts >= a) | ~is_added)] = k
+    labels = np.where(owner >= 0, ids, IGNORE_INDEX)
     kept = np.unique(owner[:max_seq_len])  # turns with a label left after truncation
     return {"input_ids": ids[:max_seq_len].tolist(), "labels": labels[:max_seq_len].tolist(),
             "turns": [spans[k][0] for k in kept if k >= 0]}
@@ -269,10 +262,11 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             _check_kept(messages[i], i, completion)
             if tools and i == trained[0] and t.render(msgs[:i], None, True) == prompt:
                 raise Unsupported("drops_tools", f"message {i}: the chat template does not show the row's tools")
+            span = (i, len(prompt), len(prompt) + len(completion))
             if full.startswith(prompt + completion):
-                main.append((i, len(prompt), len(prompt) + len(completion)))
+                main.append(span)
             else:  # "history": the full rendering shows this turn differently; "context": what precedes it differs
-                alone.append((i, prompt, completion, "history" if full.startswith(prompt) else "context"))
+                alone.append((prompt + completion, [span], "history" if full.startswith(prompt) else "context"))
     except Unsupported as e:
         if e.reason == "template_error" and not str(e).startswith("message"):  # name the first message it fails on
             k = next((k for k in range(len(msgs)) if _try_render(tokenizer, msgs[: k + 1], tools) is None), None)
@@ -288,9 +282,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
         if t.backend is None and list(tokenizer(full, add_special_tokens=False)["input_ids"]) != ref:
             raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
         t.checked = True
-    samples = [{**_encode(tokenizer, t, full, main, max_seq_len, where), "split": ""}] if main else []
-    for i, prompt, completion, why in alone:
-        span = [(i, len(prompt), len(prompt) + len(completion))]
-        samples.append({**_encode(tokenizer, t, prompt + completion, span, max_seq_len, where), "split": why})
+    samples = [{**_encode(tokenizer, t, text, spans, max_seq_len, where), "split": why}
+               for text, spans, why in ([(full, main, "")] if main else []) + alone]
     samples = sorted((s for s in samples if s["turns"]), key=lambda s: s["turns"][0])
     return (samples, None) if samples else ([], "no_labels_after_truncation")

@@ -72,11 +72,9 @@ class SampleStream(torch.utils.data.IterableDataset):
             for j, idx in enumerate(indices):
                 samples, reason = tokenize({k: v[j] for k, v in batch.items()}, idx)
                 for s in samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]:
-                    for k in ("input_ids", "labels", "turns", "split"):
-                        out[k].append(s[k])
-                    out["length"].append(len(s["input_ids"]))
-                    out["drop"].append(reason or "")
-                    out["row"].append(idx)
+                    entry = {**s, "length": len(s["input_ids"]), "drop": reason or "", "row": idx}
+                    for k in features:
+                        out[k].append(entry[k])
             return out
 
         # Tokenize once; every epoch then only reorders sample indices.
@@ -103,14 +101,11 @@ class SampleStream(torch.utils.data.IterableDataset):
             raise DataError(f"{source}: no usable samples ({self.counts})")
 
     def _assemble(self, samples: list[dict]) -> dict:
-        sources = [{k: s[k] for k in _META} for s in samples]  # for the preview; the collator ignores it
-        if not self.packing:
-            return {"input_ids": list(samples[0]["input_ids"]), "labels": list(samples[0]["labels"]),
-                    "sources": sources}
-        # position_ids restart per sample: transformers derives the block-diagonal attention from them.
-        return {"input_ids": [t for s in samples for t in s["input_ids"]],
-                "labels": [t for s in samples for t in s["labels"]],
-                "position_ids": [p for s in samples for p in range(len(s["input_ids"]))], "sources": sources}
+        unit = {k: [t for s in samples for t in s[k]] for k in ("input_ids", "labels")}
+        if self.packing:  # position_ids restart per sample: transformers derives the block-diagonal attention from them
+            unit["position_ids"] = [p for s in samples for p in range(len(s["input_ids"]))]
+        unit["sources"] = [{k: s[k] for k in _META} for s in samples]  # for the preview; the collator ignores it
+        return unit
 
     def _epoch_indexed(self, epoch: int, g0: int):
         n = self.num_samples
@@ -123,7 +118,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             yield self._assemble([dict(zip(rows, values)) for values in zip(*rows.values())])
         return n
 
-    def _epoch_streamed(self, epoch: int, g0: int):
+    def _epoch_streamed(self, g0: int):
         first_pass = self.num_samples is None
         if first_pass:  # counts describe one pass over the data
             self.counts = _new_counts()
@@ -154,7 +149,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             if self.num_samples is not None and g0 + self.num_samples <= self.start_sample:
                 n = self.num_samples  # the whole epoch lies before the resume point
             elif self.streaming:
-                n = yield from self._epoch_streamed(epoch, g0)
+                n = yield from self._epoch_streamed(g0)
             else:
                 n = yield from self._epoch_indexed(epoch, g0)
             g0, epoch = g0 + n, epoch + 1
