@@ -412,3 +412,67 @@ def test_cli_refusal_is_one_line_naming_row_and_reason(qwen_tied_dir):
     last = result.stderr.splitlines()[-1]  # (above it: the progress bar the CLI turns off outside tests)
     assert last == (f"error: {EXAMPLE} row 0: message 8: chat template failed (UndefinedError: 'dict object' has no "
                     "attribute 'content') (data.on_unsupported=\"drop\" skips such rows)")
+
+
+# ----------------------------------------------------------------------------- found by probing real families
+
+# Mistral v0.3 as shipped: the system prompt shows only in a user turn that is the last message, and there is no
+# generation prompt: every turn of a row with a system prompt is trained in its own sample, after its prompt_i.
+SYSTEM_WHEN_USER_IS_LAST = (
+    "{{ '<s>' }}{%- for m in messages %}{%- if m.role == 'user' %}{{ '[INST] ' + (messages[0].content + '\\n\\n'"
+    " if messages[0].role == 'system' and loop.last else '') + m.content + '[/INST]' }}"
+    "{%- elif m.role == 'assistant' %}{{ ' ' + m.content + '</s>' }}{%- endif %}{%- endfor %}"
+)
+# GLM-4.5 style: no end-of-turn token; the next role's token (an eos id of the model) ends a turn.
+NEXT_ROLE_ENDS_TURN = (
+    "{%- for m in messages %}{%- if m.role == 'user' %}{{ '<|User|>\\n' + m.content }}"
+    "{%- elif m.role == 'assistant' %}{{ '<|Assistant|>\\n' + (m.content or '') }}"
+    "{%- for c in m.tool_calls or [] %}{{ '<tool_call>' + c.function.name + ' ' + (c.function.arguments | tojson)"
+    " + '</tool_call>' }}{%- endfor %}"
+    "{%- elif m.role == 'tool' %}{{ '<|tool_output_begin|>\\n' + m.content }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|Assistant|>' }}{%- endif %}"
+)
+# A template dict whose "tool_use" template prints `arguments` as given (the OpenAI JSON string).
+RAW_ARGS_TOOL_USE = (
+    "{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') }}"
+    "{%- for c in m.tool_calls or [] %}{{ '<tool_call>{\"name\": \"' + c.function.name + '\", \"arguments\": ' }}"
+    "{{ c.function.arguments }}{{ '}</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_system_prompt_only_when_the_user_turn_is_last_and_no_generation_prompt():
+    tok = tok_with(SYSTEM_WHEN_USER_IS_LAST)
+    messages = [{"role": "system", "content": "Be brief."}, user("Q1"), assistant("A1"), user("Q2"), assistant("A2")]
+    samples = check(tok, messages, eot=("</s>",), answers={2: " A1</s>", 4: " A2</s>"})
+    assert splits(samples) == [([2], "context"), ([4], "context")]
+    assert decode(tok, samples[1]["input_ids"]) == "<s>[INST] Q1[/INST] A1</s>[INST] Be brief.\n\nQ2[/INST] A2</s>"
+
+
+def test_the_next_roles_token_is_trained_where_the_template_writes_no_end_of_turn():
+    tok = tok_with(NEXT_ROLE_ENDS_TURN)
+    messages = [user("Weather?"), assistant("", calls=[call(city="Paris")]), tool("21"), assistant("Sunny.")]
+    conv = to_conversation({"messages": messages}, "messages", "t.jsonl row 0")
+    samples, reason = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
+    assert reason is None and splits(samples) == [([1, 3], "")]
+    ids, labels = samples[0]["input_ids"], samples[0]["labels"]
+    runs = [k for k, lab in enumerate(labels) if lab != -100]
+    starts = [k for k in runs if k - 1 not in runs]
+    trained = [decode(tok, [ids[k] for k in runs if k >= a and (b is None or k < b)])
+               for a, b in zip(starts, starts[1:] + [None])]
+    assert trained == ['\n<tool_call>get_weather {"city": "Paris"}</tool_call><|tool_output_begin|>',
+                       "\nSunny.<|User|>"]
+    for i, a in zip((1, 3), starts):  # the context of each turn is its prompt_i
+        assert decode(tok, ids[:a]) == tok.apply_chat_template(messages[:i], add_generation_prompt=True,
+                                                                tokenize=False)
+
+
+def test_arguments_as_the_tool_use_template_wants_them():
+    tok = tok_with()
+    tok.chat_template = {"default": CHATML, "tool_use": RAW_ARGS_TOOL_USE}
+    as_string = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [user("Weather?"), assistant("", calls=[as_string]), tool("21"), assistant("Sunny.")]
+    samples = check(tok, messages, tools=TOOLS)
+    trained = decode(tok, [t for t, lab in zip(samples[0]["input_ids"], samples[0]["labels"]) if lab != -100])
+    assert '"arguments": {"city": "Paris"}}</tool_call>' in trained and "{'city'" not in trained

@@ -52,11 +52,18 @@ class _Template:
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         # Arguments go in as an object (most templates `tojson` it), unless the template concatenates a string: then
         # an object would fail or print as a Python dict, and a string given to `tojson` would be encoded twice.
+        # Learned with and without tools: a template dict's "tool_use" template, or a template's tools branch, may
+        # want them otherwise than its default. Keyed by whether the row has tools.
         call = {"type": "function", "function": {"name": _PROBE, "arguments": {"a": _PROBE}}}
         conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        as_dict = _try_render(tokenizer, conv)
-        as_str = _try_render(tokenizer, _args_as_strings(conv))
-        self.args_as_string = bool(as_str) and (as_dict is None or "{'a': " in as_dict) and '{\\"a\\"' not in as_str
+        schema = [{"type": "function", "function": {"name": _PROBE, "description": _PROBE,
+                                                    "parameters": {"type": "object", "properties": {}}}}]
+        self.args_as_string = {}
+        for has_tools, tools in ((False, None), (True, schema)):
+            as_dict = _try_render(tokenizer, conv, tools)
+            as_str = _try_render(tokenizer, _args_as_strings(conv), tools)
+            self.args_as_string[has_tools] = (bool(as_str) and (as_dict is None or "{'a': " in as_dict)
+                                              and '{\\"a\\"' not in as_str)
         self.kwargs = dict(tokenizer.special_tokens_map)
         # The compiled template called directly on _prepared messages renders as apply_chat_template does (the first
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
@@ -107,21 +114,25 @@ def _prepared(messages: list[dict], args_as_string: bool) -> list[dict]:
 def prompt_text(tokenizer, messages: list[dict], tools=None) -> str:
     """The context the model answers after messages (prompt_i for what follows): rendered as the labels are."""
     t = template_of(tokenizer)
-    return t.render(_prepared(messages, t.args_as_string), tools, True)
+    return t.render(_prepared(messages, t.args_as_string[bool(tools)]), tools, True)
 
 
 def _answer_start(t: _Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
     """Where message i's answer starts in `upto` when `upto` does not extend `prompt` because the template renders
     the history differently once message i follows (GPT-OSS drops the analysis of tool calls before a final
-    answer): right after the generation prompt that `upto` writes for message i, i.e. the occurrence of it whose
-    preceding text matches the end of `prompt` the longest (at least the previous message)."""
+    answer, Mistral shows the system prompt only in the last user turn): right after the generation prompt that
+    `upto` writes for message i, i.e. the occurrence of it whose preceding text matches the end of `prompt` the
+    longest (at least the previous message). A template without a generation prompt: the place whose preceding text
+    matches the end of `prompt` the longest, covering at least the previous message's text."""
     history = t.render(msgs[:i], tools, False)
-    if not prompt.startswith(history) or len(prompt) == len(history):
+    if not prompt.startswith(history):
         return None
     gen, backwards = prompt[len(history):], prompt[::-1]
-    best, best_len = None, len(gen)
-    for p in _find_all(upto, gen):
-        end = p + len(gen)
+    previous = msgs[i - 1].get("content")
+    best, best_len = None, len(gen) if gen else max(len(previous.strip()) if isinstance(previous, str) else 0, 1) - 1
+    key = gen or prompt[-1:]  # no generation prompt: every place where prompt's last character is
+    for p in _find_all(upto, key):
+        end = p + len(key)
         n = len(os.path.commonprefix([upto[end - 1::-1], backwards]))  # how far upto[:end] ends as prompt does
         if n > best_len:
             best, best_len = end, n
@@ -132,9 +143,11 @@ def _shape(m: dict) -> tuple:
     return bool(m.get("content")), bool(m.get("reasoning_content")), len(m.get("tool_calls") or ())
 
 
-def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int | None] | None:
-    """(tail, cut): the text the template writes after the last row text of message i (its content, or the last
-    tool call's arguments), and how much of it the model emits (through the end-of-turn token; None: no token)."""
+def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int | None, str] | None:
+    """(tail, cut, stop): the text the template writes after the last row text of message i (its content, or the last
+    tool call's arguments), how much of it the model emits (through the end-of-turn token; None: no token), and, for
+    a template that writes no end-of-turn token (GLM-style: the next role's token ends the turn, and is an eos id of
+    the model), that next control token, which the model must emit to stop ("" otherwise)."""
     m = dict(messages[i])
     if m.get("content") or not m.get("tool_calls"):
         m["content"] = _PROBE
@@ -149,22 +162,33 @@ def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int |
         return None
     tail = probe[probe.rfind(_PROBE) + len(_PROBE):]
     hits = sorted((p, -len(c), c) for c in t.control for p in _find_all(tail, c))
+    # What the template writes between this turn and the next one (a tool result after tool calls, else a user)
+    nxt = {"role": "tool" if m.get("tool_calls") else "user", "content": _NEXT}
+    more = _try_render(tokenizer, messages[:i] + [m, nxt], tools)
+    more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)] if more and _NEXT in more else None
     if not hits:
-        return tail, None
-    if len(hits) > 1:
-        # Several control tokens (Phi-3's '<|end|>\n<|endoftext|>', Qwen's '</tool_call><|im_end|>'): the turn ends
-        # at the last one the template also writes when the conversation goes on; text only at the very end of a
-        # conversation (an eos) is not emitted by the model. None in common (GPT-OSS <|return|> vs <|end|>): the first.
-        nxt = {"role": "tool" if m.get("tool_calls") else "user", "content": _NEXT}
-        more = _try_render(tokenizer, messages[:i] + [m, nxt], tools)
-        if more and _NEXT in more:
-            more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)]
-            common = len(os.path.commonprefix([tail, more]))
-            inside = [h for h in hits if h[0] + len(h[2]) <= common]
-            if inside:
-                return tail, max(p + len(c) for p, _, c in inside)
-    p, _, c = hits[0]
-    return tail, p + len(c)
+        return tail, None, _next_control(t, more, len(tail))
+    # Several control tokens (Phi-3's '<|end|>\n<|endoftext|>', Qwen's '</tool_call><|im_end|>'): the turn ends at
+    # the last one the template also writes when the conversation goes on; text only at the very end of a
+    # conversation (an eos) is not emitted by the model. None in common (GPT-OSS <|return|> vs <|end|>): the first.
+    cut = hits[0][0] + len(hits[0][2])
+    if more is not None:
+        common = len(os.path.commonprefix([tail, more]))
+        inside = [h for h in hits if h[0] + len(h[2]) <= common]
+        cut = max((p + len(c) for p, _, c in inside), default=cut)
+    stop = ""
+    if m.get("tool_calls"):  # tags close a tool call; where plain answers end with the next role's token, so do calls
+        plain = _probe_tail(tokenizer, t, [*messages[:i], {"role": "assistant", "content": "x"}], i, tools)
+        if plain is not None and plain[1] is None and plain[2]:
+            stop = _next_control(t, more, cut)
+    return tail, cut, stop
+
+
+def _next_control(t: _Template, more: str | None, cut: int) -> str:
+    """The control token that opens the next turn right after `cut` (whitespace before it included), or ""."""
+    rest = more[cut:] if more is not None else ""
+    stop = next((c for c in sorted(t.control, key=len, reverse=True) if rest.lstrip().startswith(c)), "")
+    return rest[:rest.find(stop) + len(stop)] if stop else ""
 
 
 def _find_all(text: str, sub: str):
@@ -174,18 +198,20 @@ def _find_all(text: str, sub: str):
         p = text.find(sub, p + 1)
 
 
-def _turn_length(tokenizer, t: _Template, messages, i, tools, completion: str) -> int:
+def _turn_length(tokenizer, t: _Template, messages, i, tools, completion: str) -> tuple[int, str]:
     """How much of completion_i is trained: through its end-of-turn token, never the template text after it (the
-    '\n' after <|im_end|>, an eos the template adds at the end of a conversation)."""
+    '\n' after <|im_end|>, an eos the template adds at the end of a conversation); and the stop token to add after
+    it where the template writes none in the turn (see _probe_tail)."""
     key = _shape(messages[i])
     found = t.tails.get(key, False)
     if found is False or (found is not None and not completion.endswith(found[0])):
         found = t.tails[key] = _probe_tail(tokenizer, t, messages, i, tools)
     if found is not None and completion.endswith(found[0]):
-        tail, cut = found
-        return len(completion) - len(tail) + cut if cut is not None else len(completion.rstrip())
+        tail, cut, stop = found
+        return (len(completion) - len(tail) + cut if cut is not None else len(completion.rstrip())), stop
     # the template changes what follows the content: its last control token
-    return max((completion.rfind(c) + len(c) for c in t.control if c in completion), default=len(completion.rstrip()))
+    return max((completion.rfind(c) + len(c) for c in t.control if c in completion),
+               default=len(completion.rstrip())), ""
 
 
 def _check_kept(m: dict, i: int, completion: str) -> None:
@@ -240,14 +266,15 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
     where = where or "conversation"
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: the tokenizer has no chat template; use a chat/instruct model's tokenizer")
-    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("train", True)]
+    # An assistant message that opens the conversation (a greeting) is context only: no prompt precedes it at inference
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("train", True) and i > 0]
     if not trained:
         return [], "no_assistant"
     t = template_of(tokenizer)
-    msgs = _prepared(messages, t.args_as_string)
+    msgs = _prepared(messages, t.args_as_string[bool(tools)])
     try:
         full = t.render(msgs, tools, False)
-        main, alone = [], []
+        main_text, main, alone = full, [], []
         for i in trained:
             prompt = t.render(msgs[:i], tools, True)
             upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
@@ -255,15 +282,19 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             if start is None:
                 raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                                 f"generation prompt, so there is no answer to train")
-            completion = upto[start:]
-            completion = completion[:_turn_length(tokenizer, t, msgs, i, tools, completion)]
+            length, stop = _turn_length(tokenizer, t, msgs, i, tools, upto[start:])
+            completion = upto[start:start + length]
             if not completion:
                 raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
+            completion += stop
             _check_kept(messages[i], i, completion)
             if tools and i == trained[0] and t.render(msgs[:i], None, True) == prompt:
                 raise Unsupported("drops_tools", f"message {i}: the chat template does not show the row's tools")
             span = (i, len(prompt), len(prompt) + len(completion))
-            if full.startswith(prompt + completion):
+            if main_text.startswith(prompt + completion):
+                main.append(span)
+            elif stop and i == len(msgs) - 1 and main_text.startswith(prompt + completion[:-len(stop)]):
+                main_text = prompt + completion  # the stop token the last turn's template does not write
                 main.append(span)
             else:  # "history": the full rendering shows this turn differently; "context": what precedes it differs
                 alone.append((prompt + completion, [span], "history" if full.startswith(prompt) else "context"))
@@ -283,6 +314,6 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
         t.checked = True
     samples = [{**_encode(tokenizer, t, text, spans, max_seq_len, where), "split": why}
-               for text, spans, why in ([(full, main, "")] if main else []) + alone]
+               for text, spans, why in ([(main_text, main, "")] if main else []) + alone]
     samples = sorted((s for s in samples if s["turns"]), key=lambda s: s["turns"][0])
     return (samples, None) if samples else ([], "no_labels_after_truncation")
