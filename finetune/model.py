@@ -58,14 +58,14 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     return hf_config
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The model's tokenizer, with a pad token (eos when the tokenizer has none)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True):
+    """The model's tokenizer, with a pad token (eos when the tokenizer has none) unless pad=False (as saved)."""
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
-    if tok.pad_token_id is None:
+    if pad and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
@@ -268,7 +268,6 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
     bf16 (fp32 when mixed_precision is fp32)."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
-    prepared = is_prepared(path)
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     apply_kernels(model, liger)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
@@ -277,7 +276,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     apply_compile(model, compile)
     apply_fsdp(model, mesh, mixed_precision)
     _materialize(model, device)
-    if prepared:
+    if is_prepared(path):
         load_prepared_weights(model, path)
     else:
         load_hf_weights(model, path, trust_remote_code)
