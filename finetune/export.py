@@ -157,10 +157,12 @@ def open_tensors(source: Source, hf_config) -> tuple[dict, Callable[[str], torch
 
 
 def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """{name: metadata} of the model tensors a DCP checkpoint holds, and name -> that full tensor (all its DCP
-    chunks, in the dtype it was saved in), read one at a time."""
-    reader = MetadataOnceReader(str(weights))
-    stored = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
+    """{name: metadata} of the model tensors in a DCP dir, and name -> one full tensor in its saved dtype."""
+    reader = dcp.FileSystemReader(str(weights))
+    metadata = reader.read_metadata()
+    # dcp.load re-reads .metadata on every call: loading tensor by tensor would be quadratic in the number of tensors
+    reader.read_metadata = lambda *args, **kwargs: metadata
+    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
               if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
     def load(name: str) -> torch.Tensor:
@@ -198,16 +200,6 @@ def to_disk(skeleton, tensors: dict) -> dict:
     """{on-disk name: tensor} that save_pretrained writes for these in-memory {name: tensor}."""
     from transformers.core_model_loading import revert_weight_conversion
     return dict(revert_weight_conversion(skeleton, dict(tensors)))
-
-
-class MetadataOnceReader(dcp.FileSystemReader):
-    """A FileSystemReader that parses .metadata once: dcp.load re-reads it on every call, and loading tensor by
-    tensor would make that quadratic in the number of tensors."""
-
-    def read_metadata(self, *args, **kwargs):
-        if getattr(self, "_metadata", None) is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
 
 
 def out_dtype_of(meta: TensorStorageMetadata, dtype: torch.dtype) -> torch.dtype:
@@ -320,8 +312,11 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
     check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
-    if source.lora:
-        check_lora_base(source, hf_config)
+    # the base a LoRA checkpoint is merged onto must have the architecture it was trained on
+    diffs = arch_diffs(source.weights, hf_config, "base") if source.lora else []
+    if diffs:
+        raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
+                         f"{'; '.join(diffs)}")
     if adapter:
         from .lora import save_adapter
         return publish(out, lambda tmp: save_adapter(tmp, source, hf_config, dtype, verify))
@@ -329,14 +324,6 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     skeleton, plan, disk = plan_tensors(source, hf_config)
     return publish(out, lambda tmp: write_model(tmp, out, checkpoint, source, hf_config, skeleton, plan, disk, dtype,
                                                 dtype_name, shard_bytes, verify))
-
-
-def check_lora_base(source: Source, hf_config) -> None:
-    """The base model a LoRA checkpoint is merged onto must have the architecture it was trained on."""
-    diffs = arch_diffs(source.weights, hf_config, "base")
-    if diffs:
-        raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
-                         f"{'; '.join(diffs)}")
 
 
 def publish(out: Path, write: Callable[[Path], dict]) -> Path:
