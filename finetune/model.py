@@ -179,8 +179,7 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
     """fully_shard each block, then the root. Embeddings and lm_head stay in the root group, so tied weights
-    live in one FSDP unit (a parameter shared by two groups is rejected). Gradients are summed over ranks, not
-    averaged (train_step normalises by the global token count)."""
+    live in one FSDP unit (a parameter shared by two groups is rejected)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     layers = find_layers(model)
@@ -188,7 +187,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    for m in model.modules():  # train_step divides by the global label-token count itself: FSDP must sum
+    # gradients are summed over ranks, not averaged: train_step divides by the global label-token count itself
+    for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
