@@ -154,26 +154,33 @@ def arch_of(hf_config) -> dict:
     return {k: getattr(hf_config, k, None) for k in ARCH_KEYS}
 
 
-def trainable_state_dicts(model, optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state of the trainable parameters. ignore_frozen_params keeps the second name of a
-    tied frozen weight (lm_head.weight of a tied LoRA base): such names are dropped here."""
+def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
+    """What a checkpoint holds: model and optimizer state of the trainable parameters, the scheduler, TrainState.
+    ignore_frozen_params keeps the second name of a tied frozen weight (lm_head.weight of a tied LoRA base): such
+    names are dropped here."""
     from .model import clean_fqn
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
     frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+    return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd,
+            "scheduler": scheduler.state_dict(), "train": state}
+
+
+def arch_diffs(path: Path, hf_config, other: str) -> list[str]:
+    """How the architecture the checkpoint's marker records differs from hf_config's (called `other`)."""
+    return [f"{k}: checkpoint {v!r}, {other} {getattr(hf_config, k, None)!r}"
+            for k, v in read_marker(path).get("arch", {}).items() if v != getattr(hf_config, k, None)]
 
 
 def check_arch(path: Path, hf_config) -> None:
     """Same architecture as the checkpoint (from its marker: cheap enough for the launcher's pre-flight check)."""
-    diffs = [f"{k}: checkpoint {v!r}, run {getattr(hf_config, k, None)!r}"
-             for k, v in read_marker(path).get("arch", {}).items() if v != getattr(hf_config, k, None)]
+    diffs = arch_diffs(path, hf_config, "run")
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 
 
-def check_compatible(path: Path, model, optimizer, hf_config) -> None:
-    """Same architecture, LoRA settings and parameter names as the checkpoint, or a one-line error saying what
-    differs."""
+def check_compatible(path: Path, model, want: set[str], hf_config) -> None:
+    """Same architecture, LoRA settings and parameter names (`want`) as the checkpoint, or a one-line error saying
+    what differs."""
     saved, run = read_marker(path).get("lora"), getattr(model, "lora", None)
     if saved != run:
         if saved and run:
@@ -185,7 +192,6 @@ def check_compatible(path: Path, model, optimizer, hf_config) -> None:
     check_arch(path, hf_config)
     saved = {k[len("model."):] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
              if k.startswith("model.")}
-    want = set(trainable_state_dicts(model, optimizer)[0])
     if saved != want:
         missing, extra = sorted(want - saved), sorted(saved - want)
         raise CheckpointError(f"checkpoint {path} has other parameters than the model: {len(missing)} missing "
@@ -193,9 +199,8 @@ def check_compatible(path: Path, model, optimizer, hf_config) -> None:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
-    check_compatible(path, model, optimizer, hf_config)
-    model_sd, optim_sd = trainable_state_dicts(model, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
+    sd = train_state_dict(model, optimizer, scheduler, state)
+    check_compatible(path, model, set(sd["model"]), hf_config)
     dcp.load(sd, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                    options=TRAINABLE_LOAD)
@@ -220,8 +225,7 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = trainable_state_dicts(model, optimizer)
-        sd = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "train": state}
+        sd = train_state_dict(model, optimizer, scheduler, state)
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
                   "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen,
                   "lora": getattr(model, "lora", None), **self.run}

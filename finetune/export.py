@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import MARKER, CheckpointError, damage, latest_complete, read_marker, step_dirs
+from .checkpoint import MARKER, CheckpointError, arch_diffs, damage, latest_complete, read_marker, step_dirs
 from .config import ConfigError
 from .distributed import print0
 from .errors import FinetuneError
@@ -125,10 +125,8 @@ def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict
                              f"'{source.model_path}' says {tuple(t.shape)}")
     kept = remove_tied_weights_from_state_dict(dict(expected), skeleton)
     metas = {k: torch.empty(stored[k].size, device="meta") for k in kept}  # names and shapes only
-    disk = {}
-    for k, meta in metas.items():  # each in-memory tensor converts on its own
-        for d, t in to_disk(skeleton, {k: meta}).items():
-            disk[d] = (k, tuple(t.shape))
+    # each in-memory tensor converts on its own
+    disk = {d: (k, tuple(t.shape)) for k, meta in metas.items() for d, t in to_disk(skeleton, {k: meta}).items()}
     whole = to_disk(skeleton, metas)
     if {d: tuple(t.shape) for d, t in whole.items()} != {d: shape for d, (_, shape) in disk.items()}:
         raise ModelError(f"{type(skeleton).__name__} stores weights in another layout on disk than in memory that "
@@ -140,38 +138,59 @@ def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict
 def open_tensors(source: Source, hf_config) -> tuple[dict, Callable[[str], torch.Tensor]]:
     """{HF name: metadata} of the tensors `source` holds, and name -> full tensor (read one at a time). For a LoRA
     checkpoint, those of the merged model: W + alpha/r * B @ A in fp32 over the base weights (prepared or HF dir)."""
-    reader = MetadataOnceReader(str(source.weights))
-    stored = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
-              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    stored, load_stored = open_dcp(source.weights)
     if not source.lora:
-        return stored, lambda name: load_tensor(reader, name, stored[name])
+        return stored, load_stored
     from .lora import merged, open_safetensors
     base = find_source(source.model_path) if is_prepared(source.model_path) else None
     metas, load_base = open_tensors(base, hf_config) if base else open_safetensors(source.model_path)
     on_disk = set(metas)
-    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
-    names = {id(m): f"{n}.weight" for n, m in skeleton.named_modules()}
-    embedding, head = names[id(skeleton.get_input_embeddings())], names.get(id(skeleton.get_output_embeddings()))
+    embedding, head = embedding_names(build_skeleton(hf_config, None, source.trust_remote_code))
     if head and head not in on_disk:  # a tied base stores its embedding once; an untied export's head starts there
         metas[head] = metas[embedding]
     scale = source.lora["alpha"] / source.lora["rank"]
 
     def load(name: str) -> torch.Tensor:
         return merged(name, load_base(name if name in on_disk else embedding),
-                      lambda k: load_tensor(reader, k, stored[k]) if k in stored else None, scale)
+                      lambda k: load_stored(k) if k in stored else None, scale)
     return metas, load
+
+
+def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """{name: metadata} of the model tensors in a DCP dir, and name -> one full tensor in its saved dtype."""
+    reader = dcp.FileSystemReader(str(weights))
+    metadata = reader.read_metadata()
+    # dcp.load re-reads .metadata on every call: loading tensor by tensor would be quadratic in the number of tensors
+    reader.read_metadata = lambda *args, **kwargs: metadata
+    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
+              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+    def load(name: str) -> torch.Tensor:
+        t = torch.empty(stored[name].size, dtype=stored[name].properties.dtype)
+        with warnings.catch_warnings():  # torch warns on every single-process load; that is exactly what we mean
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
+        return t
+    return stored, load
+
+
+def embedding_names(skeleton) -> tuple[str, str | None]:
+    """The parameter names of the input embedding's weight and the output layer's (None: the model has none)."""
+    names = {id(m): f"{n}.weight" for n, m in skeleton.named_modules()}
+    return names[id(skeleton.get_input_embeddings())], names.get(id(skeleton.get_output_embeddings()))
 
 
 def untie_trained_apart(source: Source, hf_config) -> None:
     """A tied embedding that LoRA changed apart from its twin (modules_to_save, or an adapter on it) is exported
     untied, and the export says so."""
     skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
-    embedding = skeleton.get_input_embeddings().weight
-    tied = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is embedding]
-    keys = dcp.FileSystemReader(str(source.weights)).read_metadata().state_dict_metadata
-    apart = [n for n in tied if f"model.{n[:-len('.weight')]}.modules_to_save.default.weight" in keys
-             or f"model.{n[:-len('.weight')]}.lora_A.default.weight" in keys]
-    if len(tied) > 1 and apart:
+    head = skeleton.get_output_embeddings()
+    if head is None or head.weight is not skeleton.get_input_embeddings().weight:
+        return
+    keys, _ = open_dcp(source.weights)
+    apart = [n for n in embedding_names(skeleton) if f"{n[:-len('.weight')]}.modules_to_save.default.weight" in keys
+             or f"{n[:-len('.weight')]}.lora_A.default.weight" in keys]
+    if apart:
         hf_config.tie_word_embeddings = False
         print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "
                f"(tie_word_embeddings=false)")
@@ -181,25 +200,6 @@ def to_disk(skeleton, tensors: dict) -> dict:
     """{on-disk name: tensor} that save_pretrained writes for these in-memory {name: tensor}."""
     from transformers.core_model_loading import revert_weight_conversion
     return dict(revert_weight_conversion(skeleton, dict(tensors)))
-
-
-class MetadataOnceReader(dcp.FileSystemReader):
-    """A FileSystemReader that parses .metadata once: dcp.load re-reads it on every call, and loading tensor by
-    tensor would make that quadratic in the number of tensors."""
-
-    def read_metadata(self, *args, **kwargs):
-        if getattr(self, "_metadata", None) is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-
-def load_tensor(reader: dcp.FileSystemReader, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
-    """One full tensor (all its DCP chunks), in the dtype it was saved in."""
-    t = torch.empty(meta.size, dtype=meta.properties.dtype)
-    with warnings.catch_warnings():  # torch warns on every single-process load; that is exactly what we mean
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
-    return t
 
 
 def out_dtype_of(meta: TensorStorageMetadata, dtype: torch.dtype) -> torch.dtype:
@@ -312,8 +312,11 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
     check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
-    if source.lora:
-        check_lora_base(source, hf_config)
+    # the base a LoRA checkpoint is merged onto must have the architecture it was trained on
+    diffs = arch_diffs(source.weights, hf_config, "base") if source.lora else []
+    if diffs:
+        raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
+                         f"{'; '.join(diffs)}")
     if adapter:
         from .lora import save_adapter
         return publish(out, lambda tmp: save_adapter(tmp, source, hf_config, dtype, verify))
@@ -321,17 +324,6 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     skeleton, plan, disk = plan_tensors(source, hf_config)
     return publish(out, lambda tmp: write_model(tmp, out, checkpoint, source, hf_config, skeleton, plan, disk, dtype,
                                                 dtype_name, shard_bytes, verify))
-
-
-def check_lora_base(source: Source, hf_config) -> None:
-    """The base model a LoRA checkpoint is merged onto must have the architecture it was trained on."""
-    from .checkpoint import arch_of
-    arch = json.loads((source.weights / MARKER).read_text()).get("arch", {})
-    diffs = [f"{k}: checkpoint {v!r}, base {arch_of(hf_config).get(k)!r}" for k, v in arch.items()
-             if v != arch_of(hf_config).get(k)]
-    if diffs:
-        raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
-                         f"{'; '.join(diffs)}")
 
 
 def publish(out: Path, write: Callable[[Path], dict]) -> Path:

@@ -29,7 +29,6 @@ def is_adapter(fqn: str) -> bool:
 def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:
     """"all-linear": a regex naming every Linear inside the decoder blocks (peft's own "all-linear" is every Linear
     but the output layer); a list of names: checked to match at least one module each."""
-    names = [n for n, _ in model.named_modules()]
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
@@ -39,10 +38,17 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> 
     if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
         raise ModelError(f"lora.target_modules must be \"all-linear\" or a non-empty list of module names, "
                          f"got {target_modules!r}")
-    for name in target_modules:
-        if not any(n == name or n.endswith("." + name) for n in names):
-            raise ModelError(f"lora.target_modules: '{name}' matches no module of {type(model).__name__}")
+    check_names_match(model, "target_modules", target_modules)
     return list(target_modules)
+
+
+def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:
+    """Each of `names` (the setting lora.`key`) is a module of `model` or ends one's name."""
+    from .model import ModelError
+    fqns = [n for n, _ in model.named_modules()]
+    for name in names:
+        if not any(n == name or n.endswith("." + name) for n in fqns):
+            raise ModelError(f"lora.{key}: '{name}' matches no module of {type(model).__name__}")
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules, modules_to_save: list,
@@ -52,12 +58,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     if rank == 0:
         return None
     from peft import inject_adapter_in_model
-    from .model import ModelError, find_layers
+    from .model import find_layers
     targets = resolve_targets(model, find_layers(model), target_modules)
-    names = [n for n, _ in model.named_modules()]
-    for name in modules_to_save:
-        if not any(n == name or n.endswith("." + name) for n in names):
-            raise ModelError(f"lora.modules_to_save: '{name}' matches no module of {type(model).__name__}")
+    check_names_match(model, "modules_to_save", modules_to_save)
     settings = {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": targets,
                 "modules_to_save": list(modules_to_save)}
     inject_adapter_in_model(peft_config(settings), model)
@@ -98,14 +101,6 @@ def peft_key(fqn: str) -> str:
     """Our checkpoint key -> the key PeftModel.save_pretrained writes (adapter name dropped)."""
     return "base_model.model." + fqn.replace(".lora_A.default.", ".lora_A.").replace(
         ".lora_B.default.", ".lora_B.").replace(".modules_to_save.default.", ".")
-
-
-def write_adapter(out: Path, lora: dict, base_model: str, tensors: dict[str, torch.Tensor], dtype) -> None:
-    """adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained lays them out."""
-    from safetensors.torch import save_file
-    peft_config(lora, task_type="CAUSAL_LM", base_model_name_or_path=base_model).save_pretrained(str(out))
-    save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
-              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def merged(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
@@ -152,12 +147,14 @@ def open_safetensors(path: str) -> tuple[dict, callable]:
 def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool) -> dict:
     """A LoRA checkpoint's PEFT adapter dir; verified by PeftModel.from_pretrained: every adapter tensor must load
     under its name (no missing or unexpected keys) with the checkpoint's values."""
-    from .export import MetadataOnceReader, VerifyError, load_tensor
-    reader = MetadataOnceReader(str(source.weights))
-    stored = {k[len("model."):]: v for k, v in reader.read_metadata().state_dict_metadata.items()
-              if k.startswith("model.") and hasattr(v, "size")}
-    tensors = {k: load_tensor(reader, k, meta) for k, meta in stored.items()}
-    write_adapter(out, source.lora, source.model_path, tensors, dtype)
+    from safetensors.torch import save_file
+    from .export import VerifyError, open_dcp
+    stored, load = open_dcp(source.weights)
+    tensors = {k: load(k) for k in stored}
+    # adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained lays them out
+    peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
+    save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     if verify:  # on a base built from the config: the check is about names and adapter values
         from peft import PeftModel
         from transformers import AutoModelForCausalLM

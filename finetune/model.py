@@ -58,14 +58,14 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     return hf_config
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The model's tokenizer, with a pad token (eos when the tokenizer has none)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True):
+    """The model's tokenizer, with a pad token (eos when the tokenizer has none) unless pad=False (as saved)."""
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
-    if tok.pad_token_id is None:
+    if pad and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
@@ -179,8 +179,7 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
     """fully_shard each block, then the root. Embeddings and lm_head stay in the root group, so tied weights
-    live in one FSDP unit (a parameter shared by two groups is rejected). Gradients are summed over ranks, not
-    averaged (train_step normalises by the global token count)."""
+    live in one FSDP unit (a parameter shared by two groups is rejected)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     layers = find_layers(model)
@@ -188,7 +187,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    for m in model.modules():  # train_step divides by the global label-token count itself: FSDP must sum
+    # gradients are summed over ranks, not averaged: train_step divides by the global label-token count itself
+    for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
@@ -268,7 +268,6 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
     bf16 (fp32 when mixed_precision is fp32)."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
-    prepared = is_prepared(path)
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     apply_kernels(model, liger)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
@@ -277,7 +276,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     apply_compile(model, compile)
     apply_fsdp(model, mesh, mixed_precision)
     _materialize(model, device)
-    if prepared:
+    if is_prepared(path):
         load_prepared_weights(model, path)
     else:
         load_hf_weights(model, path, trust_remote_code)
