@@ -339,10 +339,16 @@ def test_row_errors_name_the_row(tmp_path):
     rows = make_rows(5)
     rows[4] = {"messages": [msg("user", "a"), {"role": "robot", "content": "b"}]}
     path = write_jsonl(tmp_path / "t.jsonl", rows)
-    with pytest.raises(DataError, match=r"t\.jsonl row 4: unknown role 'robot'"):
+    with pytest.raises(DataError, match=r"t\.jsonl:5: unknown role 'robot'"):  # file:line, not the row index
         stream(path)
-    with pytest.raises(DataError, match=r"t\.jsonl row 4: unknown role 'robot'"):
+    with pytest.raises(DataError, match=r"t\.jsonl:5: unknown role 'robot'"):
         list(stream(path, streaming=True, epoch_limit=1))
+    folder = tmp_path / "folder"  # a directory: the file that holds the row, and its line (a blank line counted)
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", make_rows(3))
+    (folder / "b.jsonl").write_text(json.dumps(make_rows(1)[0]) + "\n\n" + json.dumps(rows[4]) + "\n")
+    with pytest.raises(DataError, match=rf"^{folder / 'b.jsonl'}:3: unknown role 'robot'"):
+        stream(str(folder))
     with pytest.raises(DataError, match=r"columns \['prompt'\]"):
         stream(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}]))
 

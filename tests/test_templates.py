@@ -371,7 +371,7 @@ def test_unsupported_rows_dropped_and_counted(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = tok_with(CHATML)  # no tools, no reasoning: every example row carries something it would drop
-    with pytest.raises(DataError, match=rf"^{path} row 0: message \d+: the chat template"):
+    with pytest.raises(DataError, match=rf"^{path}:1: message \d+: the chat template"):
         build_samples(str(path), tok)
     plain = {"messages": [user("Hi"), assistant("Hello")]}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + [plain]))
@@ -410,7 +410,7 @@ def test_cli_refusal_is_one_line_naming_row_and_reason(qwen_tied_dir):
     result = CliRunner().invoke(app, ["preview-data", "--model", str(qwen_tied_dir), "--dataset", str(EXAMPLE)])
     assert result.exit_code == 2 and result.stdout == ""
     last = result.stderr.splitlines()[-1]  # (above it: the progress bar the CLI turns off outside tests)
-    assert last == (f"error: {EXAMPLE} row 0: message 8: chat template failed (UndefinedError: 'dict object' has no "
+    assert last == (f"error: {EXAMPLE}:1: message 8: chat template failed (UndefinedError: 'dict object' has no "
                     "attribute 'content') (data.on_unsupported=\"drop\" skips such rows)")
 
 

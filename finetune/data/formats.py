@@ -78,6 +78,16 @@ def _iter_file(file: str):
                 yield f"{file}:{n}", row
 
 
+def locate(path: str, index: int) -> str:
+    """Where row `index` of local data is ("file:line", "file item N", "file row N"), for error messages: read again
+    only when an error is reported. Hub data: "path row N"."""
+    files = _local_files(path) if os.path.exists(path) else None
+    for k, (where, _) in enumerate(w for file in files or () for w in _iter_file(file)):
+        if k == index:
+            return where
+    return f"{path} row {index}"
+
+
 def _iter_rows(files):
     for file in files:
         try:

@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 import torch
 
-from .formats import DataError, columns_of, detect_format, load_rows, to_conversation
+from .formats import DataError, columns_of, detect_format, load_rows, locate, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
 
 _META = ("row", "turns", "split")  # where a sample comes from: row index, trained message indices, why split out
@@ -169,8 +169,13 @@ def build_samples(path, tokenizer, *, fmt="auto", split="train", name=None, stre
 
     def tokenize(row: dict, idx: int):
         where = f"{path} row {idx}"
-        conv = to_conversation(row, fmt, where)
-        return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported)
+        try:
+            conv = to_conversation(row, fmt, where)
+            return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported)
+        except DataError as e:  # name the row's file and line (a directory holds several files)
+            if not str(e).startswith(where):
+                raise
+            raise DataError(locate(path, idx) + str(e)[len(where):]) from e
 
     return SampleStream(rows, tokenize, streaming=streaming, shuffle=shuffle and not streaming, packing=packing,
                         max_seq_len=max_seq_len, seed=seed, rank=rank, world_size=world_size,
