@@ -87,8 +87,9 @@ def find_source(path: str) -> Source:
         if not (p / MARKER).exists():
             raise CheckpointError(f"{p} is an incomplete checkpoint (needs .metadata and {MARKER}; its save did not "
                                   f"finish)")
-        if damage(p):
-            raise CheckpointError(f"checkpoint {p} is damaged: {damage(p)}")
+        problem = damage(p)
+        if problem:
+            raise CheckpointError(f"checkpoint {p} is damaged: {problem}")
         step = p
     elif (p / "checkpoints").is_dir():
         step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
@@ -100,10 +101,11 @@ def find_source(path: str) -> Source:
         raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
                               f"dir or a prepared checkpoint (with {MANIFEST})")
     # the model (config, tokenizer) this checkpoint trained: its marker says, whatever config.toml says now
-    model = read_marker(step).get("config", {}).get("model", {})
+    marker = read_marker(step)
+    model = marker.get("config", {}).get("model", {})
     if not model.get("path"):
         raise CheckpointError(f"{step / MARKER} does not name the model it trained (saved by an older finetune)")
-    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), read_marker(step).get("lora"))
+    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"))
 
 
 def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict]:
