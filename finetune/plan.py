@@ -114,12 +114,13 @@ def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     try:
         with count_saved(model) as saved:
             loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.ones(()), use_cache=False).loss
+        marks["saved"] = sum(s.nbytes() for s in saved.values())  # what bench reports: the head's part too
         saved.clear()
         torch.autograd.grad(loss, marks["hidden"])  # the head's backward only
     finally:
         handle.remove()
         head.__exit__(None, None, None)
-    return {"activations": marks["activations"], "logits_loss": head.peak}
+    return {"activations": marks["activations"], "logits_loss": head.peak, "saved": marks["saved"]}
 
 
 def measure_state(model) -> dict:
