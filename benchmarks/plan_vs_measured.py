@@ -1,0 +1,79 @@
+"""`finetune plan` against the real thing on CPU: for the tiny model and the 0.5B benchmark Llama at AC ratios
+0 / 0.5 / 1, the planner's bytes saved for backward (measured on fake tensors, fake process group) against what
+bench's counter measures on the real sharded model, and its parameter / gradient / AdamW figures against the real
+sharded tensors of rank 0 after one optimizer step; 2 gloo ranks, bf16 mixed precision, random weights.
+
+    uv run python benchmarks/plan_vs_measured.py            # prints the tables
+    uv run python benchmarks/plan_vs_measured.py --write    # ... and puts them into benchmarks/RESULTS.md
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from load_and_export import REPO, machine, make_model_dir  # noqa: E402
+
+HEADING = "## finetune plan vs measured"
+RATIOS = [0.0, 0.5, 1.0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence of the 0.5B model")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    from helpers import run_ranks
+    from test_plan import measure_real, planned
+    header = machine()
+    mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
+    saved_rows, state_rows, worst = [], [], 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [("tiny (examples/tiny-llama)", REPO / "examples/tiny-llama", 4, 128)]
+        num_params = make_model_dir(Path(tmp) / "llama-0.5b", 28, 1024, 4096, 32000)
+        models.append((f"0.5B Llama ({num_params / 1e9:.3f}B, untied)", Path(tmp) / "llama-0.5b", 1, args.seq_len))
+        for name, path, micro_batch_size, seq_len in models:
+            t0 = time.perf_counter()
+            real = run_ranks(measure_real, 2, str(path), "bf16", RATIOS, micro_batch_size, seq_len, timeout_s=3600)[0]
+            t1 = time.perf_counter()
+            plan = planned(path, "bf16", RATIOS, micro_batch_size, seq_len)
+            t2 = time.perf_counter()
+            print(f"{name}: measured in {t1 - t0:.0f} s, planned in {t2 - t1:.0f} s", flush=True)
+            for p in plan["points"]:
+                measured = real["saved"][p["ac_ratio"]]
+                worst = max(worst, abs(p["saved"] / measured - 1))
+                saved_rows.append(f"| {name} | {micro_batch_size} x {seq_len} | {p['ac_ratio']:g} | "
+                                  f"{mib(p['activations'])} | {mib(p['saved'])} | {mib(measured)} | "
+                                  f"{p['saved'] / measured - 1:+.2%} |")
+            for key in sorted(set(plan["state"]) | set(real["state"])):
+                got, want = plan["state"].get(key, 0), real["state"].get(key, 0)
+                worst = max(worst, abs(got / want - 1) if want else float(got != 0))
+                state_rows.append(f"| {name} | {key} | {mib(got)} | {mib(want)} | {got / want - 1:+.2%} |")
+    lines = [HEADING, "", f"`uv run python benchmarks/plan_vs_measured.py --seq-len {args.seq_len} --write`. "
+             f"Machine: {header}.", "",
+             "Bytes one micro-batch saves for backward (MiB, rank 0 of 2, bf16 mixed precision). Planner: the fake "
+             "forward of `finetune plan` (its *activations* column stops at the last decoder block; *saved* adds "
+             "what the final norm, lm_head and loss keep, which is what bench counts); measured: bench's "
+             "`saved_for_backward_mb` on the real sharded model, same shapes.", "",
+             "| model | micro-batch x seq | ac.ratio | planner activations | planner saved | measured saved | "
+             "planner vs measured |", "|---|---:|---:|---:|---:|---:|---:|", *saved_rows, "",
+             "Sharded state of rank 0 (MiB): planner (fake shards over a fake process group of 2) vs the real "
+             "shards, gradients and AdamW state after one optimizer step at 2 gloo ranks.", "",
+             "| model | tensors | planner | measured | difference |", "|---|---|---:|---:|---:|", *state_rows, "",
+             f"Largest difference: **{worst:.2%}** (goal: within 10%)."]
+    section = "\n".join(lines)
+    print("\n" + section)
+    if args.write:
+        results = REPO / "benchmarks" / "RESULTS.md"
+        text, pattern = results.read_text(), re.compile(rf"{re.escape(HEADING)}\n.*?(?=\n## |\Z)", re.S)
+        text = pattern.sub(lambda m: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+        results.write_text(text.rstrip("\n") + "\n")
+
+
+if __name__ == "__main__":
+    main()
