@@ -12,7 +12,7 @@ from typing import Callable, List, NoReturn, Optional
 
 import typer
 
-from .config import Config, ConfigError, load_config, parse_value
+from .config import Config, ConfigError, check_parallel, load_config, parse_value
 from .errors import FinetuneError
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 
@@ -200,6 +200,8 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
             cfg.checkpoint.resume = False
+        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
+                       int(os.environ.get("WORLD_SIZE", nproc_per_node)))  # the ranks check it too, against the group
         lock = Path(cfg.output_dir) / RUN_LOCK
         if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
             return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
