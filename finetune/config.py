@@ -28,7 +28,7 @@ class ConfigError(FinetuneError, ValueError):
 class ModelConfig:
     path: str = ""  # HF hub id, HF model dir, or a prepared checkpoint dir
     attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flash_attention_2"
-    liger: bool = False  # patch in Liger kernels (CUDA only; needs the `gpu` extra)
+    liger: bool = False  # patch in Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra)
     compile: bool = False  # torch.compile each decoder block (regional compile)
     trust_remote_code: bool = False  # passed to from_pretrained
 

@@ -134,7 +134,8 @@ def apply_kernels(model: nn.Module, liger: bool) -> None:
         return
     interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
     if not torch.cuda.is_available() and not interpret:
-        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels)")
+        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels; on CPU only "
+                         "under TRITON_INTERPRET=1, for tests)")
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError as e:

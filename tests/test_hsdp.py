@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from finetune.config import ConfigError
-from helpers import BASE, invoke, read_metrics, run_ranks, sft, sft_config, train_rank
+from finetune.model import ModelError
+from helpers import BASE, invoke, read_metrics, run_ranks, sft, sft_cli, sft_config, train_rank
 
 MESHES = {"2x2": ("parallel.dp_replicate=2",), "1x4": (), "4x1": ("parallel.dp_replicate=4",)}
 FOUR_RANKS = ("train.micro_batch_size=1",)  # global batch 4 at every layout
@@ -89,3 +90,20 @@ def test_a_layout_that_does_not_fit_the_ranks_is_one_line_and_exit_2(llama_dir, 
     if override.endswith("=3"):  # ranks started by another launcher (torchrun) check it against their group
         with pytest.raises(ConfigError, match=message):
             run_ranks(train_rank, 2, sft_config(llama_dir, chat_file, tmp_path / "run", override))
+
+
+def test_liger_fused_cross_entropy_and_rope_train_as_the_plain_path_on_two_ranks(llama_dir, chat_file, tmp_path):
+    """Triton's interpreter runs Liger's fused linear cross-entropy and RoPE kernels on CPU tensors. The fused loss
+    reads lm_head.weight in the model's forward, so lm_head stays in the root unit (all-gathered there): the losses
+    and grad norms are the plain path's. Through the CLI: triton must start in interpreter mode, and the test ranks'
+    fork server imported it without."""
+    run = ("train.max_steps=2", "train.micro_batch_size=1", "data.max_seq_len=40")
+    plain = sft(llama_dir, chat_file, tmp_path / "plain", *run, nproc=2)
+    sft_cli(llama_dir, chat_file, tmp_path / "liger", *run, "model.liger=true", nproc=2, env={"TRITON_INTERPRET": "1"})
+    liger = read_metrics(tmp_path / "liger")
+    assert close(liger, plain, "loss") and close(liger, plain, "grad_norm")
+
+
+def test_liger_on_cpu_is_refused_outside_the_triton_interpreter(llama_dir, chat_file, tmp_path):
+    with pytest.raises(ModelError, match="model.liger=true needs a CUDA device .* TRITON_INTERPRET=1"):
+        sft(llama_dir, chat_file, tmp_path / "run", "train.max_steps=1", "model.liger=true")
