@@ -1,12 +1,19 @@
 """HSDP and the data-parallel layout (in-process gloo ranks): HSDP 2x2 == FSDP 1x4 == 1 process; exact resume across
-meshes; the FSDP units (embeddings and lm_head apart when untied); a [parallel] layout that does not fit the ranks."""
+meshes; the FSDP units (embeddings and lm_head apart when untied; Liger); a [parallel] layout that does not fit the
+ranks; two "nodes" (launchers) on localhost stopped by SLURM's SIGUSR1."""
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from finetune.config import ConfigError
+from finetune.distributed import _free_port
 from finetune.model import ModelError
-from helpers import BASE, invoke, read_metrics, run_ranks, sft, sft_cli, sft_config, train_rank
+from helpers import BASE, REPO, invoke, losses, read_metrics, run_ranks, sft, sft_cli, sft_config, train_rank
 
 MESHES = {"2x2": ("parallel.dp_replicate=2",), "1x4": (), "4x1": ("parallel.dp_replicate=4",)}
 FOUR_RANKS = ("train.micro_batch_size=1",)  # global batch 4 at every layout
@@ -107,3 +114,36 @@ def test_liger_fused_cross_entropy_and_rope_train_as_the_plain_path_on_two_ranks
 def test_liger_on_cpu_is_refused_outside_the_triton_interpreter(llama_dir, chat_file, tmp_path):
     with pytest.raises(ModelError, match="model.liger=true needs a CUDA device .* TRITON_INTERPRET=1"):
         sft(llama_dir, chat_file, tmp_path / "run", "train.max_steps=1", "model.liger=true")
+
+
+def test_two_nodes_save_on_sigusr1_exit_zero_and_resume(llama_dir, chat_file, tmp_path, reference):
+    """Two `finetune sft --nnodes 2 --nproc-per-node 1` launchers meet at a c10d endpoint on 127.0.0.1, as
+    examples/slurm/ starts one per node. Both ranks pause at step 3 (fault pause_at_step) until SLURM's pre-timeout
+    SIGUSR1 reaches their launcher, which forwards it: one checkpoint (step 3), both launchers exit 0. The
+    resubmitted run (here in-process, the same 2 ranks) resumes and ends as the uninterrupted run."""
+    out, two_ranks = tmp_path / "run", ("train.max_steps=8", "train.micro_batch_size=2")
+    cmd = [sys.executable, "-m", "finetune", "sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", out,
+           "--nnodes", 2, "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *BASE, *two_ranks]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_TEST_FAULTS": "pause_at_step=3"}
+    nodes = [subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for _ in range(2)]
+    try:
+        for node in nodes:
+            seen = []
+            while not any("paused at step 3" in line for line in seen) and (line := node.stderr.readline()):
+                seen.append(line)
+            assert "paused at step 3" in "".join(seen), "".join(seen)
+        for node in nodes:
+            node.send_signal(signal.SIGUSR1)
+        results = [node.communicate(timeout=180) for node in nodes]
+    finally:  # a failed test leaves no paused ranks behind
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in results]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]
+    assert sum(f"received SIGUSR1: saved checkpoint {out / 'checkpoints' / 'step-3'}" in o for o, _ in results) == 1
+    assert all("SIGUSR1 forwarded to the ranks; they saved and stopped" in err for _, err in results)
+    sft(llama_dir, chat_file, out, *two_ranks, nproc=2)
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    assert losses(out) == losses(reference(llama_dir, chat_file, *two_ranks, nproc=2))
