@@ -140,9 +140,10 @@ def apply_kernels(model: nn.Module, liger: bool) -> None:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError as e:
         raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
-    only = {k: k in ("rope", "fused_linear_cross_entropy") for k in ("rope", "fused_linear_cross_entropy",
-            "cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm")} if interpret else {}
-    _apply_liger_kernel_to_instance(model=model, **only)
+    # RoPE and fused linear cross-entropy are on by default; the interpreter gets no others (each arch's apply
+    # function takes the switches it has)
+    off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm"), False) if interpret else {}
+    _apply_liger_kernel_to_instance(model=model, **off)
 
 
 def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
