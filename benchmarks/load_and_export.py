@@ -83,7 +83,8 @@ def load_child(sources: list[str], reps: int, warmup: bool) -> None:
     import torch.distributed as dist
     from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model
-    device, mesh = init_distributed()
+    device, dims = init_distributed()
+    mesh = dims.mesh
     times: dict[str, list[float]] = {src: [] for src in sources}
     for src in sources if warmup else ():  # untimed: first-use imports and allocator warm-up land here
         build_model(src, device, mesh, mixed_precision="fp32")

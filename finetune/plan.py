@@ -49,17 +49,17 @@ def load_arch(cfg: Config, model_dir: str | None):
 
 
 @contextmanager
-def fake_world(world_size: int):
-    """A fake process group of world_size (no ranks, no communication), its 1-D mesh, and the fake tensor mode
-    everything is measured in; this process is rank 0."""
+def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0):
+    """A fake process group of world_size (no ranks, no communication), the run's ParallelDims over it, and the
+    fake tensor mode everything is measured in; this process is rank 0."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .distributed import build_parallel_dims
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-        yield mesh, FakeTensorMode(allow_non_fake_inputs=True)
+        yield build_parallel_dims("cpu", dp_replicate, dp_shard), FakeTensorMode(allow_non_fake_inputs=True)
     finally:
         dist.destroy_process_group()
 
@@ -73,7 +73,7 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float):
     base_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float32
     model.lora = apply_lora(model, **asdict(cfg.lora), base_dtype=base_dtype) if cfg.lora.rank else None
     apply_ac(model, ac_ratio, cfg.ac.mode)
-    apply_fsdp(model, mesh, cfg.train.mixed_precision)
+    apply_fsdp(model, mesh, cfg.train.mixed_precision, lm_head_unit=not cfg.model.liger)  # as build_model does
     with fake_mode:
         model.to_empty(device="cpu")
     return model
@@ -164,9 +164,9 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     """Measure everything on fake tensors; which (ratio, micro-batch) points fit; the smallest world that would."""
     world = nnodes * nproc
     runs = {}
-    with fake_world(world) as (mesh, fake_mode):
+    with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard) as (dims, fake_mode):
         for ratio in sorted({0.0, *ratios}):
-            model = build_fake_model(hf_config, cfg, mesh, fake_mode, ratio)
+            model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio)
             with fake_mode:
                 for mbs in micro_batch_sizes:
                     runs[ratio, mbs] = measure_micro_batch(model, mbs, cfg.data.max_seq_len)
@@ -185,13 +185,15 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     fits = [p for p in points if p["fits"]]
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
     smallest = None
-    if not fits:  # only the sharded state shrinks with more GPUs; the rest is per micro-batch or per unit
+    replicas = cfg.parallel.dp_replicate
+    if not fits and not cfg.parallel.dp_shard:  # more GPUs shrink only the sharded state (shard groups grow)
         least = min(p["total"] - fixed for p in points) + in_flight
         smallest = next((w for w in range(world + nproc, 2**16, nproc)
-                         if sharded_bytes(measured["params"], w) + least <= usable), None)
-    return {"model": cfg.model.path,
-            "num_params": sum(n for _, n, _ in measured["params"]), "nnodes": nnodes, "nproc_per_node": nproc,
-            "world_size": world, "gpu_memory": gpu_bytes, "safety": SAFETY, "seq_len": cfg.data.max_seq_len,
+                         if w % replicas == 0 and sharded_bytes(measured["params"], w // replicas) + least <= usable),
+                        None)
+    return {"model": cfg.model.path, "num_params": sum(n for _, n, _ in measured["params"]), "nnodes": nnodes,
+            "nproc_per_node": nproc, "world_size": world, "parallel": str(dims), "gpu_memory": gpu_bytes,
+            "safety": SAFETY, "seq_len": cfg.data.max_seq_len,
             "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode, "liger": cfg.model.liger,
             "state": measured["state"], "in_flight": measured["in_flight"], "points": points, "best": best,
             "smallest_world_size": smallest}
@@ -201,7 +203,7 @@ def format_plan(r: dict) -> str:
     unit, name = (GIB, "GiB") if r["gpu_memory"] >= 4 * GIB else (2**20, "MiB")
     size = lambda b: f"{b / unit:,.1f}" if abs(b) >= 10 * unit else f"{b / unit:.3g}"  # noqa: E731
     lines = [f"plan: {r['model']} ({r['num_params'] / 1e9:.3g}B parameters) on {r['nnodes']} x "
-             f"{r['nproc_per_node']} GPUs of {size(r['gpu_memory'])} {name}; seq {r['seq_len']}, "
+             f"{r['nproc_per_node']} GPUs ({r['parallel']}) of {size(r['gpu_memory'])} {name}; seq {r['seq_len']}, "
              f"{r['mixed_precision']}, ac.mode={r['ac_mode']}", "", f"per GPU, every step ({name}):"]
     lines += [f"  {k:<24} {size(v):>8}" for k, v in r["state"].items()]
     lines += [f"  {'in flight: ' + k:<24} {size(v):>8}" for k, v in r["in_flight"].items()]

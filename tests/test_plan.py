@@ -1,6 +1,7 @@
 """`finetune plan`: its figures against the real thing at 2 gloo ranks (bytes saved for backward at AC ratios 0 /
-0.5 / 1, sharded parameters, gradients and AdamW state, tied and untied), the 70B preset fitting 8 x 8 H100s offline,
-a model that fits nowhere (exit 1, the smallest world that fits, which then does), bad flags (one line, exit 2)."""
+0.5 / 1, sharded parameters, gradients and AdamW state, tied and untied; HSDP 2x2 shards as FSDP 2), the 70B preset
+fitting 8 x 8 H100s offline, a model that fits nowhere (exit 1, the smallest world that fits, which then does), bad
+flags (one line, exit 2)."""
 from __future__ import annotations
 
 import gc
@@ -21,13 +22,13 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
     from finetune.distributed import init_distributed
     from finetune.model import build_model
     from finetune.optim import build_optimizer
-    device, mesh = init_distributed()
+    device, dims = init_distributed()
     torch.manual_seed(0)
     saved, model = {}, None
     for ratio in ratios:
         del model  # the previous model's memory first (0.5B: 1 GB of fp32 shards and as much of gradients a rank)
         gc.collect()
-        model = build_model(path, device, mesh, mixed_precision=mixed_precision, ac_ratio=ratio)
+        model = build_model(path, device, dims.mesh, mixed_precision=mixed_precision, ac_ratio=ratio)
         ids = torch.randint(model.config.vocab_size, (micro_batch_size, seq_len))
         saved[ratio] = saved_for_backward_mb(model, {"input_ids": ids, "labels": ids}) * 2**20  # and backward
     optimizer = build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
@@ -42,9 +43,10 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
     return {"saved": saved, "state": state}
 
 
-def planned(path, mixed_precision, ratios, micro_batch_size, seq_len, nnodes=1, nproc=2, gpu_bytes=80 * GIB):
+def planned(path, mixed_precision, ratios, micro_batch_size, seq_len, nnodes=1, nproc=2, gpu_bytes=80 * GIB,
+            **overrides):
     cfg = load_config(None, {"model.path": str(path), "data.path": "-", "train.mixed_precision": mixed_precision,
-                             "data.max_seq_len": seq_len})
+                             "data.max_seq_len": seq_len, **overrides})
     return run_plan(cfg, load_arch(cfg, None), nnodes, nproc, gpu_bytes, ratios, [micro_batch_size])
 
 
@@ -61,6 +63,8 @@ def test_plan_matches_the_real_sharded_model_at_2_ranks(model, mixed_precision, 
         assert 0 < point["activations"] < point["saved"]
     saved = [p["activations"] for p in plan["points"]]
     assert saved == sorted(saved, reverse=True)  # checkpointing more blocks keeps less
+    hsdp = planned(path, mixed_precision, ratios[:1], 2, 64, nnodes=2, **{"parallel.dp_replicate": 2})
+    assert hsdp["parallel"] == "HSDP 2x2" and hsdp["state"] == real["state"]  # sharded within a group of 2
 
 
 def test_70b_preset_fits_8x8_h100_offline(monkeypatch):
@@ -79,18 +83,20 @@ def test_70b_preset_fits_8x8_h100_offline(monkeypatch):
 
 
 def test_a_model_that_fits_nowhere_names_the_smallest_world_that_does(llama_dir):
-    GPU = int(2.6 * 2**20)  # the tiny model on 8 GPUs needs ~2.6 MiB; 10% must stay free
-    small = planned(llama_dir, "fp32", [1.0], 1, 64, nproc=8, gpu_bytes=GPU)
-    assert small["best"] is None and small["smallest_world_size"] % 8 == 0
+    def plan(nnodes, gpu_bytes):
+        return planned(llama_dir, "fp32", [1.0], 1, 64, nnodes=nnodes, nproc=8, gpu_bytes=gpu_bytes)
+    one_node, eight_nodes = plan(1, GIB)["best"]["total"], plan(8, GIB)["best"]["total"]
+    gpu = int((one_node + eight_nodes) / 2 / 0.9)  # fits on 8 nodes, not on 1 (10% must stay free)
+    small = plan(1, gpu)
     world = small["smallest_world_size"]
-    assert planned(llama_dir, "fp32", [1.0], 1, 64, nnodes=world // 8, nproc=8, gpu_bytes=GPU)["best"]
-    assert not planned(llama_dir, "fp32", [1.0], 1, 64, nnodes=world // 8 - 1, nproc=8, gpu_bytes=GPU)["best"]
-    result = invoke("plan", "--model", llama_dir, "--nproc-per-node", 8, "--gpu-memory", "2.6MB", "--sac-ratios", 1,
-                    "--micro-batch-sizes", 1, "data.max_seq_len=64", "train.mixed_precision=fp32")
+    assert small["best"] is None and world % 8 == 0 and 8 < world <= 64
+    assert plan(world // 8, gpu)["best"] and not plan(world // 8 - 1, gpu)["best"]
+    result = invoke("plan", "--model", llama_dir, "--nproc-per-node", 8, "--gpu-memory", f"{gpu / 2**20}MB",
+                    "--sac-ratios", 1, "--micro-batch-sizes", 1, "data.max_seq_len=64", "train.mixed_precision=fp32")
     assert result.exit_code == 1, (result.output, result.exception)
     assert "| 1 | 1 |" in result.stdout and "| no |" in result.stdout
-    assert f"does not fit: no point leaves 10% of 2.6 MiB free; the smallest world size that would fit is {world} " \
-           f"GPUs ({world // 8} nodes x 8)" in result.stdout
+    assert f"does not fit: no point leaves 10% of {gpu / 2**20:.3g} MiB free; the smallest world size that would " \
+           f"fit is {world} GPUs ({world // 8} nodes x 8)" in result.stdout
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -100,6 +106,7 @@ def test_a_model_that_fits_nowhere_names_the_smallest_world_that_does(llama_dir)
     (["--sac-ratios", "2"], "--sac-ratios must be comma-separated numbers in [0, 1], got '2'"),
     (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
     (["ac.mode=fast"], "ac.mode must be one of 'block', 'op', got 'fast'"),
+    (["parallel.dp_replicate=3"], "parallel.dp_replicate=3 does not divide the 8 launched ranks"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(llama_dir, flags, message):
     result = invoke("plan", "--model", llama_dir, *flags)
