@@ -1,8 +1,8 @@
 """`finetune plan`: the memory of one GPU of a run, on a CPU and without weights. The model is built on fake tensors,
-sharded by our own apply_fsdp over a fake process group of the planned world size (so FSDP units, mixed precision
-and tied weights are the code's), and runs fake steps.
+sharded by our own apply_fsdp over a fake process group of the planned world size (so FSDP units, mixed precision,
+tied weights, LoRA and HSDP are the code's), and runs fake forwards.
 
-Per GPU: the sharded parameters, gradients and AdamW state as one fake step leaves them; the unsharded units in
+Per GPU: the sharded parameters (their local shards), gradients and AdamW state; the unsharded units in
 flight (FSDP2's default prefetch: the current and the next unit's compute-dtype parameters, the units never resharded
 after forward, and one unit's unsharded gradients with their reduce-scatter buffer); per micro-batch and AC ratio,
 the bytes saved for backward up to the last decoder block (bench's counter), the recompute of one checkpointed block

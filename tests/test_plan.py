@@ -15,7 +15,8 @@ from finetune.plan import GIB, load_arch, run_plan
 from helpers import REPO, invoke, run_ranks
 
 
-def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_batch_size: int, seq_len: int) -> dict:
+def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_batch_size: int, seq_len: int,
+                 lora_rank: int = 0) -> dict:
     """On each rank: bench's bytes saved for backward of the real sharded model at each AC ratio, then the bytes of
     the sharded parameters, gradients and AdamW state after one optimizer step (keys as the planner's)."""
     from finetune.bench import saved_for_backward_mb
@@ -28,7 +29,8 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
     for ratio in ratios:
         del model  # the previous model's memory first (0.5B: 1 GB of fp32 shards and as much of gradients a rank)
         gc.collect()
-        model = build_model(path, device, dims.mesh, mixed_precision=mixed_precision, ac_ratio=ratio)
+        lora = dict(rank=lora_rank, alpha=16.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
+        model = build_model(path, device, dims.mesh, mixed_precision=mixed_precision, ac_ratio=ratio, lora=lora)
         ids = torch.randint(model.config.vocab_size, (micro_batch_size, seq_len))
         saved[ratio] = saved_for_backward_mb(model, {"input_ids": ids, "labels": ids}) * 2**20  # and backward
     optimizer = build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
@@ -36,7 +38,7 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
     state = {}
     for p in model.parameters():
         adamw = [("optimizer", v) for v in optimizer.state[p].values() if v.dim()]  # not `step`
-        tensors = [("params", p), ("grads", p.grad)] + adamw
+        tensors = [("params", p)] + ([("grads", p.grad)] + adamw if p.requires_grad else [])
         for kind, t in tensors:
             key = f"{kind} {str(t.dtype).removeprefix('torch.')}"
             state[key] = state.get(key, 0) + t.to_local().numel() * t.element_size()
@@ -50,12 +52,14 @@ def planned(path, mixed_precision, ratios, micro_batch_size, seq_len, nnodes=1, 
     return run_plan(cfg, load_arch(cfg, None), nnodes, nproc, gpu_bytes, ratios, [micro_batch_size])
 
 
-@pytest.mark.parametrize("model, mixed_precision, ratios", [("llama_dir", "bf16", [0.0, 0.5, 1.0]),
-                                                            ("qwen_tied_dir", "fp32", [0.5])])
-def test_plan_matches_the_real_sharded_model_at_2_ranks(model, mixed_precision, ratios, request):
+@pytest.mark.parametrize("model, mixed_precision, ratios, lora_rank", [("llama_dir", "bf16", [0.0, 0.5, 1.0], 0),
+                                                                       ("qwen_tied_dir", "fp32", [0.5], 0),
+                                                                       ("qwen_tied_dir", "bf16", [1.0], 8)])
+def test_plan_matches_the_real_sharded_model_at_2_ranks(model, mixed_precision, ratios, lora_rank, request):
     path = request.getfixturevalue(model)
-    real = run_ranks(measure_real, 2, str(path), mixed_precision, ratios, 2, 64)[0]
-    plan = planned(path, mixed_precision, ratios, 2, 64)
+    real = run_ranks(measure_real, 2, str(path), mixed_precision, ratios, 2, 64, lora_rank)[0]
+    plan = planned(path, mixed_precision, ratios, 2, 64, **{"lora.rank": lora_rank})
+    assert ("params bfloat16" in plan["state"]) == bool(lora_rank)  # LoRA: a frozen bf16 base, fp32 adapters
     assert plan["state"] == real["state"]  # the very shards, gradients and optimizer state of rank 0
     for point in plan["points"]:
         measured = real["saved"][point["ac_ratio"]]
@@ -63,7 +67,8 @@ def test_plan_matches_the_real_sharded_model_at_2_ranks(model, mixed_precision, 
         assert 0 < point["activations"] < point["saved"]
     saved = [p["activations"] for p in plan["points"]]
     assert saved == sorted(saved, reverse=True)  # checkpointing more blocks keeps less
-    hsdp = planned(path, mixed_precision, ratios[:1], 2, 64, nnodes=2, **{"parallel.dp_replicate": 2})
+    hsdp = planned(path, mixed_precision, ratios[:1], 2, 64, nnodes=2, **{"parallel.dp_replicate": 2,
+                                                                           "lora.rank": lora_rank})
     assert hsdp["parallel"] == "HSDP 2x2" and hsdp["state"] == real["state"]  # sharded within a group of 2
 
 
