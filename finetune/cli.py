@@ -372,6 +372,7 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
     """Memory per GPU of a run on GPUs you have not rented (fake tensors and ranks, on this CPU): which activation
     checkpointing ratio and micro-batch fit. Exit code 1 when none does."""
     def run():
+        import contextlib
         import json
         from .bench import parse_list
         from .plan import format_plan, load_arch, parse_gpu_memory, run_plan
@@ -381,7 +382,8 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
         gpu_bytes = parse_gpu_memory(gpu_memory)
         cfg = build_config(config, overrides, check=False, **{"model.path": model, "data.path": "-"})
-        result = run_plan(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios, mbs)
+        with contextlib.redirect_stdout(sys.stderr):  # notes of the model build (once per ratio) stay off the table
+            result = run_plan(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios, mbs)
         print(json.dumps(result, indent=2) if json_out else format_plan(result))
         return result["best"] is not None
     if not guarded(run, debug):

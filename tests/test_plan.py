@@ -125,3 +125,15 @@ def test_a_bad_arch_file_is_one_line(tmp_path):
     preset.write_text('[model]\npath = "org/unreachable"\narch = "nope.json"\n')
     result = invoke("plan", "--config", preset)
     assert result.exit_code == 2 and "model.arch 'nope.json' is not a readable HF config.json" in result.stderr
+
+
+def test_json_is_the_whole_stdout_with_lora_and_tied_embeddings(qwen_tied_dir):
+    result = invoke("plan", "--model", qwen_tied_dir, "--nproc-per-node", 2, "--sac-ratios", "0.5",
+                    "--micro-batch-sizes", 1, "--json", "lora.rank=4", "train.mixed_precision=bf16")
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = json.loads(result.stdout)  # the build's notes ("lora: rank 4 ...") went to stderr
+    assert "lora: rank 4" in result.stderr and plan["parallel"] == "FSDP 2"
+    assert set(plan["state"]) == {"params bfloat16", "params float32", "grads float32", "optimizer float32"}
+    state = plan["state"]
+    assert state["optimizer float32"] == 2 * state["grads float32"] == 2 * state["params float32"]  # adapters only
+    assert [(p["ac_ratio"], p["micro_batch_size"]) for p in plan["points"]] == [(0.5, 1)] and plan["best"]
