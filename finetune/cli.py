@@ -1,4 +1,5 @@
-"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks (torchrun's engine).
+"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench, plan; launches ranks (torchrun's
+engine).
 
 Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
