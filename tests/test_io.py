@@ -1,0 +1,145 @@
+"""70B-ready I/O (finetune/hfio.py): every rank reads its own slices of the HF safetensors, bit-equal to the rank-0
+load for every test architecture at 1, 2 and 4 ranks with sizes that do not divide by the world size; strict about
+what the files hold. Ranks run in-process (run_ranks)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import BASE, invoke, run_ranks
+
+ODD = dict(vocab_size=603, intermediate_size=163)  # 603 rows on 2 or 4 ranks: chunks of 302/301, 151/151/151/150
+ARCHES = [("llama", False), ("llama", True), ("qwen2", True), ("gemma2", True), ("gpt_neox", False),
+          ("mixtral", False)]
+
+
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory):
+    from conftest import make_model_dir
+    root = tmp_path_factory.mktemp("odd")
+    return {(arch, tied): make_model_dir(root / f"{arch}-{tied}", "chatml", arch, tied=tied, num_layers=2, **ODD)
+            for arch, tied in ARCHES}
+
+
+def both_loads(model_dir, lora: bool = False):
+    """On each rank: (the path plan_slices takes, shard names whose fp32 values differ between the slice reader and
+    the rank-0 load, the local row counts, whether every shard was filled)."""
+    from finetune.distributed import init_distributed
+    from finetune.hfio import plan_slices
+    from finetune.model import build_model, load_hf_weights_rank0
+    device, mesh = init_distributed()
+    lora_cfg = dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=[]) \
+        if lora else None
+    model = build_model(str(model_dir), device, mesh, mixed_precision="bf16" if lora else "fp32", lora=lora_cfg)
+    plan = plan_slices(model, str(model_dir))
+    new = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().fill_(float("nan"))
+    load_hf_weights_rank0(model, str(model_dir))
+    old = {n: p.to_local() for n, p in model.named_parameters() if "lora_" not in n}
+    differ = [n for n in old if not torch.equal(new[n].view(torch.uint8), old[n].view(torch.uint8))]  # bits
+    filled = all(not t.isnan().any() for t in old.values())
+    return ("slices" if isinstance(plan, dict) else plan), differ, {n: t.shape[0] for n, t in old.items()
+                                                                  if t.dim()}, filled
+
+
+@pytest.mark.parametrize("arch,tied", ARCHES)
+def test_slice_reader_equals_the_rank0_load_bit_for_bit(arch, tied, odd_models):
+    for nproc in (1, 2, 4):
+        results = run_ranks(both_loads, nproc, odd_models[arch, tied])
+        for path, differ, rows, filled in results:
+            assert filled and differ == [], (nproc, differ)
+            if arch == "mixtral":  # per-expert weights on disk, fused in memory: a real conversion on load
+                assert "converts on load" in path, path
+            else:
+                assert path == "slices"
+        vocab = [r["model.embed_tokens.weight" if arch != "gpt_neox" else "gpt_neox.embed_in.weight"]
+                 for _, _, r, _ in results]
+        assert sum(vocab) == 603 and len(set(vocab)) == (1 if nproc == 1 else 2)  # uneven shards were read
+
+
+def test_slice_reader_under_lora_loads_the_frozen_bf16_base(odd_models):
+    for path, differ, _, filled in run_ranks(both_loads, 2, odd_models["llama", False], True):
+        assert path == "slices" and differ == [] and filled
+
+
+def load_on_rank(model_dir):
+    from finetune.distributed import init_distributed
+    from finetune.model import build_model
+    device, mesh = init_distributed()
+    build_model(str(model_dir), device, mesh, mixed_precision="fp32")
+
+
+def write_sharded(src, dst):
+    """`src` (one safetensors file) as 3 files with an index, like save_pretrained with a small shard size."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(3):
+        part = names[i::3]
+        file = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({n: tensors[n] for n in part}, dst / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def edit_tensors(model_dir, edit):
+    tensors = load_file(model_dir / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("missing", "lacks the parameter model.layers.1.mlp.up_proj.weight"),
+    ("unexpected", "has no place for, e.g. model.layers.0.mlp.extra.weight"),
+    ("shape", "model.norm.weight has shape [63], the model of its config.json needs [64]"),
+    ("dtype", "model.norm.weight is stored as I32, which does not load into a float32 parameter"),
+    ("file", "names 1 file(s) that do not exist, e.g. model-00002-of-00003.safetensors"),
+    ("index", "says model.norm.weight is in model-00002-of-00003.safetensors, but that file does not hold it"),
+])
+def test_strict_load_is_one_error_line_before_training(case, expect, odd_models, chat_file, tmp_path):
+    src, bad = odd_models["llama", False], tmp_path / "bad"
+    if case in ("file", "index"):
+        weight_map = write_sharded(src, bad)
+        if case == "file":
+            (bad / "model-00002-of-00003.safetensors").unlink()
+        else:
+            index = json.loads((bad / "model.safetensors.index.json").read_text())
+            assert weight_map["model.norm.weight"] != "model-00002-of-00003.safetensors"
+            index["weight_map"]["model.norm.weight"] = "model-00002-of-00003.safetensors"
+            (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        shutil.copytree(src, bad)
+        edit_tensors(bad, {
+            "missing": lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+            "unexpected": lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2, 2)}),
+            "shape": lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:63].clone()}),
+            "dtype": lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}),
+        }[case])
+    from finetune.model import ModelError
+    with pytest.raises(ModelError) as e:
+        run_ranks(load_on_rank, 2, bad)
+    assert expect in str(e.value) and "\n" not in str(e.value)
+    if case == "missing":  # through the CLI: `error: <line>`, exit 2, nothing trained
+        out = tmp_path / "out"
+        result = invoke("sft", "--model", bad, "--dataset", chat_file, "--output-dir", out, *BASE)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines()[-1] == f"error: '{bad}' lacks the parameter " \
+                                                        f"model.layers.1.mlp.up_proj.weight"
+        assert not (out / "checkpoints").exists()
+
+
+def test_a_sharded_dir_loads_like_the_single_file(odd_models, tmp_path):
+    src = odd_models["qwen2", True]
+    sharded = tmp_path / "sharded"
+    write_sharded(src, sharded)
+    for path, differ, _, filled in run_ranks(both_loads, 2, sharded):
+        assert path == "slices" and differ == [] and filled
