@@ -143,6 +143,11 @@ def plan_slices(model: nn.Module, path: str, trust_remote_code: bool = False) ->
         raise ModelError(f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place "
                          f"for, e.g. {unexpected[0]}")
     stored = {k: entries[d] for d, k in mapping.items()}
+    tied: dict[int, list[str]] = {}
+    for name, p in skeleton.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(name)
+    for names in tied.values():  # a tied twin (lm_head) reads what its stored twin holds (a LoRA copy of it does)
+        stored.update({n: stored[s] for s in names if s in stored for n in names if n not in stored})
     plan = {}
     for name, param in model.named_parameters():
         if is_adapter(name):
