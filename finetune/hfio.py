@@ -105,9 +105,9 @@ def open_dir(root: Path) -> dict[str, Entry] | None:
     return entries
 
 
-def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str] | str:
-    """{stored name: in-memory name} as from_pretrained renames them, or a one-line reason why the stored layout
-    needs a real conversion (a transformers WeightConverter, e.g. per-expert MoE weights fused on load)."""
+def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
+    """{stored name: in-memory name} as from_pretrained renames them; None where the stored layout needs a real
+    conversion (a transformers WeightConverter, e.g. per-expert MoE weights fused on load)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
     conversions = get_model_conversion_mapping(skeleton)
@@ -117,10 +117,7 @@ def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str] | str:
     mapping = {}
     for name in names:
         key, converter = rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
-        if converter is not None:
-            return (f"{type(skeleton).__name__} stores {name} in a layout that transformers converts on load "
-                    f"({converter})")
-        mapping[name] = key
+        mapping[name] = None if converter else key
     return mapping
 
 
@@ -134,8 +131,9 @@ def plan_slices(model: nn.Module, path: str, trust_remote_code: bool = False) ->
         return f"'{path}' has no safetensors files"
     skeleton = build_skeleton(model.config, None, trust_remote_code)
     mapping = disk_to_memory(skeleton, entries)
-    if isinstance(mapping, str):
-        return mapping
+    converted = next((d for d, k in mapping.items() if k is None), None)
+    if converted:
+        return f"{type(skeleton).__name__} stores {converted} in a layout that transformers converts on load"
     expected = skeleton.state_dict()  # tied aliases and persistent buffers: may be stored, not needed
     ignore = list(getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or [])
     unexpected = [d for d, k in mapping.items() if k not in expected and not any(re.search(p, k) for p in ignore)]
@@ -202,3 +200,42 @@ def load_slices(model: nn.Module, plan: dict[str, Entry]) -> None:
         for dim in range(1, rows.dim()):  # a layout sharded on other dims too: read the rows, keep the block
             rows = rows.narrow(dim, offset[dim], shape[dim])
         local.copy_(rows)
+
+
+def read_tensor(entry: Entry) -> torch.Tensor:
+    return read_rows(entry, 0, (entry.shape or (1,))[0]).reshape(entry.shape)
+
+
+@torch.no_grad()
+def streamed_logits(hf_config, fetch, input_ids: torch.Tensor, trust_remote_code: bool = False) -> torch.Tensor:
+    """fp32 logits of the model of `hf_config` on `input_ids`, its weights fetched by fetch(in-memory name) just
+    before the module that owns them runs and dropped right after (a decoder block as a whole, every other module
+    with parameters on its own): RAM holds one block's weights at a time, never the model."""
+    from .model import find_layers
+    model = build_skeleton(hf_config, None, trust_remote_code).eval()
+    canonical: dict[int, str] = {}  # a tied weight is fetched under the name it is stored by
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+    layers = set(find_layers(model))
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    units = [m for m in model.modules() if m in layers or (id(m) not in inside and m._parameters)]
+
+    def owners(unit):  # (module, attribute, meta parameter) for each parameter the unit runs with
+        mods = unit.modules() if unit in layers else [unit]
+        return [(m, a, p) for m in mods for a, p in m._parameters.items() if p is not None]
+
+    def hooks(params):
+        def load(module, args):
+            for m, a, p in params:
+                m._parameters[a] = nn.Parameter(fetch(canonical[id(p)]).float(), requires_grad=False)
+
+        def drop(module, args, output):
+            for m, a, p in params:
+                m._parameters[a] = p  # back to meta: the weights are freed
+        return load, drop
+
+    for unit in units:
+        load, drop = hooks(owners(unit))
+        unit.register_forward_pre_hook(load)
+        unit.register_forward_hook(drop)
+    return model(input_ids=input_ids).logits

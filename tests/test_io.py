@@ -143,3 +143,36 @@ def test_a_sharded_dir_loads_like_the_single_file(odd_models, tmp_path):
     write_sharded(src, sharded)
     for path, differ, _, filled in run_ranks(both_loads, 2, sharded):
         assert path == "slices" and differ == [] and filled
+
+
+def export_on_rank(checkpoint, out, max_shard_size="60KB"):
+    from finetune.export import export_hf
+    export_hf(str(checkpoint), str(out), "bfloat16", max_shard_size)
+
+
+def test_export_on_2_processes_writes_the_bytes_of_1(llama_dir, chat_file, reference, tmp_path, capfd):
+    run = reference(llama_dir, chat_file, "train.lr=0", "train.max_steps=2", "train.micro_batch_size=4")
+    one, two = tmp_path / "one", tmp_path / "two"
+    export_on_rank(run, one)
+    run_ranks(export_on_rank, 2, run, two)
+    assert "verified" in capfd.readouterr().out
+    files = sorted(p.name for p in one.iterdir() if p.name != "finetune_export.json")  # it records the time
+    assert len([f for f in files if f.endswith(".safetensors")]) > 2 and "model.safetensors.index.json" in files
+    assert files == sorted(p.name for p in two.iterdir() if p.name != "finetune_export.json")
+    for f in files:
+        assert (one / f).read_bytes() == (two / f).read_bytes(), f
+    assert not list(tmp_path.glob(".*.partial-*"))  # no temp dir left
+
+
+def test_sft_with_checkpoint_export_hf_writes_what_export_hf_writes(qwen_tied_dir, chat_file, tmp_path):
+    from helpers import sft
+    run = tmp_path / "run"
+    sft(qwen_tied_dir, chat_file, run, "train.max_steps=2", "train.micro_batch_size=2", "checkpoint.export_hf=true",
+        nproc=2)
+    export_on_rank(run, tmp_path / "later", "5GB")  # export-hf of the final checkpoint, one process
+    later = tmp_path / "later"
+    files = sorted(p.name for p in later.iterdir() if p.name != "finetune_export.json")
+    assert files == sorted(p.name for p in (run / "hf").iterdir() if p.name != "finetune_export.json")
+    for f in files:
+        assert (later / f).read_bytes() == (run / "hf" / f).read_bytes(), f
+    assert json.loads((run / "hf" / "finetune_export.json").read_text())["weights"].endswith("step-2")
