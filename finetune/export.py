@@ -53,6 +53,7 @@ class Source:
     trust_remote_code: bool
     label: str
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
+    live: torch.nn.Module | None = None  # the sharded model that just trained (weights: its final checkpoint)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -140,7 +141,7 @@ def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict
 def open_tensors(source: Source, hf_config) -> tuple[dict, Callable[[str], torch.Tensor]]:
     """{HF name: metadata} of the tensors `source` holds, and name -> full tensor (read one at a time). For a LoRA
     checkpoint, those of the merged model: W + alpha/r * B @ A in fp32 over the base weights (prepared or HF dir)."""
-    stored, load_stored = open_dcp(source.weights)
+    stored, load_stored = open_live(source.live) if source.live else open_dcp(source.weights)
     if not source.lora:
         return stored, load_stored
     from .lora import merged, open_safetensors
@@ -173,6 +174,21 @@ def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
         return t
+    return stored, load
+
+
+def open_live(model) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """open_dcp for the sharded model in memory: load(name) gathers the full tensor (a collective: every rank must
+    ask for the same names in the same order, which save_weights and verify_export do)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+    from torch.distributed.tensor import DTensor
+    from .model import clean_fqn
+    tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them
+    stored = {n: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, []) for n, t in tensors.items()}
+
+    def load(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
     return stored, load
 
 
@@ -258,6 +274,9 @@ def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dt
         if mine(filename, split.filename_to_tensors):
             specs = {n: (tuple(metas[n].shape), metas[n].dtype) for n in names}
             write_safetensors(out / filename, specs, fetch)
+        elif source.live:  # another rank writes this file: take part in its gathers
+            for n in names:
+                fetch(n)
     if split.is_sharded and is_main():
         num_params = sum(t.numel() for t in metas.values())
         index = {"metadata": {"total_parameters": num_params, **split.metadata}, "weight_map": split.tensor_to_filename}
@@ -293,6 +312,8 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
         pieces_of.setdefault(k, []).append(d)
     for k, pieces in pieces_of.items():
         if not mine(entries[pieces[0]].file.name, shards):
+            if source.live:
+                load(k)  # take part in the owner's gather
             continue
         want = load(k).to(out_dtype_of(plan[k], dtype))
         want = to_disk(skeleton, {k: want}) if pieces != [k] else {k: want}
@@ -335,9 +356,11 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
 
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
-              verify: bool = True, adapter: bool = False) -> Path:
+              verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None) -> Path:
     """Write the HF model dir `output_dir` from `checkpoint` (with adapter=True: the PEFT adapter dir of a LoRA
-    checkpoint); returns it. Nothing lands there unless verified."""
+    checkpoint); returns it. Nothing lands there unless verified. `live`: the sharded model `checkpoint` was just
+    saved from, whose tensors are then gathered instead of read back (full models stored tensor by tensor; LoRA
+    merges and converted layouts read the checkpoint)."""
     dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
     out = Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # --nproc-per-node N: each rank writes and checks whole files
@@ -359,6 +382,8 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         return publish(out, lambda tmp: save_adapter(tmp, source, hf_config, dtype, verify))
     untie_trained_apart(source, hf_config)
     skeleton, plan, disk = plan_tensors(source, hf_config)
+    if live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk):
+        source.live, source.label = live, f"{source.label} (gathered from the live model)"
     return publish(out, lambda tmp: write_model(tmp, out, checkpoint, source, hf_config, skeleton, plan, disk, dtype,
                                                 dtype_name, shard_bytes, verify))
 
@@ -418,7 +443,8 @@ def write_model(tmp: Path, out: Path, checkpoint: str, source: Source, hf_config
         diff = verify_export(tmp, source, hf_config, plan, disk, dtype, shards)
         print0(f"verified: {len(plan)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
                f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
-    return {"source": str(Path(checkpoint).resolve()), "weights": str(source.weights.resolve()),
+    return {"source": str(Path(checkpoint).resolve()),
+            "weights": "the live model" if source.live else str(source.weights.resolve()),
             "model_path": source.model_path, "dtype": str(dtype).split(".")[1], "num_shards": len(shards),
             "verified_max_abs_logit_diff": diff, "lora": source.lora}
 

@@ -180,4 +180,4 @@ def test_sft_with_checkpoint_export_hf_writes_what_export_hf_writes(qwen_tied_di
     assert files == sorted(p.name for p in (run / "hf").iterdir() if p.name != "finetune_export.json")
     for f in files:
         assert (later / f).read_bytes() == (run / "hf" / f).read_bytes(), f
-    assert json.loads((run / "hf" / "finetune_export.json").read_text())["weights"].endswith("step-2")
+    assert json.loads((run / "hf" / "finetune_export.json").read_text())["weights"] == "the live model"
