@@ -26,6 +26,7 @@ from .checkpoint import MARKER, CheckpointError, arch_diffs, damage, latest_comp
 from .config import ConfigError
 from .distributed import barrier, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
+from .hfio import DTYPES as ST_TORCH
 from .lock import hold_lock, release_lock, remove_stale_partials
 from .metrics import peak_rss_mb
 from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
@@ -34,9 +35,7 @@ from .prepare import save_hf_files
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+ST_DTYPES = {v: k for k, v in ST_TORCH.items()}  # torch dtype -> safetensors' name
 
 
 class VerifyError(FinetuneError):

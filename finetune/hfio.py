@@ -83,8 +83,8 @@ def open_dir(root: Path) -> dict[str, Entry] | None:
         if missing:
             raise ModelError(f"{index} names {len(missing)} file(s) that do not exist, e.g. {missing[0]}")
         paths = [root / f for f in files]
-    else:
-        paths = sorted(root.glob("*.safetensors"))
+    else:  # as from_pretrained: without an index only model.safetensors (not e.g. Mistral's consolidated.*)
+        paths = [root / "model.safetensors"] if (root / "model.safetensors").is_file() else []
         weight_map = None
     if not paths:
         return None
