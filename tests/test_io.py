@@ -181,3 +181,29 @@ def test_sft_with_checkpoint_export_hf_writes_what_export_hf_writes(qwen_tied_di
     for f in files:
         assert (later / f).read_bytes() == (run / "hf" / f).read_bytes(), f
     assert json.loads((run / "hf" / "finetune_export.json").read_text())["weights"] == "the live model"
+
+
+def local_dir_of_hub_id(model_dir, fail):
+    """hfio.local_dir("org/model") with snapshot_download replaced by a fake hub cache that records its calls."""
+    import huggingface_hub
+    from finetune.hfio import local_dir
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns=None, local_files_only=False):
+        calls.append("cache" if local_files_only else "download")
+        if fail and not local_files_only:
+            raise OSError("hub unreachable")
+        return str(model_dir)
+    huggingface_hub.snapshot_download = snapshot_download
+    try:
+        return str(local_dir("org/model")), calls
+    except Exception as e:  # noqa: BLE001 - the error each rank saw
+        return str(e), calls
+
+
+def test_a_hub_id_is_downloaded_once_per_node(odd_models):
+    model_dir = odd_models["llama", False]
+    results = run_ranks(local_dir_of_hub_id, 2, model_dir, False)
+    assert results == [(str(model_dir), ["download", "cache"]), (str(model_dir), ["cache"])]
+    results = run_ranks(local_dir_of_hub_id, 2, model_dir, True)  # every rank reports the download's failure
+    assert [r[0] for r in results] == ["cannot download 'org/model': OSError: hub unreachable"] * 2
