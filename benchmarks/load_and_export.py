@@ -91,7 +91,8 @@ def load_child(sources: list[str], reps: int, warmup: bool) -> None:
     from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model
     import finetune.hfio
-    device, mesh = init_distributed()
+    device, dims = init_distributed()
+    mesh = dims.mesh
     plan_slices = finetune.hfio.plan_slices
 
     def build(src: str):  # "rank0=DIR": the HF dir through the rank-0 path

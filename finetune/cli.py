@@ -12,7 +12,7 @@ from typing import Callable, List, NoReturn, Optional
 
 import typer
 
-from .config import Config, ConfigError, load_config, parse_value
+from .config import Config, ConfigError, check_parallel, load_config, parse_value
 from .errors import FinetuneError
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 
@@ -105,11 +105,13 @@ def check_flag(flag: str, ok: bool, rule: str, value) -> None:
         raise ConfigError(f"{flag} must be {rule}, got {value}")
 
 
-def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
+def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None,
+           nnodes: int = 1, rdzv_endpoint: str = ""):
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
-    that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
+    that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them.
+    With nnodes > 1, one such launcher per node meets the others at `rdzv_endpoint` (c10d rendezvous)."""
     set_threads(nproc)  # nproc >= 1: checked with the rest of the input
-    if nproc <= 1 or "RANK" in os.environ:
+    if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     import uuid
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -134,8 +136,10 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
         print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
         os._exit(130)
     signal.signal(signal.SIGINT, on_sigint)
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                      rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+    # every node's launcher must name the same rendezvous run: the SLURM job, or one fixed name per endpoint
+    run_id = os.environ.get("SLURM_JOB_ID", "finetune") if nnodes > 1 else str(uuid.uuid4())
+    lc = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
+                      rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{_free_port()}", max_restarts=0,
                       signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
                       monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:
@@ -190,29 +194,40 @@ def preflight(cfg: Config) -> str | None:
 @app.command()
 def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
         dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC,
+        nnodes: int = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)"),
+        rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet "
+                                          "(c10d rendezvous; on the first node); needed with --nnodes > 1"),
         no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist"),
         resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint dir"),
         debug: bool = DEBUG):
     """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
     def prepare():
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir) is made
+        check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
+        check_flag("--rdzv-endpoint", nnodes == 1 or ":" in rdzv_endpoint, "host:port with --nnodes > 1",
+                   repr(rdzv_endpoint))
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
             cfg.checkpoint.resume = False
+        num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
+        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks)  # ranks check it on the group
         lock = Path(cfg.output_dir) / RUN_LOCK
         if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
             return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-        if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
+        # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
+        locks = nnodes == 1 or "RANK" in os.environ
+        if locks and lock.parent.is_dir():  # at once if another run may own it (exit 2); no new dir before preflight
             hold_run_lock(lock, f"output dir {cfg.output_dir}")
         try:
             nothing_to_do = preflight(cfg)
         except BaseException:
             release_lock(lock)
             raise
-        hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        if locks:
+            hold_run_lock(lock, f"output dir {cfg.output_dir}")
         return cfg, nothing_to_do, lock
     cfg, nothing_to_do, lock = guarded(prepare, debug)
     try:  # the lock goes with the process anyway; released here for callers that run commands in-process
@@ -224,7 +239,8 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         root = Path(cfg.output_dir) / "checkpoints"
         before = latest_complete(root, report=False)
         from .train import train
-        launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+        launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before,
+               nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
     finally:
         release_lock(lock)
 

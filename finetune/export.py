@@ -324,7 +324,6 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
     exported = AutoConfig.from_pretrained(out, trust_remote_code=source.trust_remote_code)
-    exported._attn_implementation = skeleton.config._attn_implementation
     to_memory = disk_to_memory(build_skeleton(exported, None, source.trust_remote_code), entries)
     stored = {k: entries[d] for d, k in to_memory.items() if k is not None}
     converted = {disk[d][0] for d, k in to_memory.items() if k is None}

@@ -14,6 +14,7 @@ that needs converting on load), or a prepared DCP checkpoint straight into the s
 from __future__ import annotations
 
 import json
+import os
 from functools import partial
 from pathlib import Path
 
@@ -126,16 +127,23 @@ def clean_child(mod: nn.Module) -> nn.Module:
 
 
 def apply_kernels(model: nn.Module, liger: bool) -> None:
-    """Swap in Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy). CUDA only."""
+    """Swap in Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy). CUDA, or on CPU under
+    Triton's interpreter (TRITON_INTERPRET=1, for tests) only RoPE and the fused linear cross-entropy: the
+    interpreter cannot run the others."""
     if not liger:
         return
-    if not torch.cuda.is_available():
-        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels)")
+    interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interpret:
+        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels; on CPU only "
+                         "under TRITON_INTERPRET=1, for tests)")
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError as e:
         raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
-    _apply_liger_kernel_to_instance(model=model)
+    # RoPE and fused linear cross-entropy are on by default; the interpreter gets no others (each arch's apply
+    # function takes the switches it has)
+    off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm"), False) if interpret else {}
+    _apply_liger_kernel_to_instance(model=model, **off)
 
 
 def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
@@ -177,15 +185,25 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
             layer.compile()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
-    """fully_shard each block, then the root. Embeddings and lm_head stay in the root group, so tied weights
-    live in one FSDP unit (a parameter shared by two groups is rejected)."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
+    """fully_shard each block, the input embedding and the output projection, then the root (final norm, the rest).
+    On a 2-D mesh ("dp_replicate", "dp_shard") this is HSDP: sharded within a group, replicated across groups.
+    Tied embeddings are one parameter, which must live in one FSDP unit (a parameter shared by two is rejected):
+    they stay in the root. `lm_head_unit=False` keeps an untied lm_head in the root too, for Liger's fused
+    cross-entropy: it reads lm_head.weight in the model's forward, not in lm_head's, so a unit of its own would
+    never be all-gathered there (Liger issues #332, #631)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     layers = find_layers(model)
     for i, layer in enumerate(layers):
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
+    if not tied:
+        fully_shard(embed, mesh=mesh, mp_policy=mp)
+        if head is not None and lm_head_unit:  # used last in forward, first in backward: kept unsharded between
+            fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # gradients are summed over ranks, not averaged: train_step divides by the global label-token count itself
     for m in model.modules():
@@ -285,7 +303,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     model.lora = apply_lora(model, **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
     apply_ac(model, ac_ratio, ac_mode)
     apply_compile(model, compile)
-    apply_fsdp(model, mesh, mixed_precision)
+    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not liger)
     _materialize(model, device)
     if is_prepared(path):
         load_prepared_weights(model, path)

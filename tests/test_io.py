@@ -25,13 +25,14 @@ def odd_models(tmp_path_factory):
             for arch, tied in ARCHES}
 
 
-def both_loads(model_dir, lora: bool = False):
+def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     """On each rank: (the path plan_slices takes, shard names whose fp32 values differ between the slice reader and
     the rank-0 load, the local row counts, whether every shard was filled)."""
     from finetune.distributed import init_distributed
     from finetune.hfio import plan_slices
     from finetune.model import build_model, load_hf_weights_rank0
-    device, mesh = init_distributed()
+    device, dims = init_distributed(dp_replicate=dp_replicate)
+    mesh = dims.mesh
     lora_cfg = dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=[]) \
         if lora else None
     model = build_model(str(model_dir), device, mesh, mixed_precision="bf16" if lora else "fp32", lora=lora_cfg)
@@ -68,6 +69,13 @@ def test_slice_reader_equals_the_rank0_load_bit_for_bit(nproc, odd_models):
         assert sum(vocab) == 603 and len(set(vocab)) == (1 if nproc == 1 else 2)  # uneven shards were read
 
 
+def test_slice_reader_under_hsdp_reads_the_slice_of_each_replica_group(odd_models):
+    for arch in (("llama", False), ("qwen2", True)):  # 2 replica groups x 2 shards: (Replicate, Shard(0)) params
+        per_rank = run_ranks(both_loads, 4, odd_models[arch], False, 2)
+        assert all(path == "slices" and differ == [] and filled for path, differ, _, filled in per_rank), arch
+        assert [r["model.embed_tokens.weight"] for _, _, r, _ in per_rank] == [302, 301, 302, 301]
+
+
 def test_slice_reader_under_lora_loads_the_frozen_bf16_base(odd_models):
     for path, differ, _, filled in run_ranks(both_loads, 2, odd_models["llama", False], True):
         assert path == "slices" and differ == [] and filled
@@ -76,7 +84,8 @@ def test_slice_reader_under_lora_loads_the_frozen_bf16_base(odd_models):
 def load_on_rank(model_dir):
     from finetune.distributed import init_distributed
     from finetune.model import build_model
-    device, mesh = init_distributed()
+    device, dims = init_distributed()
+    mesh = dims.mesh
     build_model(str(model_dir), device, mesh, mixed_precision="fp32")
 
 
