@@ -361,8 +361,8 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     merges and converted layouts read the checkpoint)."""
     dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
     out = Path(output_dir)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # --nproc-per-node N: each rank writes and checks whole files
-        init_distributed()
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
+        init_distributed()  # and checks whole files (under sft the group is up already)
     source = find_source(checkpoint)
     if adapter and not source.lora:
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
