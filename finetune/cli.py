@@ -318,18 +318,21 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
               max_shard_size: str = typer.Option("5GB", "--max-shard-size",
                                                  help="largest safetensors file (5GB, 500MB)"),
               verify: bool = typer.Option(True, "--verify/--no-verify",
-                                          help="reload with from_pretrained and compare logits (needs RAM for one "
-                                               "fp32 copy of the model)"),
+                                          help="read every tensor back and compare logits streamed block by block "
+                                               "from the files (never holds the model)"),
               adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoints: write the PEFT adapter dir "
                                            "(adapter_config.json + adapter_model.safetensors), not the merged model"),
+              nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="processes, each writing and "
+                                                 "checking whole safetensors files (same bytes as one process)"),
               debug: bool = DEBUG):
-    """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
-    def run():
-        from .export import export_hf as export
+    """Turn a checkpoint into a Hugging Face model directory, verified tensor by tensor. No GPU needed."""
+    def check():
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
-        export(checkpoint, output_dir, dtype, max_shard_size, verify, adapter)  # VerifyError: exit 1, nothing written
-    guarded(run, debug)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
+    guarded(check, debug)
+    from .export import export_hf as export  # VerifyError: exit 1, nothing written
+    launch(export, (checkpoint, output_dir, dtype, max_shard_size, verify, adapter), nproc_per_node, debug)
 
 
 @app.command()

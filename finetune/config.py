@@ -95,6 +95,7 @@ class CheckpointConfig:
     async_: bool = False  # TOML key `async`: save in the background (at most one save in flight)
     resume: bool = True  # resume from the newest complete checkpoint in output_dir
     resume_from: str = ""  # resume from this checkpoint directory instead
+    export_hf: bool = False  # at the end, write <output_dir>/hf from the trained model, every rank its own files
 
 
 @dataclass

@@ -8,8 +8,8 @@
                     gradient_checkpointing, which under FSDP all-gathers each block again on recompute);
   3. apply_compile  compiles each block (regional compile must see the block before FSDP hooks it);
   4. apply_fsdp     shards each block, then the root (fp32 params, bf16 compute when mixed precision);
-then weights arrive: from an HF checkpoint read on rank 0 and scattered tensor by tensor, or from a prepared
-DCP checkpoint read straight into the shards. Peak host RAM per node stays near one copy of the source model.
+then weights arrive: each rank reads its own slices of the HF safetensors (hfio; rank 0 reads and scatters a layout
+that needs converting on load), or a prepared DCP checkpoint straight into the shards.
 """
 from __future__ import annotations
 
@@ -221,8 +221,19 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             b.copy_(buffers[n])
 
 
-@torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
+    """Every rank reads its own slices of the safetensors files (hfio), checked strictly first; a checkpoint that
+    needs converting on load, or has no safetensors, is read by rank 0 and scattered (load_hf_weights_rank0)."""
+    from .hfio import load_slices, plan_slices
+    plan = plan_slices(model, path, trust_remote_code)
+    if isinstance(plan, str):
+        print0(f"loading on rank 0 and scattering: {plan}")
+        return load_hf_weights_rank0(model, path, trust_remote_code)
+    load_slices(model, plan)
+
+
+@torch.no_grad()
+def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
     """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype (fp32 masters, or the frozen
     base's dtype under LoRA) and scattered to its shards in turn. LoRA adapters are left to init_lora_weights."""
     from collections import Counter
