@@ -26,11 +26,12 @@ GIB = 2**30
 
 
 def parse_gpu_memory(text: str) -> int:
-    """'80GB' -> bytes. GB means GiB here, as GPUs are sized (an H100 80GB has 80 GiB)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB)?\s*", text, re.I)
-    if not m or float(m[1]) <= 0:
+    """'80GB' -> bytes. GB means GiB here, as GPUs are sized (an H100 80GB has 80 GiB); 80G, 1TB, 512MiB too."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([MGT])(?:i?B)?)?\s*", text, re.I)
+    size = int(float(m[1]) * 2 ** {"M": 20, "G": 30, "T": 40}[(m[2] or "G").upper()]) if m else 0
+    if size <= 0:  # also a size that rounds to no bytes (its percentages would divide by zero)
         raise ConfigError(f"--gpu-memory must be a size like 80GB or 24576MB, got {text!r}")
-    return int(float(m[1]) * (2**20 if (m[2] or "GB").upper().startswith("M") else GIB))
+    return size
 
 
 def load_arch(cfg: Config, model_dir: str | None):
@@ -69,7 +70,10 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float):
     storage."""
     from .lora import apply_lora
     from .model import apply_ac, apply_fsdp, build_skeleton
-    model = build_skeleton(hf_config, cfg.model.attn_implementation, cfg.model.trust_remote_code)
+    # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
+    # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
+    attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
+    model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
     base_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float32
     model.lora = apply_lora(model, **asdict(cfg.lora), base_dtype=base_dtype) if cfg.lora.rank else None
     apply_ac(model, ac_ratio, cfg.ac.mode)
