@@ -190,13 +190,14 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
     smallest = None
     replicas = cfg.parallel.dp_replicate
-    if not fits and not cfg.parallel.dp_shard:  # more GPUs shrink only the sharded state (shard groups grow)
+    if not fits:  # more GPUs shrink only the sharded state: the shard groups grow (a set dp_shard with them)
         least = min(p["total"] - fixed for p in points) + in_flight
         smallest = next((w for w in range(world + nproc, 2**16, nproc)
                          if w % replicas == 0 and sharded_bytes(measured["params"], w // replicas) + least <= usable),
                         None)
     return {"model": cfg.model.path, "num_params": sum(n for _, n, _ in measured["params"]), "nnodes": nnodes,
-            "nproc_per_node": nproc, "world_size": world, "parallel": str(dims), "gpu_memory": gpu_bytes,
+            "nproc_per_node": nproc, "world_size": world, "parallel": str(dims),
+            "parallel_config": asdict(cfg.parallel), "gpu_memory": gpu_bytes,
             "safety": SAFETY, "seq_len": cfg.data.max_seq_len,
             "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode, "liger": cfg.model.liger,
             "state": measured["state"], "in_flight": measured["in_flight"], "points": points, "best": best,
@@ -228,9 +229,10 @@ def format_plan(r: dict) -> str:
                      f"{size(b['free'])} {name} ({b['free'] / r['gpu_memory']:.0%}) free "
                      f"(>= {r['safety']:.0%} kept free)")
     else:
-        world = r["smallest_world_size"]
+        world, pc = r["smallest_world_size"], r["parallel_config"]
         lines.append(f"\ndoes not fit: no point leaves {r['safety']:.0%} of {size(r['gpu_memory'])} {name} free; "
                      + (f"the smallest world size that would fit is {world} GPUs ({world // r['nproc_per_node']} "
-                        f"nodes x {r['nproc_per_node']})" if world else
+                        f"nodes x {r['nproc_per_node']}" + (f"; parallel.dp_shard={world // pc['dp_replicate']}"
+                                                            if pc["dp_shard"] else "") + ")" if world else
                         "no world size fits: a smaller micro-batch, a higher ac.ratio or a shorter sequence"))
     return "\n".join(lines)

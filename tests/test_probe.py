@@ -32,3 +32,22 @@ def test_a_gpu_attention_implementation_is_planned_on_the_cpu(llama_dir):
     sdpa = plan("sdpa")
     assert plan("flash_attention_2") == sdpa and plan("flex_attention") == sdpa
     assert plan("eager")[0]["activations"] > sdpa[0]["activations"]  # seq x seq probabilities are saved
+
+
+def test_a_set_dp_shard_that_does_not_fit_names_the_world_and_dp_shard_that_do(llama_dir):
+    """With parallel.dp_shard set, a plan that did not fit said "no world size fits", though larger shard groups
+    shrink the sharded state as they do when dp_shard is derived."""
+    from finetune.config import load_config
+    from finetune.plan import format_plan, load_arch, run_plan
+
+    def plan(nnodes, gpu_bytes, dp_shard):
+        cfg = load_config(None, {"model.path": str(llama_dir), "data.path": "-", "train.mixed_precision": "fp32",
+                                 "data.max_seq_len": 64, "parallel.dp_replicate": 2, "parallel.dp_shard": dp_shard})
+        return run_plan(cfg, load_arch(cfg, None), nnodes, 8, gpu_bytes, [1.0], [1])
+    one_node, four_nodes = plan(1, GIB, 4)["best"]["total"], plan(4, GIB, 16)["best"]["total"]
+    gpu = int((one_node + four_nodes) / 2 / 0.9)  # fits on 4 nodes (HSDP 2x16), not on 1 (2x4)
+    small = plan(1, gpu, 4)
+    world = small["smallest_world_size"]
+    assert small["best"] is None and world and 8 < world <= 32 and world % 8 == 0
+    assert plan(world // 8, gpu, world // 2)["best"] and not plan(world // 8 - 1, gpu, world // 2 - 4)["best"]
+    assert format_plan(small).endswith(f"is {world} GPUs ({world // 8} nodes x 8; parallel.dp_shard={world // 2})")
