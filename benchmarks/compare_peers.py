@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def make_inputs(root: Path, num_rows: int, seed: int = 0) -> tuple[Path, Path]:
 def run_finetune(job: dict, env: dict, extra: list[str]) -> tuple[list[float], list[float]]:
     """One `finetune sft` process: (real tokens, seconds) of each step, from its metrics.jsonl."""
     out = Path(job["out"])
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (an earlier one's checkpoint would be resumed)
     cmd = [sys.executable, "-m", "finetune", "sft", "--model", job["model"], "--dataset", job["data"],
            "--output-dir", str(out), "--no-resume", f"data.max_seq_len={job['seq_len']}",
            f"train.max_steps={job['steps']}", "eval.path=", "log.progress=false", f"train.log_interval={job['steps']}",
