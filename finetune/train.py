@@ -145,6 +145,10 @@ def train(cfg: Config) -> dict:
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
+        packed = ckpt.read_marker(resume_dir).get("config", {}).get("data", {}).get("packing", dc.packing)
+        if packed != dc.packing:  # allowed, but the data position counted the other kind of unit
+            print0(f"note: the checkpoint's run had data.packing={str(packed).lower()}: its data position counted "
+                   f"{'packed rows' if packed else 'samples'}, this run counts {'rows' if dc.packing else 'samples'}")
 
     samples = build_run_samples(cfg, tokenizer, rank=mesh.get_local_rank(), world_size=world_size(),
                                 start_sample=state.samples_seen)

@@ -138,7 +138,7 @@ def test_tokens_per_step_steps_and_resume_at_another_world_size(llama_dir, chat_
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_padding_fraction_of_each_step(llama_dir, chat_file, tmp_path, reference, packing):
+def test_padding_fraction_of_each_step(llama_dir, chat_file, tmp_path, reference, packing, capsys):
     if packing:  # 2 ranks x micro-batch 2 (the run above compares against)
         recs, mbs, nproc = read_metrics(reference(llama_dir, chat_file, *STRAIGHT, nproc=2)), 2, 2
     else:
@@ -149,3 +149,8 @@ def test_padding_fraction_of_each_step(llama_dir, chat_file, tmp_path, reference
         step = lengths[4 * k:4 * k + 4]
         assert r["padding_fraction"] == pytest.approx(1 - batch_efficiency(step, mbs, nproc)), k
     assert len(recs) >= 3 and any(r["padding_fraction"] > 0 for r in recs)
+    if not packing:  # resuming an unpacked run packed (the default) says that the data position changes meaning
+        capsys.readouterr()
+        sft(llama_dir, chat_file, tmp_path / "run", *SEQ, "train.max_steps=4", "train.micro_batch_size=2")
+        assert ("note: the checkpoint's run had data.packing=false: its data position counted samples, this run "
+                "counts rows") in capsys.readouterr().out
