@@ -8,7 +8,9 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
 All get the same samples (finetune's tokenization and labels, 1,024-token cap), model (a random ~21M-parameter
 Llama with a 32k vocabulary, written offline), AdamW settings, grad clipping, and about 4k real tokens per optimizer
 step (4 packed rows of 1,024, or 14 unpadded samples). The figure is real (non-pad) tokens per second over the timed
-steps: sum of real tokens / sum of step times, medians over rounds.
+steps: sum of real tokens / sum of step times, medians over rounds. A few timed steps of padded batches are luck
+(one 1,024-token sample pads its whole batch of 14), so the table also gives computed (padded) tokens/s and the real
+tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's batches.
 
 Overhead: `finetune sft` with fixed shapes (packed rows padded to data.max_seq_len: data.pad_to_max) against a bare
 PyTorch loop (forward, backward, clip, AdamW) on the same model and the same batches; median step times.
@@ -84,8 +86,8 @@ def make_inputs(root: Path, num_rows: int, seed: int = 0) -> tuple[Path, Path]:
 # ----------------------------------------------------------------------------------------------- the systems
 
 
-def run_finetune(job: dict, env: dict, extra: list[str]) -> tuple[list[float], list[float]]:
-    """One `finetune sft` process: (real tokens, seconds) of each step, from its metrics.jsonl."""
+def run_finetune(job: dict, env: dict, extra: list[str]) -> tuple[list[float], list[float], list[float]]:
+    """One `finetune sft` process: (real tokens, computed tokens, seconds) of each step, from its metrics.jsonl."""
     out = Path(job["out"])
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (an earlier one's checkpoint would be resumed)
     cmd = [sys.executable, "-m", "finetune", "sft", "--model", job["model"], "--dataset", job["data"],
@@ -94,7 +96,8 @@ def run_finetune(job: dict, env: dict, extra: list[str]) -> tuple[list[float], l
            "train.warmup_steps=0", *extra]
     subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["tokens_per_s"] * r["step_time_s"] for r in recs], [r["step_time_s"] for r in recs]
+    real = [r["tokens_per_s"] * r["step_time_s"] for r in recs]
+    return real, [x / (1 - r["padding_fraction"]) for x, r in zip(real, recs)], [r["step_time_s"] for r in recs]
 
 
 def hf_samples(job: dict) -> list[dict]:
@@ -107,14 +110,15 @@ def hf_samples(job: dict) -> list[dict]:
 
 
 def peer_worker(job: dict) -> None:
-    """HF Trainer or TRL SFTTrainer in this (fresh) process; writes (real tokens, seconds) per step to job["result"]."""
+    """HF Trainer or TRL SFTTrainer in this (fresh) process; writes (real tokens, computed tokens, seconds) per step
+    to job["result"]."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     tok = AutoTokenizer.from_pretrained(job["model"])
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa")
     rows = datasets.Dataset.from_list(hf_samples(job))
-    times, tokens, last = [], [], [None]
+    times, tokens, computed, last = [], [], [], [None]
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -126,11 +130,12 @@ def peer_worker(job: dict) -> None:
             times.append(now - last[0])
             last[0] = now
 
-    def counted(collate):  # real tokens of each batch (grad accumulation 1: one batch per step)
+    def counted(collate):  # real and computed tokens of each batch (grad accumulation 1: one batch per step)
         def run(features):
             batch = collate(features)
             mask = batch.get("attention_mask")
             tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
+            computed.append(batch["input_ids"].numel())  # TRL's padding-free packing: one row, no padding
             return batch
         return run
 
@@ -149,10 +154,10 @@ def peer_worker(job: dict) -> None:
                           data_collator=DataCollatorForSeq2Seq(tok, padding=True))
     trainer.data_collator = counted(trainer.data_collator)
     trainer.train()
-    Path(job["result"]).write_text(json.dumps([tokens[:len(times)], times]))
+    Path(job["result"]).write_text(json.dumps([tokens[:len(times)], computed[:len(times)], times]))
 
 
-def run_peer(job: dict, env: dict, launcher: list[str]) -> tuple[list[float], list[float]]:
+def run_peer(job: dict, env: dict, launcher: list[str]) -> tuple[list[float], list[float], list[float]]:
     Path(job["out"]).mkdir(parents=True, exist_ok=True)
     job = {**job, "result": str(Path(job["out"]) / "steps.json")}
     subprocess.run([*launcher, __file__, "--worker", json.dumps(job)], cwd=REPO, env=env, check=True,
@@ -172,13 +177,14 @@ def bare_worker(job: dict) -> None:
     samples = iter(build_samples(job["data"], tok, max_seq_len=job["seq_len"], packing=True, seed=0))
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa")
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
+                            foreach=True)  # as finetune's on CPU (torch's CPU default is a loop over the params)
     times = []
     for _ in range(job["steps"]):
         t0 = time.perf_counter()
         batch = pad_collate([next(samples) for _ in range(job["rows"])], tok.pad_token_id, pad_to=job["seq_len"])
         model(**batch, use_cache=False).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
@@ -188,18 +194,38 @@ def bare_worker(job: dict) -> None:
 # ----------------------------------------------------------------------------------------------- main
 
 
-def summary(runs: list[dict], warmup: int) -> dict:
-    """Per system: real tokens/s of each run over its timed steps, their median and range."""
+def epoch_efficiency(base: dict) -> dict:
+    """Real / computed tokens of each system's batching over a whole epoch (a few timed steps of padded batches
+    are luck: one 1,024-token sample pads its whole batch). The Trainer's random batches of 14 have the expectation
+    of finetune's unpacked ones; TRL's padding-free rows compute no padding."""
+    from finetune.data import batch_efficiency, build_samples
+    from finetune.model import load_tokenizer
+    tok = load_tokenizer(base["model"])
+    units = {p: build_samples(base["data"], tok, max_seq_len=base["seq_len"], packing=p).unit_lengths()
+             for p in (True, False)}
+    padded = batch_efficiency(units[False], base["samples"], 1)
+    return {"finetune defaults (packed)": batch_efficiency(units[True], base["rows"], 1),
+            "finetune unpacked": padded, "HF Trainer (padding)": padded, "TRL SFTTrainer (packing)": 1.0}
+
+
+def summary(runs: list[dict], warmup: int, efficiency: dict) -> dict:
+    """Per system: real and computed tokens/s of each run over its timed steps, their medians and range, and the
+    real tokens/s expected over a whole epoch (computed tokens/s x the epoch's real / computed tokens)."""
     by = {}
     for r in runs:
-        toks, secs = r["tokens"][warmup:], r["seconds"][warmup:]
-        r["tokens_per_s"] = sum(toks) / sum(secs)
+        toks, computed, secs = r["tokens"][warmup:], r["computed"][warmup:], r["seconds"][warmup:]
+        r["tokens_per_s"], r["computed_per_s"] = sum(toks) / sum(secs), sum(computed) / sum(secs)
         r["real_tokens_per_step"] = sum(toks) / len(toks)
         by.setdefault(r["system"], []).append(r)
-    return {s: {"median": statistics.median(x["tokens_per_s"] for x in rs),
-                "min": min(x["tokens_per_s"] for x in rs), "max": max(x["tokens_per_s"] for x in rs),
-                "real_tokens_per_step": statistics.median(x["real_tokens_per_step"] for x in rs),
-                "runs": [round(x["tokens_per_s"]) for x in rs]} for s, rs in by.items()}
+    out = {}
+    for s, rs in by.items():
+        computed = statistics.median(x["computed_per_s"] for x in rs)
+        out[s] = {"median": statistics.median(x["tokens_per_s"] for x in rs),
+                  "min": min(x["tokens_per_s"] for x in rs), "max": max(x["tokens_per_s"] for x in rs),
+                  "real_tokens_per_step": statistics.median(x["real_tokens_per_step"] for x in rs),
+                  "runs": [round(x["tokens_per_s"]) for x in rs], "computed_per_s": computed,
+                  "epoch_efficiency": efficiency[s], "expected": computed * efficiency[s]}
+    return out
 
 
 def main() -> None:
@@ -246,14 +272,14 @@ def main() -> None:
         for r in range(args.rounds):
             for name, fn in peers.items():
                 t0 = time.perf_counter()
-                toks, secs = fn({**base, "out": str(root / f"{name.split()[0]}-{len(runs)}"),
-                                 "steps": args.warmup + args.steps})
-                runs.append({"system": name, "round": r, "tokens": toks, "seconds": secs,
+                toks, computed, secs = fn({**base, "out": str(root / f"{name.split()[0]}-{len(runs)}"),
+                                           "steps": args.warmup + args.steps})
+                runs.append({"system": name, "round": r, "tokens": toks, "computed": computed, "seconds": secs,
                              "wall_s": time.perf_counter() - t0})
                 t = sum(toks[args.warmup:]) / sum(secs[args.warmup:])
                 print(f"round {r} {name}: {t:,.0f} real tokens/s, {statistics.median(secs):.2f} s/step, "
                       f"wall {runs[-1]['wall_s']:.0f} s", flush=True)
-        result["peers"] = {"runs": runs, "summary": summary(runs, args.warmup)}
+        result["peers"] = {"runs": runs, "summary": summary(runs, args.warmup, epoch_efficiency(base))}
     if args.only != "peers":
         runs = []
         for r in range(args.rounds):
@@ -280,14 +306,16 @@ def tables(result: dict) -> list[str]:
     lines = [f"Machine: {result['machine']}."]
     if "peers" in result:
         s = result["peers"]["summary"]
-        hf, trl = s["HF Trainer (padding)"]["median"], s["TRL SFTTrainer (packing)"]["median"]
-        lines += ["", "| system | real tokens/s (median) | min-max | runs | real tokens/step | vs HF Trainer "
-                      "| vs TRL |",
-                  "|---|---:|---:|---|---:|---:|---:|"]
+        hf, trl = s["HF Trainer (padding)"], s["TRL SFTTrainer (packing)"]
+        lines += ["", "| system | real tokens/s: median (runs) | real tokens/step | vs HF, TRL | computed tokens/s "
+                      "| real/computed, epoch | expected real tokens/s | vs HF, TRL |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name, x in s.items():
-            lines.append(f"| {name} | {x['median']:,.0f} | {x['min']:,.0f}-{x['max']:,.0f} | "
-                         f"{', '.join(f'{v:,}' for v in x['runs'])} | {x['real_tokens_per_step']:,.0f} | "
-                         f"{x['median'] / hf:.2f}x | {x['median'] / trl:.2f}x |")
+            lines.append(f"| {name} | {x['median']:,.0f} ({', '.join(f'{v:,}' for v in x['runs'])}) | "
+                         f"{x['real_tokens_per_step']:,.0f} | {x['median'] / hf['median']:.2f}x, "
+                         f"{x['median'] / trl['median']:.2f}x | {x['computed_per_s']:,.0f} | "
+                         f"{x['epoch_efficiency']:.1%} | {x['expected']:,.0f} | {x['expected'] / hf['expected']:.2f}x, "
+                         f"{x['expected'] / trl['expected']:.2f}x |")
     if "overhead" in result:
         o = result["overhead"]
         med = {}
