@@ -261,7 +261,7 @@ def main() -> None:
     seq, rows = 512, 4  # overhead: 4 rows of 512, fixed shapes
     overhead = {
         "finetune sft (pad_to_max)": lambda j: run_finetune({**j, "seq_len": seq}, env, [
-            f"train.micro_batch_size={rows}", "data.pad_to_max=true"])[1],
+            f"train.micro_batch_size={rows}", "data.pad_to_max=true"])[2],
         "bare PyTorch loop": lambda j: bare_times(j, env, seq, rows),
     }
     where = machine()
