@@ -1,16 +1,17 @@
-"""Prepared-checkpoint load vs HF load into the sharded model, and export-hf's peak host RAM, on a random Llama.
+"""Load an HF model into the sharded fp32 model three ways, and export-hf's wall time and peak host RAM, on random
+Llamas of two sizes.
 
-    uv run python benchmarks/load_and_export.py            # ~0.5B Llama, 5 repetitions, prints the tables
-    uv run python benchmarks/load_and_export.py --write    # ... and puts them into benchmarks/RESULTS.md
+    uv run python benchmarks/load_and_export.py                     # 0.5B and ~1.5B, prints the tables
+    uv run python benchmarks/load_and_export.py --sizes 0.5B --write  # ... and puts them into benchmarks/RESULTS.md
 
-In one run: a random bf16 Llama is saved to a temp dir (save_pretrained), `finetune prepare-checkpoint
---nproc-per-node 2` turns it into a prepared dir, then `build_model` (fp32 master weights, the sft load path) is
-timed from the HF dir and from the prepared dir in fresh torchrun processes at 1 and 2 ranks, alternating, median of
---reps (between barriers, so imports and process start, the same for both, are left out). Each rank's peak RSS of
-one load is read in separate fresh processes and summed over the node. Finally `finetune export-hf` runs in child
-processes whose peak RSS (VmHWM) is polled: without the reload check (the streaming export alone), with it (the
-default command), and the import floor of the same modules for comparison. Both sources are read from the page
-cache (just written); a cold-cache load also pays the disk.
+For each size: a random bf16 Llama is saved (save_pretrained), `finetune prepare-checkpoint --nproc-per-node 2`
+turns it into a prepared dir, then `build_model` (fp32 masters, the sft load path) is timed in fresh torchrun
+processes at each world size from three sources, alternating, median of --reps, between barriers (imports and
+process start, the same for all, left out): the HF dir through the slice reader (every rank reads its own slices),
+the HF dir through the rank-0 path (from_pretrained on rank 0, cast, scatter; forced here), and the prepared dir.
+Each rank's peak RSS (VmHWM) of one load is read in separate fresh processes and summed over the node. Then
+`finetune export-hf` (default check) runs at 1 and 2 processes; every process's VmHWM in the command's process tree
+is polled. Sources are read from the page cache (just written); a cold-cache load also pays the disk.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import gc
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -32,6 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 HEADING = "## prepare-checkpoint and export-hf"
+SIZES = {"0.5B": (28, 1024, 4096, 32000), "1.5B": (28, 1536, 8960, 32000)}  # layers, hidden, intermediate, vocab
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONUNBUFFERED": "1"}
 
@@ -53,28 +54,34 @@ def make_model_dir(path: Path, layers: int, hidden: int, intermediate: int, voca
     return sum(p.numel() for p in model.parameters())
 
 
-def run_child(args: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in MiB, output) of one child process; exits on failure. The peak is the child's
-    VmHWM (its own address space), polled until it exits: wait4's ru_maxrss would also count this parent's RSS,
-    which the kernel carries over into the child at fork/exec."""
+def run_child(args: list[str]) -> tuple[float, dict[int, float], str]:
+    """(wall seconds, {pid: peak RSS in MiB} of every process in the child's tree, output); exits on failure. A
+    peak is the process's VmHWM (its own address space), polled until the child exits: wait4's ru_maxrss would also
+    count this parent's RSS, which the kernel carries over into the child at fork/exec."""
     t0 = time.perf_counter()
-    peak_kib = 0
+    peaks: dict[int, float] = {}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
-        status = Path(f"/proc/{proc.pid}/status")
+        parent = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:
-                hwm = next((x for x in status.read_text().splitlines() if x.startswith("VmHWM:")), None)
-                peak_kib = max(peak_kib, int(hwm.split()[1])) if hwm else peak_kib
-            except (OSError, ValueError):
-                pass  # exiting
+                tree = [parent, *parent.children(recursive=True)]
+            except psutil.Error:
+                tree = []
+            for p in tree:
+                try:
+                    hwm = next(x for x in Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                               if x.startswith("VmHWM:"))
+                    peaks[p.pid] = max(peaks.get(p.pid, 0), int(hwm.split()[1]) / 1024)
+                except (OSError, ValueError, StopIteration):
+                    pass  # exiting
             time.sleep(0.02)
         wall = time.perf_counter() - t0
         log.seek(0)
         out = log.read()
     if proc.returncode != 0:
         sys.exit(f"{' '.join(args)} failed ({proc.returncode}):\n{out[-3000:]}")
-    return wall, peak_kib / 1024, out
+    return wall, peaks, out
 
 
 def load_child(sources: list[str], reps: int, warmup: bool) -> None:
@@ -83,16 +90,23 @@ def load_child(sources: list[str], reps: int, warmup: bool) -> None:
     import torch.distributed as dist
     from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model
-    device, mesh = init_distributed()
+    import finetune.hfio
+    device, dims = init_distributed()
+    mesh = dims.mesh
+    plan_slices = finetune.hfio.plan_slices
+
+    def build(src: str):  # "rank0=DIR": the HF dir through the rank-0 path
+        finetune.hfio.plan_slices = (lambda *a: "forced by the benchmark") if src.startswith("rank0=") else plan_slices
+        return build_model(src.split("=", 1)[-1], device, mesh, mixed_precision="fp32")
     times: dict[str, list[float]] = {src: [] for src in sources}
     for src in sources if warmup else ():  # untimed: first-use imports and allocator warm-up land here
-        build_model(src, device, mesh, mixed_precision="fp32")
+        build(src)
         gc.collect()
     for rep in range(reps):
         for src in (sources if rep % 2 == 0 else sources[::-1]):
             dist.barrier()
             t0 = time.perf_counter()
-            model = build_model(src, device, mesh, mixed_precision="fp32")
+            model = build(src)
             dist.barrier()
             times[src].append(time.perf_counter() - t0)
             del model
@@ -105,12 +119,16 @@ def load_child(sources: list[str], reps: int, warmup: bool) -> None:
     dist.destroy_process_group()
 
 
-def run_loads(nproc: int, sources: list[Path], reps: int, warmup: bool) -> dict:
+def label(src: str) -> str:
+    return "rank0" if src.startswith("rank0=") else Path(src).name
+
+
+def run_loads(nproc: int, sources: list, reps: int, warmup: bool) -> dict:
     """load_child in a fresh `torchrun --nproc-per-node nproc`."""
     _, _, out = run_child(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
                            "--child", *map(str, sources), "--reps", str(reps), *(["--warmup"] if warmup else [])])
     result = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
-    result["times"] = {Path(k).name: v for k, v in result["times"].items()}
+    result["times"] = {label(k): v for k, v in result["times"].items()}
     return result
 
 
@@ -124,125 +142,87 @@ def machine() -> str:
             f"load average at start {os.getloadavg()[0]:.1f} (shared machine)")
 
 
+def bench_size(name: str, args, tmp: Path, nprocs: list[int]) -> list[str]:
+    """The tables of one model size."""
+    layers, hidden, intermediate, vocab = SIZES[name]
+    hf_dir, prepared = tmp / "hf", tmp / "prepared"
+    t0 = time.perf_counter()
+    num_params = make_model_dir(hf_dir, layers, hidden, intermediate, vocab)
+    bf16_gb = num_params * 2 / 1e9
+    print(f"{name}: random Llama, {num_params / 1e9:.3f}B params ({time.perf_counter() - t0:.0f}s to make)", flush=True)
+    prep_s, _, _ = run_child(["-m", "finetune", "prepare-checkpoint", "--model", str(hf_dir), "--output-dir",
+                              str(prepared), "--nproc-per-node", "2"])
+    sources = {"hf": ("HF dir: slice reader (every rank its own slices)", str(hf_dir)),
+               "rank0": ("HF dir: rank-0 path (from_pretrained, cast, scatter)", f"rank0={hf_dir}"),
+               "prepared": ("prepared dir: fp32 DCP into the shards", str(prepared))}
+    loads = {}
+    for n in nprocs:
+        loads[n] = run_loads(n, [src for _, src in sources.values()], args.reps, warmup=True)
+        loads[n]["rss"] = {key: run_loads(n, [src], 1, warmup=False)["rss_mib"] for key, (_, src) in sources.items()}
+        print(f"{n} rank(s): {loads[n]}", flush=True)
+    med = statistics.median
+    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    fp32_gib = num_params * 4 / 2**30
+    lines = [f"### {name}: {layers} layers, hidden {hidden}, intermediate {intermediate}, vocab {vocab}, untied: "
+             f"{num_params / 1e9:.3f}B params, {bf16_gb:.2f} GB bf16, {fp32_gib:.2f} GiB fp32", "",
+             f"prepare-checkpoint --nproc-per-node 2: {prep_s:.0f}s wall. Loads ({args.reps} alternating after one "
+             f"untimed load of each; node peak RSS = the ranks' VmHWM of one load in fresh processes, summed):", "",
+             "| ranks | source | median s | loads (s) | node peak RSS GiB | minus fp32 shards GiB |",
+             "|---|---|---|---|---|---|"]
+    for n, res in loads.items():
+        for key, (text, _) in sources.items():
+            ts, rss = res["times"][label(sources[key][1])], sum(res["rss"][key]) / 1024
+            lines.append(f"| {n} | {text} | {med(ts):.2f} | {fmt(ts)} | {rss:.2f} | {rss - fp32_gib:.2f} |")
+    # export-hf at 1 and 2 processes, default check, from the prepared dir
+    variants = {"import floor (torch, transformers, finetune; no work)":
+                ["-c", "import transformers, finetune.cli, finetune.export; from transformers import LlamaForCausalLM"]}
+    for n in (1, 2):
+        variants[f"export-hf --nproc-per-node {n} (default check)"] = [
+            "-m", "finetune", "export-hf", "--checkpoint", str(prepared), "--output-dir", str(tmp / "export"),
+            "--max-shard-size", args.shard_size, "--nproc-per-node", str(n)]
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    for _ in range(args.export_reps):
+        for text, cmd in variants.items():
+            wall, peaks, out = run_child(cmd)
+            worker = max(peaks.values())  # the largest process: a writer (the launcher itself is small)
+            runs[text].append((wall, worker))
+            print(f"{text}: {wall:.1f}s, largest process peak {worker:.0f} MiB; {sorted(map(round, peaks.values()))}"
+                  f"\n  {out.strip()[-300:]}", flush=True)
+    largest_mib = vocab * hidden * 4 / 2**20
+    lines += ["", f"export-hf from the prepared dir, bf16, --max-shard-size {args.shard_size}, default check, "
+              f"{args.export_reps} runs each interleaved (medians; peak = the largest process's VmHWM in the "
+              f"command's tree; largest tensor {largest_mib:.0f} MiB fp32):", "",
+              "| command | wall s | peak RSS MiB per process (range) | over the import floor MiB |",
+              "|---|---|---|---|"]
+    floor = med(r for _, r in runs[next(iter(variants))])
+    for text, rs in runs.items():
+        peaks = [r for _, r in rs]
+        lines.append(f"| {text} | {med(w for w, _ in rs):.1f} | {med(peaks):.0f} ({min(peaks):.0f}-{max(peaks):.0f}) "
+                     f"| {med(peaks) - floor:+.0f} |")
+    return lines + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--export-reps", type=int, default=3)
-    ap.add_argument("--nprocs", default="1,2", help="world sizes to time the loads at")
+    ap.add_argument("--sizes", default="0.5B,1.5B", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--export-reps", type=int, default=2)
+    ap.add_argument("--nprocs", default="1,2,4", help="world sizes to time the loads at")
+    ap.add_argument("--shard-size", default="200MB", help="export-hf --max-shard-size (several files to share out)")
     ap.add_argument("--write", action="store_true", help="write the section into benchmarks/RESULTS.md")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return load_child(args.child, args.reps, args.warmup)
-    nprocs = [int(n) for n in args.nprocs.split(",")]
     host = machine()
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
-        hf_dir, prepared = Path(tmp) / "hf", Path(tmp) / "prepared"
-        t0 = time.perf_counter()
-        num_params = make_model_dir(hf_dir, args.layers, args.hidden, args.intermediate, args.vocab)
-        bf16_gb = num_params * 2 / 1e9
-        print(f"random Llama: {num_params / 1e9:.3f}B params, {bf16_gb:.2f} GB bf16 "
-              f"({time.perf_counter() - t0:.0f}s to make)", flush=True)
-        prep_s, _, _ = run_child(["-m", "finetune", "prepare-checkpoint", "--model", str(hf_dir),
-                                  "--output-dir", str(prepared), "--nproc-per-node", "2"])
-        print(f"prepare-checkpoint --nproc-per-node 2: {prep_s:.1f}s", flush=True)
-        loads = {}  # nproc -> {"times": {source: [s]}, "rss": {source: [MiB per rank]}}
-        for n in nprocs:
-            loads[n] = run_loads(n, [hf_dir, prepared], args.reps, warmup=True)
-            loads[n]["rss"] = {src.name: run_loads(n, [src], 1, warmup=False)["rss_mib"] for src in (hf_dir, prepared)}
-            print(f"{n} rank(s): {loads[n]}", flush=True)
-        variants = {  # label -> child args; each runs --export-reps times, interleaved, in fresh processes
-            "import floor (torch, transformers, finetune; no work)":
-                ["-c", "import transformers, finetune.cli, finetune.export; from transformers import LlamaForCausalLM"],
-            "default (export, then reload check): whole command": [],
-            "--no-verify --max-shard-size 200MB: whole command": ["--no-verify", "--max-shard-size", "200MB"]}
-        runs: dict[str, list[tuple[float, float]]] = {label: [] for label in variants}
-        writing: list[float] = []  # the default command's own peak once the shards are written, before its check
-        for _ in range(args.export_reps):
-            for label, extra in variants.items():
-                cmd = extra if label.startswith("import") else [
-                    "-m", "finetune", "export-hf", "--checkpoint", str(prepared), "--output-dir",
-                    str(Path(tmp) / "export"), *extra]
-                wall, rss, out = run_child(cmd)
-                runs[label].append((wall, rss))
-                print(f"{label}: {wall:.1f}s, peak RSS {rss:.0f} MB\n  {out.strip()[-400:]}", flush=True)
-                if label.startswith("default"):
-                    writing.append(float(re.search(r"peak RSS so far (\d+) MB", out).group(1)))
-        largest_mb = args.vocab * args.hidden * 4 / 2**20
-    total_s = time.perf_counter() - t_start
-    med = statistics.median
-    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    lines = [
-        HEADING, "",
-        f"`uv run python benchmarks/load_and_export.py --write` (one run, {total_s / 60:.1f} min). Machine: {host}.",
-        "",
-        f"Model: random Llama, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, vocab "
-        f"{args.vocab}, untied: **{num_params / 1e9:.3f}B params, {bf16_gb:.2f} GB in bf16, "
-        f"{2 * bf16_gb:.2f} GB in fp32**. Largest tensor (embedding / lm_head) {largest_mb:.0f} MiB in fp32.",
-        "",
-        f"Load into the sharded fp32 model (`build_model`, the sft load path: skeleton, FSDP, weights), timed between "
-        f"barriers in fresh `torchrun` processes (imports and process start, the same for both sources, left out), "
-        f"after one untimed load of each, {args.reps} loads alternating, warm page cache. Peak RSS: one load in a "
-        f"fresh process, summed over the node's ranks.",
-        "",
-        "| ranks | source | median s | min s | loads (s) | node peak RSS of one load (GiB) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for n, res in loads.items():
-        for src, label in (("hf", "HF dir: from_pretrained on rank 0, cast, scatter"),
-                           ("prepared", "prepared dir: fp32 DCP into the shards")):
-            ts = res["times"][src]
-            lines.append(f"| {n} | {label} | {med(ts):.2f} | {min(ts):.2f} | {fmt(ts)} | "
-                         f"{sum(res['rss'][src]) / 1024:.2f} |")
-    lines += ["", "HF-dir load time / prepared load time, by median: " + "; ".join(
-        f"**{med(res['times']['hf']) / med(res['times']['prepared']):.1f}x at {n} rank(s)**" for n, res in
-        loads.items()) + ". " + "Node RAM of one load, HF / prepared: " + "; ".join(
-        f"{sum(res['rss']['hf']) / 1024:.2f} / {sum(res['rss']['prepared']) / 1024:.2f} GiB at {n} rank(s)"
-        for n, res in loads.items()) + ".",
-        "",
-        f"The HF path reads the whole bf16 model on rank 0 (from_pretrained), casts each tensor to fp32 and scatters "
-        f"it, so its time grows with the world size while the other ranks wait; the prepared path has every rank "
-        f"read just its own fp32 shards from DCP in parallel, with no bf16 copy of the model beside them. On one "
-        f"process both are a few memory copies of the model from the page cache. Making the prepared dir "
-        f"(`prepare-checkpoint --nproc-per-node 2`, the sft load path then a DCP save) took {prep_s:.0f}s wall; it "
-        f"holds {2 * bf16_gb:.2f} GB of fp32 weights, twice the bf16 checkpoint. Loading it at 1 rank reshards it "
-        f"from the 2 shards it was saved in.",
-        "",
-        f"export-hf from the prepared dir (bf16 output, one process; peak RSS = the child's VmHWM), each command "
-        f"{args.export_reps} times in fresh processes, interleaved; medians, with the range of the peaks:",
-        "",
-        "| command | wall s | peak RSS MiB (range) | vs. bf16 model size |",
-        "|---|---|---|---|",
-    ]
-    mib = {label: med(r for _, r in rs) for label, rs in runs.items()}
-    rng = lambda xs: f"{min(xs):.0f}-{max(xs):.0f}"  # noqa: E731
-    floor_label, default_label, no_verify_label = variants
-    for label, rs in runs.items():
-        lines.append(f"| {label} | {med(w for w, _ in rs):.1f} | {mib[label]:.0f} ({rng([r for _, r in rs])}) | "
-                     f"{mib[label] * 2**20 / (bf16_gb * 1e9):.2f}x |")
-        if label == default_label:
-            lines.append(f"| default: writing the shards (peak reported by the command before its check) | | "
-                         f"{med(writing):.0f} ({rng(writing)}) | {med(writing) * 2**20 / (bf16_gb * 1e9):.2f}x |")
-    floor = mib[floor_label]
-    lines += [
-        "",
-        f"Writing the shards streams one tensor at a time: the command's own peak while writing is "
-        f"{med(writing) - floor:+.0f} MiB over the import floor with one {bf16_gb:.1f} GB shard and "
-        f"{mib[no_verify_label] - floor:+.0f} MiB for the whole `--no-verify` command with 200 MB shards (medians; "
-        f"the ranges are in the table); the extra is about one fp32 copy of the largest "
-        f"tensor ({largest_mb:.0f} MiB) plus its bf16 cast and DCP's read buffers, not the model or shard size. The "
-        f"reload check (`from_pretrained(dtype=float32)`, every tensor compared with the checkpoint's one by one, "
-        f"logits against the source config's model on the same storage) holds one fp32 copy of the model plus "
-        f"what from_pretrained needs while loading: {(mib[default_label] - floor) / 1024:.2f} GiB over the floor for "
-        f"a {2 * bf16_gb:.2f} GB fp32 model. `--no-verify` skips it on hosts without that RAM.",
-        "",
-    ]
+    body = []
+    for name in args.sizes.split(","):
+        with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
+            body += bench_size(name, args, Path(tmp), [int(n) for n in args.nprocs.split(",")])
+    lines = [HEADING, "", f"`uv run python benchmarks/load_and_export.py --sizes {args.sizes} --write` (one run, "
+             f"{(time.perf_counter() - t_start) / 60:.1f} min). Machine: {host}.", "", *body]
     section = "\n".join(lines)
     print("\n" + section)
     if args.write:

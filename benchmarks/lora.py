@@ -37,21 +37,21 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     from finetune import checkpoint as ckpt
     from finetune.config import load_config
     from finetune.data import build_samples
-    from finetune.distributed import init_distributed, is_main, world_size
+    from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model, load_tokenizer
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.train import clip_grad_norm, next_micro_batches
     cfg = load_config(None, {"model.path": model_dir, "data.path": data, "output_dir": out, "lora.rank": lora_rank,
                              "train.mixed_precision": "bf16", "data.max_seq_len": seq_len})
-    device, mesh = init_distributed()
+    device, dims = init_distributed()
     torch.manual_seed(0)
     tok = load_tokenizer(model_dir)
-    model = build_model(model_dir, device, mesh, mixed_precision="bf16", lora=asdict(cfg.lora), seed=0)
+    model = build_model(model_dir, device, dims.mesh, mixed_precision="bf16", lora=asdict(cfg.lora), seed=0)
     optimizer = build_optimizer(model, 1e-4, 0.0, (0.9, 0.95), 1e-8)
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=100, min_lr_ratio=0.1)
-    micro = GLOBAL_BATCH // world_size()
-    samples = iter(build_samples(data, tok, max_seq_len=seq_len, seed=0, rank=dist.get_rank(),
-                                 world_size=world_size()))
+    micro = GLOBAL_BATCH // dims.dp_size
+    samples = iter(build_samples(data, tok, max_seq_len=seq_len, seed=0, rank=dims.dp_rank,
+                                 world_size=dims.dp_size))
     times, state_bytes = [], 0
     for step in range(warmup + steps):
         batch = next_micro_batches(samples, micro, 1, tok.pad_token_id, seq_len)[0][0]
@@ -76,7 +76,7 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     path = ckpt.Checkpointer(Path(out) / "checkpoints", keep=1, use_async=False).save(
         state.step, model, optimizer, scheduler, state, model.config)
     hwm = next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
-    hwms: list = [None] * world_size()
+    hwms: list = [None] * dist.get_world_size()
     dist.all_gather_object(hwms, hwm / 1024)
     if is_main():
         num_params = sum(p.numel() for p in model.parameters())

@@ -12,6 +12,7 @@ import json
 import statistics
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,10 +52,11 @@ def default_budget_mb() -> float:
 
 # ----------------------------------------------------------------------------------------------- one point
 
-def saved_for_backward_mb(model, batch: dict) -> float:
-    """MB that one forward keeps for backward: tensors autograd saves (and op-level AC caches) outside
-    checkpointed regions, plus the inputs a checkpointed block holds for its recompute. Unique storages;
-    parameters are excluded (they are resident anyway)."""
+@contextmanager
+def count_saved(model):
+    """Inside: the storages the forward keeps for backward, in the yielded dict: tensors autograd saves (and
+    op-level AC caches) outside checkpointed regions, plus the inputs a checkpointed block holds for its recompute.
+    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway)."""
     storages = {}
 
     def keep(t):
@@ -62,7 +64,7 @@ def saved_for_backward_mb(model, batch: dict) -> float:
             base = t._base if t._base is not None else t
             if not (base.is_leaf and base.requires_grad):
                 s = t.untyped_storage()
-                storages[s.data_ptr()] = s
+                storages[s._cdata] = s
         return t
 
     def hold_inputs(module, args, kwargs):
@@ -72,12 +74,20 @@ def saved_for_backward_mb(model, batch: dict) -> float:
 
     ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")]
     handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            yield storages
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def saved_for_backward_mb(model, batch: dict) -> float:
+    """MB that one forward keeps for backward (count_saved)."""
     one = torch.ones((), device=batch["input_ids"].device)  # the summed loss, as in train_step (same memory)
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with count_saved(model) as storages:
         loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
-    for h in handles:
-        h.remove()
     storages.clear()
     loss.backward()  # completes FSDP's backward state before the process ends
     return num_bytes / 2**20
@@ -85,16 +95,16 @@ def saved_for_backward_mb(model, batch: dict) -> float:
 
 def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
-    from .distributed import init_distributed, world_size
+    from .distributed import init_distributed
     from .metrics import flops_per_token, peak_flops, peak_mem_mb
     from .model import ac_layer_ids, load_tokenizer
     from .train import LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, train_step
-    device, mesh = init_distributed()
+    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    model, optimizer = build_model_and_optimizer(cfg, device, mesh)
-    samples = iter(build_run_samples(cfg, tok, rank=mesh.get_local_rank(), world_size=world_size()))
+    model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
+    samples = iter(build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size))
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
                                      dc.max_seq_len) for _ in range(warmup + steps)]
     steps_data = [([{k: v.to(device) for k, v in b.items()} for b in mbs], n) for mbs, n in steps_data]

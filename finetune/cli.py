@@ -1,4 +1,5 @@
-"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks (torchrun's engine).
+"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench, plan; launches ranks (torchrun's
+engine).
 
 Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
@@ -12,13 +13,13 @@ from typing import Callable, List, NoReturn, Optional
 
 import typer
 
-from .config import Config, ConfigError, load_config, parse_value
+from .config import Config, ConfigError, check_parallel, load_config, parse_value
 from .errors import FinetuneError
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
-                       "export-hf, bench.")
+                       "export-hf, bench, plan.")
 
 
 def print_version(value: bool) -> None:
@@ -56,8 +57,8 @@ def guarded(fn: Callable, debug: bool, *args):
         raise SystemExit(e.exit_code)
 
 
-def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
-    """Preset + flags (--model etc.) + key=value overrides, validated."""
+def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
+    """Preset + flags (--model etc.) + key=value overrides, validated (and its paths checked, unless check=False)."""
     values = {key: value for key, value in flags.items() if value is not None}
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -65,7 +66,8 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags
             raise ConfigError(f"override '{item}' must look like section.key=value")
         values[key.strip()] = parse_value(value.strip())
     cfg = load_config(config, values)
-    check_paths(cfg)
+    if check:
+        check_paths(cfg)
     return cfg
 
 
@@ -105,11 +107,13 @@ def check_flag(flag: str, ok: bool, rule: str, value) -> None:
         raise ConfigError(f"{flag} must be {rule}, got {value}")
 
 
-def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None):
+def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None,
+           nnodes: int = 1, rdzv_endpoint: str = ""):
     """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
-    that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them."""
+    that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them.
+    With nnodes > 1, one such launcher per node meets the others at `rdzv_endpoint` (c10d rendezvous)."""
     set_threads(nproc)  # nproc >= 1: checked with the rest of the input
-    if nproc <= 1 or "RANK" in os.environ:
+    if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     import uuid
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -134,8 +138,10 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
         print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
         os._exit(130)
     signal.signal(signal.SIGINT, on_sigint)
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                      rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+    # every node's launcher must name the same rendezvous run: the SLURM job, or one fixed name per endpoint
+    run_id = os.environ.get("SLURM_JOB_ID", "finetune") if nnodes > 1 else str(uuid.uuid4())
+    lc = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
+                      rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{_free_port()}", max_restarts=0,
                       signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
                       monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:
@@ -190,29 +196,40 @@ def preflight(cfg: Config) -> str | None:
 @app.command()
 def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
         dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC,
+        nnodes: int = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)"),
+        rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet "
+                                          "(c10d rendezvous; on the first node); needed with --nnodes > 1"),
         no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist"),
         resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint dir"),
         debug: bool = DEBUG):
     """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
     def prepare():
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir) is made
+        check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
+        check_flag("--rdzv-endpoint", nnodes == 1 or ":" in rdzv_endpoint, "host:port with --nnodes > 1",
+                   repr(rdzv_endpoint))
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                                  "checkpoint.resume_from": resume_from})
         if no_resume:
             cfg.checkpoint.resume = False
+        num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
+        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks)  # ranks check it on the group
         lock = Path(cfg.output_dir) / RUN_LOCK
         if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
             return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-        if lock.parent.is_dir():  # at once if another run may own it (exit 2), but make no new dir before preflight
+        # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
+        locks = nnodes == 1 or "RANK" in os.environ
+        if locks and lock.parent.is_dir():  # at once if another run may own it (exit 2); no new dir before preflight
             hold_run_lock(lock, f"output dir {cfg.output_dir}")
         try:
             nothing_to_do = preflight(cfg)
         except BaseException:
             release_lock(lock)
             raise
-        hold_run_lock(lock, f"output dir {cfg.output_dir}")
+        if locks:
+            hold_run_lock(lock, f"output dir {cfg.output_dir}")
         return cfg, nothing_to_do, lock
     cfg, nothing_to_do, lock = guarded(prepare, debug)
     try:  # the lock goes with the process anyway; released here for callers that run commands in-process
@@ -224,7 +241,8 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         root = Path(cfg.output_dir) / "checkpoints"
         before = latest_complete(root, report=False)
         from .train import train
-        launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before)
+        launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before,
+               nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
     finally:
         release_lock(lock)
 
@@ -300,18 +318,21 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
               max_shard_size: str = typer.Option("5GB", "--max-shard-size",
                                                  help="largest safetensors file (5GB, 500MB)"),
               verify: bool = typer.Option(True, "--verify/--no-verify",
-                                          help="reload with from_pretrained and compare logits (needs RAM for one "
-                                               "fp32 copy of the model)"),
+                                          help="read every tensor back and compare logits streamed block by block "
+                                               "from the files (never holds the model)"),
               adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoints: write the PEFT adapter dir "
                                            "(adapter_config.json + adapter_model.safetensors), not the merged model"),
+              nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="processes, each writing and "
+                                                 "checking whole safetensors files (same bytes as one process)"),
               debug: bool = DEBUG):
-    """Turn a checkpoint into a Hugging Face model directory, verified by reloading it. One process, no GPU needed."""
-    def run():
-        from .export import export_hf as export
+    """Turn a checkpoint into a Hugging Face model directory, verified tensor by tensor. No GPU needed."""
+    def check():
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
-        export(checkpoint, output_dir, dtype, max_shard_size, verify, adapter)  # VerifyError: exit 1, nothing written
-    guarded(run, debug)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
+    guarded(check, debug)
+    from .export import export_hf as export  # VerifyError: exit 1, nothing written
+    launch(export, (checkpoint, output_dir, dtype, max_shard_size, verify, adapter), nproc_per_node, debug)
 
 
 @app.command()
@@ -340,6 +361,37 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         set_threads(1)
         run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget)
     guarded(run, debug)
+
+
+@app.command()
+def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
+         model: Optional[str] = typer.Option(None, "--model", help="an HF model or config dir (default: model.path, "
+                                             "or the preset's model.arch offline)"),
+         nnodes: int = typer.Option(1, "--nnodes", help="nodes of the planned run"),
+         nproc_per_node: int = typer.Option(8, "--nproc-per-node", help="GPUs per node"),
+         gpu_memory: str = typer.Option("80GB", "--gpu-memory", help="memory of one GPU (GB = GiB, as GPUs are sized)"),
+         sac_ratios: str = typer.Option("0,0.25,0.5,0.75,1", "--sac-ratios", help="ac.ratio values to plan"),
+         micro_batch_sizes: str = typer.Option("1,2,4", "--micro-batch-sizes", help="train.micro_batch_size values"),
+         json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"), debug: bool = DEBUG):
+    """Memory per GPU of a run on GPUs you have not rented (fake tensors and ranks, on this CPU): which activation
+    checkpointing ratio and micro-batch fit. Exit code 1 when none does."""
+    def run():
+        import contextlib
+        import json
+        from .bench import parse_list
+        from .plan import format_plan, load_arch, parse_gpu_memory, run_plan
+        ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
+        mbs = parse_list(micro_batch_sizes, "--micro-batch-sizes", int, lambda m: m > 0, "integers > 0")
+        check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
+        gpu_bytes = parse_gpu_memory(gpu_memory)
+        cfg = build_config(config, overrides, check=False, **{"model.path": model, "data.path": "-"})
+        with contextlib.redirect_stdout(sys.stderr):  # notes of the model build (once per ratio) stay off the table
+            result = run_plan(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios, mbs)
+        print(json.dumps(result, indent=2) if json_out else format_plan(result))
+        return result["best"] is not None
+    if not guarded(run, debug):
+        raise SystemExit(1)
 
 
 def interrupted(signum, frame) -> NoReturn:

@@ -27,8 +27,9 @@ class ConfigError(FinetuneError, ValueError):
 @dataclass
 class ModelConfig:
     path: str = ""  # HF hub id, HF model dir, or a prepared checkpoint dir
+    arch: str = ""  # an HF config.json of the model, for `finetune plan` when model.path is not at hand (offline)
     attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flash_attention_2"
-    liger: bool = False  # patch in Liger kernels (CUDA only; needs the `gpu` extra)
+    liger: bool = False  # patch in Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra)
     compile: bool = False  # torch.compile each decoder block (regional compile)
     trust_remote_code: bool = False  # passed to from_pretrained
 
@@ -83,12 +84,19 @@ class ACConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp_replicate: int = 1  # HSDP: replicate the model over this many groups of ranks (1 = plain FSDP over all)
+    dp_shard: int = 0  # ranks that shard the model in each group (0 = launched ranks / dp_replicate)
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 0  # save every N steps (0 = only at the end and on SIGTERM/SIGUSR1)
     keep: int = 2  # keep the newest K complete checkpoints (0 = keep all)
     async_: bool = False  # TOML key `async`: save in the background (at most one save in flight)
     resume: bool = True  # resume from the newest complete checkpoint in output_dir
     resume_from: str = ""  # resume from this checkpoint directory instead
+    export_hf: bool = False  # at the end, write <output_dir>/hf from the trained model, every rank its own files
 
 
 @dataclass
@@ -113,13 +121,14 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     ac: ACConfig = field(default_factory=ACConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
 _ALIASES = {"async": "async_"}  # TOML keys that are Python keywords
-PATH_KEYS = ("model.path", "data.path", "eval.path")
+PATH_KEYS = ("model.path", "model.arch", "data.path", "eval.path")
 
 
 def _closest(name: str, options) -> str:
@@ -244,6 +253,8 @@ def validate(cfg: Config) -> None:
         ("lora.dropout", 0 <= cfg.lora.dropout < 1, "in [0, 1)"),
         ("data.num_proc", d.num_proc > 0, "> 0"),
         ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),
+        ("parallel.dp_replicate", cfg.parallel.dp_replicate >= 1, ">= 1"),
+        ("parallel.dp_shard", cfg.parallel.dp_shard >= 0, ">= 0 (0 = launched ranks / dp_replicate)"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, ">= 0 (0 = no periodic checkpoint)"),
         ("checkpoint.keep", cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
         ("eval.num_samples", cfg.eval.num_samples >= 0, ">= 0"),
@@ -264,6 +275,17 @@ def validate(cfg: Config) -> None:
     for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
         if not reduce(getattr, key.split("."), cfg):
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
+
+
+def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int) -> int:
+    """dp_shard for `num_ranks` ranks (0: num_ranks / dp_replicate), or a ConfigError naming the mismatch."""
+    if num_ranks % dp_replicate:
+        raise ConfigError(f"parallel.dp_replicate={dp_replicate} does not divide the {num_ranks} launched ranks")
+    dp_shard = dp_shard or num_ranks // dp_replicate
+    if dp_replicate * dp_shard != num_ranks:
+        raise ConfigError(f"parallel.dp_replicate x parallel.dp_shard = {dp_replicate} x {dp_shard} = "
+                          f"{dp_replicate * dp_shard}, but {num_ranks} ranks were launched")
+    return dp_shard
 
 
 def to_toml(cfg: Config) -> str:

@@ -1,17 +1,21 @@
-"""Process group, device and mesh set-up; rank-0 helpers (`is_main`, `print0`); teardown.
+"""Process group, device, ParallelDims (the mesh and the data-parallel rank and size); rank-0 helpers (`is_main`,
+`print0`); teardown.
 
-Every run, even a single process, has a process group and a 1-D data-parallel mesh, so the 1-process path is
-the same code as the N-rank path (FSDP2 on a mesh of one).
+Every run, even a single process, has a process group and a data-parallel mesh, so the 1-process path is the same
+code as the N-rank path (FSDP2 on a mesh of one).
 """
 from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import check_parallel
 
 
 def _free_port() -> int:
@@ -20,8 +24,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: int = 1800) -> tuple[torch.device, DeviceMesh]:
-    """Init the default process group (nccl on CUDA, gloo on CPU) and return (device, dp mesh)."""
+@dataclass(frozen=True)
+class ParallelDims:
+    """dp_replicate groups of dp_shard ranks: FSDP2 shards parameters within a group and replicates them across
+    groups (HSDP; plain FSDP when dp_replicate == 1). The one owner of the mesh and of the data-parallel rank and
+    size that data sharding, the global batch and the loss use. Data parallelism is the only parallelism, so the
+    data-parallel ranks are all the ranks (`all_reduce` sums over them)."""
+
+    dp_replicate: int
+    dp_shard: int
+    mesh: DeviceMesh  # ("dp_replicate", "dp_shard"), replicate outermost; 1-D ("dp_shard",) when dp_replicate == 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        coord = self.mesh.get_coordinate()
+        return coord[0] * self.dp_shard + coord[1] if len(coord) == 2 else coord[0]
+
+    def __str__(self) -> str:
+        return f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"
+
+
+def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int = 0) -> ParallelDims:
+    """The mesh over the default process group's ranks (a real group, or a fake one as a planner uses)."""
+    dp_shard = check_parallel(dp_replicate, dp_shard, dist.get_world_size())
+    shape, names = ((dp_replicate, dp_shard), ("dp_replicate", "dp_shard")) if dp_replicate > 1 else \
+        ((dp_shard,), ("dp_shard",))
+    return ParallelDims(dp_replicate, dp_shard, init_device_mesh(device_type, shape, mesh_dim_names=names))
+
+
+def init_distributed(dp_replicate: int = 1, dp_shard: int = 0,
+                     timeout_s: int = 1800) -> tuple[torch.device, ParallelDims]:
+    """Init the default process group (nccl on CUDA, gloo on CPU) and return (device, parallel dims)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`/`finetune` without torchrun: a group of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -33,8 +70,7 @@ def init_distributed(timeout_s: int = 1800) -> tuple[torch.device, DeviceMesh]:
             backend = "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    return device, mesh
+    return device, build_parallel_dims(device.type, dp_replicate, dp_shard)
 
 
 def world_size() -> int:
@@ -51,7 +87,7 @@ def print0(*args, **kwargs) -> None:
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` over ranks in place (a no-op on one rank); returns it."""
+    """Sum `t` over all ranks (= the data-parallel ranks: ParallelDims) in place (a no-op on one rank); returns it."""
     if world_size() > 1:
         dist.all_reduce(t)
     return t

@@ -2,7 +2,7 @@
 
 Tensors stream from DCP one at a time into safetensors shards whose headers are known up front (from DCP's
 metadata), so writing needs host RAM for about one fp32 tensor and its cast, whatever the model or shard size.
-The reload check afterwards holds one fp32 copy of the model (skip it with verify=False on hosts without the RAM).
+The check afterwards streams too (verify_export): one tensor, or one decoder block in fp32, at a time.
 Everything is written to a sibling temp dir and moved into place only once verified.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import MARKER, CheckpointError, arch_diffs, damage, latest_complete, read_marker, step_dirs
 from .config import ConfigError
-from .distributed import print0
+from .distributed import barrier, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
+from .hfio import DTYPES as ST_TORCH
 from .lock import hold_lock, release_lock, remove_stale_partials
 from .metrics import peak_rss_mb
 from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
@@ -34,9 +35,7 @@ from .prepare import save_hf_files
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+ST_DTYPES = {v: k for k, v in ST_TORCH.items()}  # torch dtype -> safetensors' name
 
 
 class VerifyError(FinetuneError):
@@ -53,6 +52,7 @@ class Source:
     trust_remote_code: bool
     label: str
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
+    live: torch.nn.Module | None = None  # the sharded model that just trained (weights: its final checkpoint)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -140,7 +140,7 @@ def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict
 def open_tensors(source: Source, hf_config) -> tuple[dict, Callable[[str], torch.Tensor]]:
     """{HF name: metadata} of the tensors `source` holds, and name -> full tensor (read one at a time). For a LoRA
     checkpoint, those of the merged model: W + alpha/r * B @ A in fp32 over the base weights (prepared or HF dir)."""
-    stored, load_stored = open_dcp(source.weights)
+    stored, load_stored = open_live(source.live) if source.live else open_dcp(source.weights)
     if not source.lora:
         return stored, load_stored
     from .lora import merged, open_safetensors
@@ -176,6 +176,21 @@ def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
     return stored, load
 
 
+def open_live(model) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """open_dcp for the sharded model in memory: load(name) gathers the full tensor (a collective: every rank must
+    ask for the same names in the same order, which save_weights and verify_export do)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+    from torch.distributed.tensor import DTensor
+    from .model import clean_fqn
+    tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them
+    stored = {n: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, []) for n, t in tensors.items()}
+
+    def load(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+    return stored, load
+
+
 def embedding_names(skeleton) -> tuple[str, str | None]:
     """The parameter names of the input embedding's weight and the output layer's (None: the model has none)."""
     names = {id(m): f"{n}.weight" for n, m in skeleton.named_modules()}
@@ -208,6 +223,12 @@ def out_dtype_of(meta: TensorStorageMetadata, dtype: torch.dtype) -> torch.dtype
     return dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
 
 
+def mine(filename: str, files: dict) -> bool:
+    """Whether this process writes (and checks) `filename`: files are dealt out round-robin over the ranks."""
+    import torch.distributed as dist
+    return list(files).index(filename) % world_size() == (dist.get_rank() if dist.is_initialized() else 0)
+
+
 def write_safetensors(path: Path, specs: dict, fetch) -> None:
     """A safetensors file (u64 header length, JSON header, raw little-endian data) written tensor by tensor:
     specs is {name: (shape, dtype)}, fetch(name) returns the tensor. safetensors' save_file needs the whole shard
@@ -230,7 +251,8 @@ def write_safetensors(path: Path, specs: dict, fetch) -> None:
 
 def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dtype: torch.dtype,
                  max_shard_size: int) -> dict:
-    """Shards named and split as save_pretrained does (model.safetensors, or model-0000i-of-0000N + index)."""
+    """Shards named and split as save_pretrained does (model.safetensors, or model-0000i-of-0000N + index); with
+    several processes each writes whole files (mine()), rank 0 the index. Returns {file: names} of all files."""
     from huggingface_hub import split_torch_state_dict_into_shards
     metas = {d: torch.empty(shape, dtype=out_dtype_of(plan[k], dtype), device="meta") for d, (k, shape) in disk.items()}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
@@ -248,9 +270,13 @@ def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dt
         return last["pieces"].pop(d)  # each piece is written once: dropping it here frees it after its write
 
     for filename, names in split.filename_to_tensors.items():
-        specs = {n: (tuple(metas[n].shape), metas[n].dtype) for n in names}
-        write_safetensors(out / filename, specs, fetch)
-    if split.is_sharded:
+        if mine(filename, split.filename_to_tensors):
+            specs = {n: (tuple(metas[n].shape), metas[n].dtype) for n in names}
+            write_safetensors(out / filename, specs, fetch)
+        elif source.live:  # another rank writes this file: take part in its gathers
+            for n in names:
+                fetch(n)
+    if split.is_sharded and is_main():
         num_params = sum(t.numel() for t in metas.values())
         index = {"metadata": {"total_parameters": num_params, **split.metadata}, "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -260,55 +286,83 @@ def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dt
 @torch.no_grad()
 def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, dtype: torch.dtype,
                   shards: dict) -> float:
-    """Reload `out` with from_pretrained(dtype=float32) and check that it holds exactly the checkpoint's tensors
-    (rounded to dtype; read back one at a time), tied as the config says, and that its logits equal those of the
-    source config's model built on those same tensors (sharing their storage: one fp32 copy of the model in RAM).
-    Returns the max abs logit difference."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-    for filename, names in shards.items():  # headers only: names and dtypes as planned
-        with safe_open(str(out / filename), framework="pt") as f:
-            if set(f.keys()) != set(names) or \
-                    any(f.get_slice(n).get_dtype() != ST_DTYPES[out_dtype_of(plan[disk[n][0]], dtype)] for n in names):
-                raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
-    reference = build_skeleton(hf_config, None, source.trust_remote_code)  # sdpa, or eager where unsupported
-    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                  attn_implementation=reference.config._attn_implementation,
-                                                  trust_remote_code=source.trust_remote_code).eval()
-    state = loaded.state_dict()
+    """Check `out` without ever holding the model: the files and index hold exactly the planned tensors, each equal
+    to the checkpoint's (rounded to dtype) bit for bit, read one at a time; then logits of the exported config's
+    model, its weights streamed block by block from the exported files under the names from_pretrained gives them,
+    must equal those of the source config's model on the same tensors, and config.json must read back as the
+    config. (Tensors transformers converts on load, e.g. fused MoE experts, are checked piece by piece on disk and
+    enter the logits from the checkpoint.) Returns the max abs logit difference."""
+    from transformers import AutoConfig
+    from .hfio import disk_to_memory, open_dir, read_tensor, streamed_logits
+    try:
+        entries = open_dir(out) or {}  # strict: the index names existing files that hold what it lists
+    except ModelError as e:
+        raise VerifyError(f"export check: {e}") from e
+    for filename, names in shards.items():
+        held = {n: e.dtype for n, e in entries.items() if e.file.name == filename}
+        if held != {n: ST_DTYPES[out_dtype_of(plan[disk[n][0]], dtype)] for n in names}:
+            raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
+    if set(entries) != set(disk):
+        raise VerifyError(f"export check: the exported files hold {len(entries)} tensors, {len(disk)} were planned")
+    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
     _, load = open_tensors(source, hf_config)
-    for name, meta in plan.items():
-        want = load(name).to(out_dtype_of(meta, dtype))
-        if name not in state or not torch.equal(state[name], want.to(state[name].dtype)):
-            raise VerifyError(f"export check: from_pretrained's {name} differs from the checkpoint's tensor")
-    stored_ptrs = {state[n].data_ptr() for n in plan}
-    untied = [n for n in state if n not in plan and state[n].data_ptr() not in stored_ptrs]
-    if untied:  # not exported, not an alias of an exported tensor: from_pretrained made it up
-        raise VerifyError(f"export check: from_pretrained initialised {len(untied)} tensors itself, e.g. {untied[0]}")
-    if getattr(hf_config, "tie_word_embeddings", False) and \
-            loaded.get_output_embeddings().weight is not loaded.get_input_embeddings().weight:
-        raise VerifyError("export check: from_pretrained did not tie lm_head to the input embeddings")
-    reference.load_state_dict(state, strict=False, assign=True)
-    reference.tie_weights()
-    if any(p.is_meta for p in reference.parameters()):
-        raise VerifyError("export check: the checkpoint's tensors do not cover the source config's model")
-    vocab_size = reference.get_input_embeddings().weight.shape[0]
+    pieces_of: dict[str, list[str]] = {}
+    for d, (k, _) in disk.items():
+        pieces_of.setdefault(k, []).append(d)
+    for k, pieces in pieces_of.items():
+        if not mine(entries[pieces[0]].file.name, shards):
+            if source.live:
+                load(k)  # take part in the owner's gather
+            continue
+        want = load(k).to(out_dtype_of(plan[k], dtype))
+        want = to_disk(skeleton, {k: want}) if pieces != [k] else {k: want}
+        for d in pieces:
+            got = read_tensor(entries[d])
+            if got.dtype != want[d].dtype or not torch.equal(got, want[d]):
+                raise VerifyError(f"export check: {d} in {entries[d].file.name} differs from the checkpoint's tensor")
+        del want
+    if not is_main():  # the other ranks checked their own files; rank 0 does the rest
+        return 0.0
+    exported = AutoConfig.from_pretrained(out, trust_remote_code=source.trust_remote_code)
+    to_memory = disk_to_memory(build_skeleton(exported, None, source.trust_remote_code), entries)
+    stored = {k: entries[d] for d, k in to_memory.items() if k is not None}
+    converted = {disk[d][0] for d, k in to_memory.items() if k is None}
+
+    def fetch(name: str) -> torch.Tensor:
+        if name in stored:
+            return read_tensor(stored[name])
+        if name in converted:
+            return load(name).to(out_dtype_of(plan[name], dtype))
+        raise VerifyError(f"export check: the exported files hold no {name}: from_pretrained would initialise it "
+                          f"itself")
+    vocab_size = skeleton.get_input_embeddings().weight.shape[0]
     input_ids = torch.randint(vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    ref_logits = reference.eval()(input_ids=input_ids).logits
-    diff = (loaded(input_ids=input_ids).logits - ref_logits).abs().max().item()
+    ref_logits = streamed_logits(hf_config, fetch, input_ids, source.trust_remote_code)
+    logits = streamed_logits(exported, fetch, input_ids, source.trust_remote_code)
+    diff = (logits - ref_logits).abs().max().item()
     tol = 1e-4 * max(1.0, ref_logits.abs().max().item())
     if not diff <= tol:
-        raise VerifyError(f"export check failed: from_pretrained logits differ from the checkpoint's by {diff:.3g} "
-                          f"(tolerance {tol:.3g})")
+        raise VerifyError(f"export check failed: the exported model's logits differ from the checkpoint's by "
+                          f"{diff:.3g} (tolerance {tol:.3g})")
+    want, got = hf_config.to_dict(), exported.to_dict()
+    wrong = sorted(k for k in want.keys() | got.keys()
+                   if k != "transformers_version" and not k.startswith("_") and want.get(k) != got.get(k))
+    if wrong:
+        raise VerifyError(f"export check: config.json reads back with {wrong[0]}={got.get(wrong[0])!r}, the "
+                          f"checkpoint's config has {want.get(wrong[0])!r}")
     return diff
 
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
-              verify: bool = True, adapter: bool = False) -> Path:
+              verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None) -> Path:
     """Write the HF model dir `output_dir` from `checkpoint` (with adapter=True: the PEFT adapter dir of a LoRA
-    checkpoint); returns it. Nothing lands there unless verified."""
+    checkpoint); returns it. Nothing lands there unless verified. `live`: the sharded model `checkpoint` was just
+    saved from, whose tensors are then gathered instead of read back (full models stored tensor by tensor; LoRA
+    merges and converted layouts read the checkpoint)."""
     dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
     out = Path(output_dir)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
+        init_distributed()  # and checks whole files (under sft the group is up already)
     source = find_source(checkpoint)
     if adapter and not source.lora:
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
@@ -321,28 +375,50 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
                          f"{'; '.join(diffs)}")
     if adapter:
         from .lora import save_adapter
+        if world_size() > 1:
+            raise ConfigError("--adapter writes one small file: use one process (no --nproc-per-node)")
         return publish(out, lambda tmp: save_adapter(tmp, source, hf_config, dtype, verify))
     untie_trained_apart(source, hf_config)
     skeleton, plan, disk = plan_tensors(source, hf_config)
+    if live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk):
+        source.live, source.label = live, f"{source.label} (gathered from the live model)"
     return publish(out, lambda tmp: write_model(tmp, out, checkpoint, source, hf_config, skeleton, plan, disk, dtype,
                                                 dtype_name, shard_bytes, verify))
 
 
 def publish(out: Path, write: Callable[[Path], dict]) -> Path:
-    """Run write(tmp) in a sibling temp dir, mark it as our export, then move it into place."""
+    """Run write(tmp) in a sibling temp dir (every rank: rank 0's, under its lock), mark it as our export, then move
+    it into place. A kill -9 leaves only the hidden temp dir, which the next export removes."""
     lock = out.parent / f".{out.name}.lock"  # beside `out`: the dir itself is replaced by a rename at the end
-    hold_lock(lock, f"--output-dir {out}")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if not is_main():
+        tmp = broadcast(None)
+        write(tmp)
+        barrier()
+        return out
+    hold_lock(lock, f"--output-dir {out}")
     try:
         remove_stale_partials(out.parent, out.name)
         tmp.mkdir()
+        broadcast(tmp)
         record = write(tmp)
+        barrier()  # every rank's files are written and checked
         (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
         publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         release_lock(lock)
     return out
+
+
+def broadcast(obj):
+    """rank 0's `obj` on every rank (itself on one process)."""
+    if world_size() == 1:
+        return obj
+    import torch.distributed as dist
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def write_model(tmp: Path, out: Path, checkpoint: str, source: Source, hf_config, skeleton, plan: dict, disk: dict,
@@ -354,16 +430,19 @@ def write_model(tmp: Path, out: Path, checkpoint: str, source: Source, hf_config
     shards = save_weights(tmp, source, skeleton, plan, disk, dtype, shard_bytes)
     hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
     hf_config.architectures = [type(skeleton).__name__]
-    save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
+    if is_main():
+        save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
+    barrier()  # the check reads config.json
     print0(f"exported {source.label} -> {out}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in "
            f"{len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
            f"(largest stored tensor {largest_mb:.0f} MB)")
     diff = None
     if verify:
         diff = verify_export(tmp, source, hf_config, plan, disk, dtype, shards)
-        print0(f"verified: {len(plan)} tensors equal the checkpoint's; from_pretrained(dtype=float32) logits "
-               f"max abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
-    return {"source": str(Path(checkpoint).resolve()), "weights": str(source.weights.resolve()),
+        print0(f"verified: {len(plan)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
+               f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
+    return {"source": str(Path(checkpoint).resolve()),
+            "weights": "the live model" if source.live else str(source.weights.resolve()),
             "model_path": source.model_path, "dtype": str(dtype).split(".")[1], "num_shards": len(shards),
             "verified_max_abs_logit_diff": diff, "lora": source.lora}
 

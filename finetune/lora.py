@@ -118,30 +118,15 @@ def merged(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.T
 
 def open_safetensors(path: str) -> tuple[dict, callable]:
     """{name: metadata} and name -> tensor of an HF model's safetensors files (a dir, or a hub id in the cache)."""
-    from safetensors import safe_open
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
-    from .export import ST_DTYPES
+    from .hfio import DTYPES, local_dir, open_dir, read_tensor
     from .model import ModelError
-    root = Path(path)
-    if not root.is_dir():
-        from huggingface_hub import snapshot_download
-        root = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.json"]))
-    dtypes = {v: k for k, v in ST_DTYPES.items()}
-    files, metas = {}, {}
-    for file in sorted(root.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for k in f.keys():
-                piece = f.get_slice(k)
-                files[k] = file
-                metas[k] = TensorStorageMetadata(TensorProperties(dtype=dtypes[piece.get_dtype()]),
-                                                 torch.Size(piece.get_shape()), [])
-    if not metas:
+    entries = open_dir(local_dir(path))
+    if not entries:
         raise ModelError(f"the LoRA base model '{path}' has no safetensors weights")
-
-    def load(name: str) -> torch.Tensor:
-        with safe_open(str(files[name]), framework="pt") as f:
-            return f.get_tensor(name)
-    return metas, load
+    metas = {k: TensorStorageMetadata(TensorProperties(dtype=DTYPES[e.dtype]), torch.Size(e.shape), [])
+             for k, e in entries.items()}
+    return metas, lambda name: read_tensor(entries[name])
 
 
 def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool) -> dict:

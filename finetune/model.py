@@ -8,12 +8,13 @@
                     gradient_checkpointing, which under FSDP all-gathers each block again on recompute);
   3. apply_compile  compiles each block (regional compile must see the block before FSDP hooks it);
   4. apply_fsdp     shards each block, then the root (fp32 params, bf16 compute when mixed precision);
-then weights arrive: from an HF checkpoint read on rank 0 and scattered tensor by tensor, or from a prepared
-DCP checkpoint read straight into the shards. Peak host RAM per node stays near one copy of the source model.
+then weights arrive: each rank reads its own slices of the HF safetensors (hfio; rank 0 reads and scatters a layout
+that needs converting on load), or a prepared DCP checkpoint straight into the shards.
 """
 from __future__ import annotations
 
 import json
+import os
 from functools import partial
 from pathlib import Path
 
@@ -126,16 +127,23 @@ def clean_child(mod: nn.Module) -> nn.Module:
 
 
 def apply_kernels(model: nn.Module, liger: bool) -> None:
-    """Swap in Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy). CUDA only."""
+    """Swap in Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy). CUDA, or on CPU under
+    Triton's interpreter (TRITON_INTERPRET=1, for tests) only RoPE and the fused linear cross-entropy: the
+    interpreter cannot run the others."""
     if not liger:
         return
-    if not torch.cuda.is_available():
-        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels)")
+    interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interpret:
+        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels; on CPU only "
+                         "under TRITON_INTERPRET=1, for tests)")
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError as e:
         raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
-    _apply_liger_kernel_to_instance(model=model)
+    # RoPE and fused linear cross-entropy are on by default; the interpreter gets no others (each arch's apply
+    # function takes the switches it has)
+    off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm"), False) if interpret else {}
+    _apply_liger_kernel_to_instance(model=model, **off)
 
 
 def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
@@ -177,15 +185,25 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
             layer.compile()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
-    """fully_shard each block, then the root. Embeddings and lm_head stay in the root group, so tied weights
-    live in one FSDP unit (a parameter shared by two groups is rejected)."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
+    """fully_shard each block, the input embedding and the output projection, then the root (final norm, the rest).
+    On a 2-D mesh ("dp_replicate", "dp_shard") this is HSDP: sharded within a group, replicated across groups.
+    Tied embeddings are one parameter, which must live in one FSDP unit (a parameter shared by two is rejected):
+    they stay in the root. `lm_head_unit=False` keeps an untied lm_head in the root too, for Liger's fused
+    cross-entropy: it reads lm_head.weight in the model's forward, not in lm_head's, so a unit of its own would
+    never be all-gathered there (Liger issues #332, #631)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     layers = find_layers(model)
     for i, layer in enumerate(layers):
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
+    if not tied:
+        fully_shard(embed, mesh=mesh, mp_policy=mp)
+        if head is not None and lm_head_unit:  # used last in forward, first in backward: kept unsharded between
+            fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # gradients are summed over ranks, not averaged: train_step divides by the global label-token count itself
     for m in model.modules():
@@ -203,8 +221,19 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             b.copy_(buffers[n])
 
 
-@torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
+    """Every rank reads its own slices of the safetensors files (hfio), checked strictly first; a checkpoint that
+    needs converting on load, or has no safetensors, is read by rank 0 and scattered (load_hf_weights_rank0)."""
+    from .hfio import load_slices, plan_slices
+    plan = plan_slices(model, path, trust_remote_code)
+    if isinstance(plan, str):
+        print0(f"loading on rank 0 and scattering: {plan}")
+        return load_hf_weights_rank0(model, path, trust_remote_code)
+    load_slices(model, plan)
+
+
+@torch.no_grad()
+def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
     """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype (fp32 masters, or the frozen
     base's dtype under LoRA) and scattered to its shards in turn. LoRA adapters are left to init_lora_weights."""
     from collections import Counter
@@ -274,7 +303,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     model.lora = apply_lora(model, **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
     apply_ac(model, ac_ratio, ac_mode)
     apply_compile(model, compile)
-    apply_fsdp(model, mesh, mixed_precision)
+    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not liger)
     _materialize(model, device)
     if is_prepared(path):
         load_prepared_weights(model, path)

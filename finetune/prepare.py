@@ -92,12 +92,12 @@ def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool
 def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool = False,
                        attn_implementation: str = "sdpa") -> Path:
     """Run on every rank: build the sharded fp32 model as sft does, DCP-save it, then config/tokenizer/manifest."""
-    device, mesh = init_distributed()
+    device, dims = init_distributed()
     out = Path(output_dir)
     partial = out.parent / f".{out.name}.partial"  # one name all ranks (and nodes) agree on
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    model = build_model(model_path, device, mesh, mixed_precision="fp32", attn_implementation=attn_implementation,
+    model = build_model(model_path, device, dims.mesh, mixed_precision="fp32", attn_implementation=attn_implementation,
                         trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
     if is_main():

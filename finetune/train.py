@@ -128,17 +128,17 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
 
 def train(cfg: Config) -> dict:
     """Run SFT as configured; returns the final metrics record (rank 0) and held-out results."""
-    device, mesh = init_distributed()
+    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
     out = Path(cfg.output_dir)
     tc, dc = cfg.train, cfg.data
-    accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, world_size())
+    accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
-    model, optimizer = build_model_and_optimizer(cfg, device, mesh)
+    model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
@@ -150,17 +150,17 @@ def train(cfg: Config) -> dict:
             print0(f"note: the checkpoint's run had data.packing={str(packed).lower()}: its data position counted "
                    f"{'packed rows' if packed else 'samples'}, this run counts {'rows' if dc.packing else 'samples'}")
 
-    samples = build_run_samples(cfg, tokenizer, rank=mesh.get_local_rank(), world_size=world_size(),
+    samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen)
     pad_to = dc.max_seq_len if dc.pad_to_max else None
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
         packed = (f"packed into {samples.num_samples} rows of <= {dc.max_seq_len} tokens" if dc.packing else
                   "not packed: each micro-batch pads to its longest sample")
-        efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, world_size(), pad_to)
+        efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, dims.dp_size, pad_to)
         print0(f"data: {packed}; packing efficiency {efficiency:.1%} (real tokens / computed tokens, first epoch)")
     sample_iter = iter(samples)
-    global_batch = tc.micro_batch_size * accum * world_size()
+    global_batch = tc.micro_batch_size * accum * dims.dp_size
     if state.step and state.samples_seen != state.step * global_batch:  # allowed, but then not the same run
         print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
                f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
@@ -168,7 +168,7 @@ def train(cfg: Config) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     flops_tok = flops_per_token(num_params, len(find_layers(model)), model.config.hidden_size, dc.max_seq_len)
     peak = peak_flops(device)
-    print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type}, "
+    print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
            f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
            + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
 

@@ -10,8 +10,9 @@ import torch
 from _tokenizers import build_tokenizer
 
 
-def make_model_dir(path, family: str, arch: str, tied: bool, num_layers: int = 4, seed: int = 0):
-    """Save a random bf16 model of `arch` with the `family` chat tokenizer to path; returns path."""
+def make_model_dir(path, family: str, arch: str, tied: bool, num_layers: int = 4, seed: int = 0, **sizes):
+    """Save a random bf16 model of `arch` with the `family` chat tokenizer to path (`sizes` override config
+    fields, e.g. intermediate_size); returns path."""
     import transformers as T
     from transformers import AutoModelForCausalLM
     tok = build_tokenizer(family)
@@ -24,7 +25,7 @@ def make_model_dir(path, family: str, arch: str, tied: bool, num_layers: int = 4
         "gpt_neox": dict(num_key_value_heads=None),  # lm_head is stored as embed_out
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # experts fused in memory, per expert on disk
     }.get(arch, {})
-    kw = {k: v for k, v in {**kw, **extra}.items() if v is not None}
+    kw = {k: v for k, v in {**kw, **extra, **sizes}.items() if v is not None}
     config = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "gemma2": T.Gemma2Config, "gpt_neox": T.GPTNeoXConfig,
               "mixtral": T.MixtralConfig}[arch](**kw)
     torch.manual_seed(seed)

@@ -218,7 +218,7 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     weights = read_weights(bad_tensor)
     weights["model.layers.1.mlp.up_proj.weight"][0, 0] += 1
     save_file(weights, bad_tensor / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VerifyError, match="model.layers.1.mlp.up_proj.weight differs"):
+    with pytest.raises(VerifyError, match="model.layers.1.mlp.up_proj.weight in model.safetensors differs"):
         verify_export(bad_tensor, source, hf_config, plan, disk, torch.bfloat16, shards)
 
     bad_config = tmp_path / "bad_config"
@@ -227,4 +227,9 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     config["rope_parameters"]["rope_theta"] = 500.0
     (bad_config / "config.json").write_text(json.dumps(config))
     with pytest.raises(VerifyError, match="logits differ"):
+        verify_export(bad_config, source, hf_config, plan, disk, torch.bfloat16, shards)
+    config["rope_parameters"]["rope_theta"] = hf_config.rope_parameters["rope_theta"]
+    config["bos_token_id"] = 7  # no effect on the logits: config.json must still read back as written
+    (bad_config / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VerifyError, match="config.json reads back with bos_token_id=7"):
         verify_export(bad_config, source, hf_config, plan, disk, torch.bfloat16, shards)

@@ -154,7 +154,8 @@ def train_on_prepared_base(llama_dir, tmp_path):
     from finetune.model import build_model, clean_fqn
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.prepare import prepare_checkpoint
-    device, mesh = init_distributed()
+    device, dims = init_distributed()
+    mesh = dims.mesh
     prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
     lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
     model = build_model(str(prepared), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
