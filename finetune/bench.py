@@ -12,6 +12,7 @@ import json
 import statistics
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,10 +52,11 @@ def default_budget_mb() -> float:
 
 # ----------------------------------------------------------------------------------------------- one point
 
-def saved_for_backward_mb(model, batch: dict) -> float:
-    """MB that one forward keeps for backward: tensors autograd saves (and op-level AC caches) outside
-    checkpointed regions, plus the inputs a checkpointed block holds for its recompute. Unique storages;
-    parameters are excluded (they are resident anyway)."""
+@contextmanager
+def count_saved(model):
+    """Inside: the storages the forward keeps for backward, in the yielded dict: tensors autograd saves (and
+    op-level AC caches) outside checkpointed regions, plus the inputs a checkpointed block holds for its recompute.
+    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway)."""
     storages = {}
 
     def keep(t):
@@ -62,7 +64,7 @@ def saved_for_backward_mb(model, batch: dict) -> float:
             base = t._base if t._base is not None else t
             if not (base.is_leaf and base.requires_grad):
                 s = t.untyped_storage()
-                storages[s.data_ptr()] = s
+                storages[s._cdata] = s
         return t
 
     def hold_inputs(module, args, kwargs):
@@ -72,12 +74,20 @@ def saved_for_backward_mb(model, batch: dict) -> float:
 
     ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")]
     handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            yield storages
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def saved_for_backward_mb(model, batch: dict) -> float:
+    """MB that one forward keeps for backward (count_saved)."""
     one = torch.ones((), device=batch["input_ids"].device)  # the summed loss, as in train_step (same memory)
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with count_saved(model) as storages:
         loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
-    for h in handles:
-        h.remove()
     storages.clear()
     loss.backward()  # completes FSDP's backward state before the process ends
     return num_bytes / 2**20

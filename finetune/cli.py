@@ -1,4 +1,5 @@
-"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench; launches ranks (torchrun's engine).
+"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench, plan; launches ranks (torchrun's
+engine).
 
 Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .lock import RUN_LOCK, hold_run_lock, release_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
-                       "export-hf, bench.")
+                       "export-hf, bench, plan.")
 
 
 def print_version(value: bool) -> None:
@@ -56,8 +57,8 @@ def guarded(fn: Callable, debug: bool, *args):
         raise SystemExit(e.exit_code)
 
 
-def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags) -> Config:
-    """Preset + flags (--model etc.) + key=value overrides, validated."""
+def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
+    """Preset + flags (--model etc.) + key=value overrides, validated (and its paths checked, unless check=False)."""
     values = {key: value for key, value in flags.items() if value is not None}
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -65,7 +66,8 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], **flags
             raise ConfigError(f"override '{item}' must look like section.key=value")
         values[key.strip()] = parse_value(value.strip())
     cfg = load_config(config, values)
-    check_paths(cfg)
+    if check:
+        check_paths(cfg)
     return cfg
 
 
@@ -359,6 +361,37 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         set_threads(1)
         run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget)
     guarded(run, debug)
+
+
+@app.command()
+def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
+         model: Optional[str] = typer.Option(None, "--model", help="an HF model or config dir (default: model.path, "
+                                             "or the preset's model.arch offline)"),
+         nnodes: int = typer.Option(1, "--nnodes", help="nodes of the planned run"),
+         nproc_per_node: int = typer.Option(8, "--nproc-per-node", help="GPUs per node"),
+         gpu_memory: str = typer.Option("80GB", "--gpu-memory", help="memory of one GPU (GB = GiB, as GPUs are sized)"),
+         sac_ratios: str = typer.Option("0,0.25,0.5,0.75,1", "--sac-ratios", help="ac.ratio values to plan"),
+         micro_batch_sizes: str = typer.Option("1,2,4", "--micro-batch-sizes", help="train.micro_batch_size values"),
+         json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"), debug: bool = DEBUG):
+    """Memory per GPU of a run on GPUs you have not rented (fake tensors and ranks, on this CPU): which activation
+    checkpointing ratio and micro-batch fit. Exit code 1 when none does."""
+    def run():
+        import contextlib
+        import json
+        from .bench import parse_list
+        from .plan import format_plan, load_arch, parse_gpu_memory, run_plan
+        ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
+        mbs = parse_list(micro_batch_sizes, "--micro-batch-sizes", int, lambda m: m > 0, "integers > 0")
+        check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
+        gpu_bytes = parse_gpu_memory(gpu_memory)
+        cfg = build_config(config, overrides, check=False, **{"model.path": model, "data.path": "-"})
+        with contextlib.redirect_stdout(sys.stderr):  # notes of the model build (once per ratio) stay off the table
+            result = run_plan(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios, mbs)
+        print(json.dumps(result, indent=2) if json_out else format_plan(result))
+        return result["best"] is not None
+    if not guarded(run, debug):
+        raise SystemExit(1)
 
 
 def interrupted(signum, frame) -> NoReturn:

@@ -27,6 +27,7 @@ class ConfigError(FinetuneError, ValueError):
 @dataclass
 class ModelConfig:
     path: str = ""  # HF hub id, HF model dir, or a prepared checkpoint dir
+    arch: str = ""  # an HF config.json of the model, for `finetune plan` when model.path is not at hand (offline)
     attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flash_attention_2"
     liger: bool = False  # patch in Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra)
     compile: bool = False  # torch.compile each decoder block (regional compile)
@@ -126,7 +127,7 @@ class Config:
 
 
 _ALIASES = {"async": "async_"}  # TOML keys that are Python keywords
-PATH_KEYS = ("model.path", "data.path", "eval.path")
+PATH_KEYS = ("model.path", "model.arch", "data.path", "eval.path")
 
 
 def _closest(name: str, options) -> str:

@@ -1,0 +1,232 @@
+"""`finetune plan`: the memory of one GPU of a run, on a CPU and without weights. The model is built on fake tensors,
+sharded by our own apply_fsdp over a fake process group of the planned world size (so FSDP units, mixed precision,
+tied weights, LoRA and HSDP are the code's), and runs fake forwards.
+
+Per GPU: the sharded parameters (their local shards), gradients and AdamW state; the unsharded units in
+flight (FSDP2's default prefetch: the current and the next unit's compute-dtype parameters, the units never resharded
+after forward, and one unit's unsharded gradients with their reduce-scatter buffer); per micro-batch and AC ratio,
+the bytes saved for backward up to the last decoder block (bench's counter), the recompute of one checkpointed block
+(1/L of the ratio-0 figure) and the logits/loss peak (bytes alive from the last block's output to its gradient).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .config import Config, ConfigError
+
+SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
+GIB = 2**30
+
+
+def parse_gpu_memory(text: str) -> int:
+    """'80GB' -> bytes. GB means GiB here, as GPUs are sized (an H100 80GB has 80 GiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB)?\s*", text, re.I)
+    if not m or float(m[1]) <= 0:
+        raise ConfigError(f"--gpu-memory must be a size like 80GB or 24576MB, got {text!r}")
+    return int(float(m[1]) * (2**20 if (m[2] or "GB").upper().startswith("M") else GIB))
+
+
+def load_arch(cfg: Config, model_dir: str | None):
+    """The HF config to plan: --model DIR, else model.path when local, else the preset's model.arch file (offline),
+    else model.path from the hub."""
+    from transformers import AutoConfig
+
+    from .model import load_hf_config
+    if model_dir or Path(cfg.model.path).expanduser().is_dir() or not cfg.model.arch:
+        return load_hf_config(model_dir or cfg.model.path, cfg.model.trust_remote_code)
+    try:
+        fields = json.loads(Path(cfg.model.arch).read_text())
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.arch '{cfg.model.arch}' is not a readable HF config.json ({e})") from e
+
+
+@contextmanager
+def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0):
+    """A fake process group of world_size (no ranks, no communication), the run's ParallelDims over it, and the
+    fake tensor mode everything is measured in; this process is rank 0."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .distributed import build_parallel_dims
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield build_parallel_dims("cpu", dp_replicate, dp_shard), FakeTensorMode(allow_non_fake_inputs=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float):
+    """build_model's order (LoRA -> AC -> FSDP) on the meta device (fully_shard is slow on fake tensors), then fake
+    storage."""
+    from .lora import apply_lora
+    from .model import apply_ac, apply_fsdp, build_skeleton
+    model = build_skeleton(hf_config, cfg.model.attn_implementation, cfg.model.trust_remote_code)
+    base_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float32
+    model.lora = apply_lora(model, **asdict(cfg.lora), base_dtype=base_dtype) if cfg.lora.rank else None
+    apply_ac(model, ac_ratio, cfg.ac.mode)
+    apply_fsdp(model, mesh, cfg.train.mixed_precision, lm_head_unit=not cfg.model.liger)  # as build_model does
+    with fake_mode:
+        model.to_empty(device="cpu")
+    return model
+
+
+class LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes alive in the storages that ops create while it is on (weakly held: freed ones stop counting)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        self.peak = max(self.peak, sum(n for ref, n in self.refs.values() if not ref.expired()))
+        return out
+
+
+def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
+    """One fake forward: bytes saved for backward up to the end of the last decoder block, and the peak of the head
+    (final norm, lm_head, loss) from there through its backward to the last block's output gradient."""
+    from .bench import count_saved
+    from .model import find_layers
+    ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+    head, marks = LivePeak(), {}
+
+    def after_last_block(module, args, output):
+        marks["activations"] = sum(s.nbytes() for s in saved.values())
+        marks["hidden"] = output[0] if isinstance(output, tuple) else output
+        head.__enter__()
+
+    handle = find_layers(model)[-1].register_forward_hook(after_last_block)
+    try:
+        with count_saved(model) as saved:
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.ones(()), use_cache=False).loss
+        marks["saved"] = sum(s.nbytes() for s in saved.values())  # what bench reports: the head's part too
+        saved.clear()
+        torch.autograd.grad(loss, marks["hidden"])  # the head's backward only
+    finally:
+        handle.remove()
+        head.__exit__(None, None, None)
+    return {"activations": marks["activations"], "logits_loss": head.peak, "saved": marks["saved"]}
+
+
+def measure_state(model) -> dict:
+    """Bytes per GPU of the sharded parameters, their gradients (FSDP2 keeps them like the parameter's shard) and
+    AdamW state (exp_avg, exp_avg_sq: two more) by dtype; each parameter's (rows, numel, bytes per element) to
+    re-shard for another world size; the units in flight (after a forward: FSDP's lazy init decides resharding)."""
+    from torch.distributed.fsdp import FSDPModule
+    state, params = {}, []
+    for p in model.parameters():
+        local = p.to_local()
+        tensors = [("params", local)] + [("grads", local), ("optimizer", local), ("optimizer", local)] * p.requires_grad
+        for kind, t in tensors:
+            key = f"{kind} {str(t.dtype).removeprefix('torch.')}"
+            state[key] = state.get(key, 0) + t.numel() * t.element_size()
+        params.append((p.shape[0], p.numel(), sum(t.element_size() for _, t in tensors)))
+    held, units, unit_grads = 0, [], 0
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        if group is None:
+            continue
+        fps = [(math.prod(fp._orig_size), fp.param_dtype or fp.orig_dtype, fp.reduce_dtype, fp.sharded_param)
+               for fp in group.fsdp_params]
+        unit = sum(n * dt.itemsize for n, dt, _, _ in fps)
+        unit_grads = max(unit_grads, sum(n * (dt.itemsize + (rd.itemsize if rd not in (None, dt) else 0))
+                                         for n, dt, rd, p in fps if p.requires_grad))
+        if group.post_forward_mesh_info is None:  # not resharded after forward: unsharded until its backward
+            held += unit
+        else:
+            units.append(unit)
+    in_flight = {"held": held, "current+next": sum(sorted(units)[-2:]), "grads+reduce": unit_grads}
+    return {"state": state, "params": params, "in_flight": in_flight}
+
+
+def sharded_bytes(params: list, world_size: int) -> int:
+    """fully_shard's dim-0 chunks: rank 0 holds ceil(rows / world) rows of each parameter (and its grad, state)."""
+    return sum(math.ceil(rows / world_size) * (numel // rows) * nbytes for rows, numel, nbytes in params)
+
+
+def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float],
+             micro_batch_sizes: list[int]) -> dict:
+    """Measure everything on fake tensors; which (ratio, micro-batch) points fit; the smallest world that would."""
+    world = nnodes * nproc
+    runs = {}
+    with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard) as (dims, fake_mode):
+        for ratio in sorted({0.0, *ratios}):
+            model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio)
+            with fake_mode:
+                for mbs in micro_batch_sizes:
+                    runs[ratio, mbs] = measure_micro_batch(model, mbs, cfg.data.max_seq_len)
+                measured = measure_state(model)  # the same at every ratio
+    in_flight = sum(measured["in_flight"].values())
+    fixed = sum(measured["state"].values()) + in_flight
+    usable = gpu_bytes * (1 - SAFETY)
+    num_layers = hf_config.num_hidden_layers
+    points = []
+    for (ratio, mbs), run in runs.items():
+        if ratio in ratios:
+            recompute = runs[0.0, mbs]["activations"] / num_layers if ratio > 0 else 0
+            total = fixed + run["activations"] + recompute + run["logits_loss"]
+            points.append({"ac_ratio": ratio, "micro_batch_size": mbs, **run, "recompute": recompute,
+                           "total": total, "free": gpu_bytes - total, "fits": total <= usable})
+    fits = [p for p in points if p["fits"]]
+    best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
+    smallest = None
+    replicas = cfg.parallel.dp_replicate
+    if not fits and not cfg.parallel.dp_shard:  # more GPUs shrink only the sharded state (shard groups grow)
+        least = min(p["total"] - fixed for p in points) + in_flight
+        smallest = next((w for w in range(world + nproc, 2**16, nproc)
+                         if w % replicas == 0 and sharded_bytes(measured["params"], w // replicas) + least <= usable),
+                        None)
+    return {"model": cfg.model.path, "num_params": sum(n for _, n, _ in measured["params"]), "nnodes": nnodes,
+            "nproc_per_node": nproc, "world_size": world, "parallel": str(dims), "gpu_memory": gpu_bytes,
+            "safety": SAFETY, "seq_len": cfg.data.max_seq_len,
+            "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode, "liger": cfg.model.liger,
+            "state": measured["state"], "in_flight": measured["in_flight"], "points": points, "best": best,
+            "smallest_world_size": smallest}
+
+
+def format_plan(r: dict) -> str:
+    unit, name = (GIB, "GiB") if r["gpu_memory"] >= 4 * GIB else (2**20, "MiB")
+    size = lambda b: f"{b / unit:,.1f}" if abs(b) >= 10 * unit else f"{b / unit:.3g}"  # noqa: E731
+    lines = [f"plan: {r['model']} ({r['num_params'] / 1e9:.3g}B parameters) on {r['nnodes']} x "
+             f"{r['nproc_per_node']} GPUs ({r['parallel']}) of {size(r['gpu_memory'])} {name}; seq {r['seq_len']}, "
+             f"{r['mixed_precision']}, ac.mode={r['ac_mode']}", "", f"per GPU, every step ({name}):"]
+    lines += [f"  {k:<24} {size(v):>8}" for k, v in r["state"].items()]
+    lines += [f"  {'in flight: ' + k:<24} {size(v):>8}" for k, v in r["in_flight"].items()]
+    lines += ["", f"per GPU and micro-batch ({name}):",
+              "| ac.ratio | micro-batch | activations | recompute | logits/loss | total | free | fits |",
+              "|---:|---:|---:|---:|---:|---:|---:|:--:|"]
+    for p in r["points"]:
+        lines.append(f"| {p['ac_ratio']:g} | {p['micro_batch_size']} | {size(p['activations'])} | "
+                     f"{size(p['recompute'])} | {size(p['logits_loss'])} | {size(p['total'])} | "
+                     f"{size(p['free'])} ({p['free'] / r['gpu_memory']:.0%}) | {'yes' if p['fits'] else 'no'} |")
+    if r["liger"]:
+        lines.append("(logits/loss measured without Liger, whose fused loss cannot run on fake tensors: an upper "
+                     "bound)")
+    b = r["best"]
+    if b:
+        lines.append(f"\nleast recompute that fits: ac.ratio={b['ac_ratio']:g} train.micro_batch_size="
+                     f"{b['micro_batch_size']}: {size(b['total'])} of {size(r['gpu_memory'])} {name}, "
+                     f"{size(b['free'])} {name} ({b['free'] / r['gpu_memory']:.0%}) free "
+                     f"(>= {r['safety']:.0%} kept free)")
+    else:
+        world = r["smallest_world_size"]
+        lines.append(f"\ndoes not fit: no point leaves {r['safety']:.0%} of {size(r['gpu_memory'])} {name} free; "
+                     + (f"the smallest world size that would fit is {world} GPUs ({world // r['nproc_per_node']} "
+                        f"nodes x {r['nproc_per_node']})" if world else
+                        "no world size fits: a smaller micro-batch, a higher ac.ratio or a shorter sequence"))
+    return "\n".join(lines)

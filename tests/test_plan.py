@@ -1,0 +1,139 @@
+"""`finetune plan`: its figures against the real thing at 2 gloo ranks (bytes saved for backward at AC ratios 0 /
+0.5 / 1, sharded parameters, gradients and AdamW state, tied and untied; HSDP 2x2 shards as FSDP 2), the 70B preset
+fitting 8 x 8 H100s offline, a model that fits nowhere (exit 1, the smallest world that fits, which then does), bad
+flags (one line, exit 2)."""
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+from finetune.config import load_config
+from finetune.plan import GIB, load_arch, run_plan
+from helpers import REPO, invoke, run_ranks
+
+
+def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_batch_size: int, seq_len: int,
+                 lora_rank: int = 0) -> dict:
+    """On each rank: bench's bytes saved for backward of the real sharded model at each AC ratio, then the bytes of
+    the sharded parameters, gradients and AdamW state after one optimizer step (keys as the planner's)."""
+    from finetune.bench import saved_for_backward_mb
+    from finetune.distributed import init_distributed
+    from finetune.model import build_model
+    from finetune.optim import build_optimizer
+    device, dims = init_distributed()
+    torch.manual_seed(0)
+    saved, model = {}, None
+    for ratio in ratios:
+        del model  # the previous model's memory first (0.5B: 1 GB of fp32 shards and as much of gradients a rank)
+        gc.collect()
+        lora = dict(rank=lora_rank, alpha=16.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
+        model = build_model(path, device, dims.mesh, mixed_precision=mixed_precision, ac_ratio=ratio, lora=lora)
+        ids = torch.randint(model.config.vocab_size, (micro_batch_size, seq_len))
+        saved[ratio] = saved_for_backward_mb(model, {"input_ids": ids, "labels": ids}) * 2**20  # and backward
+    optimizer = build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    optimizer.step()
+    state = {}
+    for p in model.parameters():
+        adamw = [("optimizer", v) for v in optimizer.state[p].values() if v.dim()]  # not `step`
+        tensors = [("params", p)] + ([("grads", p.grad)] + adamw if p.requires_grad else [])
+        for kind, t in tensors:
+            key = f"{kind} {str(t.dtype).removeprefix('torch.')}"
+            state[key] = state.get(key, 0) + t.to_local().numel() * t.element_size()
+    return {"saved": saved, "state": state}
+
+
+def planned(path, mixed_precision, ratios, micro_batch_size, seq_len, nnodes=1, nproc=2, gpu_bytes=80 * GIB,
+            **overrides):
+    cfg = load_config(None, {"model.path": str(path), "data.path": "-", "train.mixed_precision": mixed_precision,
+                             "data.max_seq_len": seq_len, **overrides})
+    return run_plan(cfg, load_arch(cfg, None), nnodes, nproc, gpu_bytes, ratios, [micro_batch_size])
+
+
+@pytest.mark.parametrize("model, mixed_precision, ratios, lora_rank", [("llama_dir", "bf16", [0.0, 0.5, 1.0], 0),
+                                                                       ("qwen_tied_dir", "fp32", [0.5], 0),
+                                                                       ("qwen_tied_dir", "bf16", [1.0], 8)])
+def test_plan_matches_the_real_sharded_model_at_2_ranks(model, mixed_precision, ratios, lora_rank, request):
+    path = request.getfixturevalue(model)
+    real = run_ranks(measure_real, 2, str(path), mixed_precision, ratios, 2, 64, lora_rank)[0]
+    plan = planned(path, mixed_precision, ratios, 2, 64, **{"lora.rank": lora_rank})
+    assert ("params bfloat16" in plan["state"]) == bool(lora_rank)  # LoRA: a frozen bf16 base, fp32 adapters
+    assert plan["state"] == real["state"]  # the very shards, gradients and optimizer state of rank 0
+    for point in plan["points"]:
+        measured = real["saved"][point["ac_ratio"]]
+        assert point["saved"] == pytest.approx(measured, rel=0.10), (point, measured)
+        assert 0 < point["activations"] < point["saved"]
+    saved = [p["activations"] for p in plan["points"]]
+    assert saved == sorted(saved, reverse=True)  # checkpointing more blocks keeps less
+    hsdp = planned(path, mixed_precision, ratios[:1], 2, 64, nnodes=2, **{"parallel.dp_replicate": 2,
+                                                                           "lora.rank": lora_rank})
+    assert hsdp["parallel"] == "HSDP 2x2" and hsdp["state"] == real["state"]  # sharded within a group of 2
+
+
+def test_70b_preset_fits_8x8_h100_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the preset's model.path is a hub id: model.arch is what plan reads
+    result = invoke("plan", "--config", REPO / "configs/llama3-70b.toml", "--nnodes", 8, "--nproc-per-node", 8,
+                    "--gpu-memory", "80GB", "--sac-ratios", 1, "--micro-batch-sizes", 1, "--json")
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = json.loads(result.stdout)
+    assert plan["world_size"] == 64 and 70e9 < plan["num_params"] < 71e9
+    assert plan["state"]["params float32"] == pytest.approx(plan["num_params"] * 4 / 64, rel=0.01)
+    best = plan["best"]
+    assert (best["ac_ratio"], best["micro_batch_size"]) == (1.0, 1)
+    assert best["free"] >= 0.1 * 80 * GIB and best["total"] > 40 * GIB
+    block_inputs = 80 * 8192 * 8192 * 2  # every block checkpointed: each keeps its bf16 input for the recompute
+    assert block_inputs < best["activations"] < 1.05 * block_inputs and best["recompute"] > block_inputs / 80
+
+
+def test_a_model_that_fits_nowhere_names_the_smallest_world_that_does(llama_dir):
+    def plan(nnodes, gpu_bytes):
+        return planned(llama_dir, "fp32", [1.0], 1, 64, nnodes=nnodes, nproc=8, gpu_bytes=gpu_bytes)
+    one_node, eight_nodes = plan(1, GIB)["best"]["total"], plan(8, GIB)["best"]["total"]
+    gpu = int((one_node + eight_nodes) / 2 / 0.9)  # fits on 8 nodes, not on 1 (10% must stay free)
+    small = plan(1, gpu)
+    world = small["smallest_world_size"]
+    assert small["best"] is None and world % 8 == 0 and 8 < world <= 64
+    assert plan(world // 8, gpu)["best"] and not plan(world // 8 - 1, gpu)["best"]
+    result = invoke("plan", "--model", llama_dir, "--nproc-per-node", 8, "--gpu-memory", f"{gpu / 2**20}MB",
+                    "--sac-ratios", 1, "--micro-batch-sizes", 1, "data.max_seq_len=64", "train.mixed_precision=fp32")
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "| 1 | 1 |" in result.stdout and "| no |" in result.stdout
+    assert f"does not fit: no point leaves 10% of {gpu / 2**20:.3g} MiB free; the smallest world size that would " \
+           f"fit is {world} GPUs ({world // 8} nodes x 8)" in result.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpu-memory", "0GB"], "--gpu-memory must be a size like 80GB or 24576MB, got '0GB'"),
+    (["--gpu-memory", "lots"], "--gpu-memory must be a size like 80GB"),
+    (["--micro-batch-sizes", "0,1"], "--micro-batch-sizes must be comma-separated integers > 0, got '0,1'"),
+    (["--sac-ratios", "2"], "--sac-ratios must be comma-separated numbers in [0, 1], got '2'"),
+    (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
+    (["ac.mode=fast"], "ac.mode must be one of 'block', 'op', got 'fast'"),
+    (["parallel.dp_replicate=3"], "parallel.dp_replicate=3 does not divide the 8 launched ranks"),
+])
+def test_bad_flags_are_one_line_and_exit_2(llama_dir, flags, message):
+    result = invoke("plan", "--model", llama_dir, *flags)
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_bad_arch_file_is_one_line(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text('[model]\npath = "org/unreachable"\narch = "nope.json"\n')
+    result = invoke("plan", "--config", preset)
+    assert result.exit_code == 2 and "model.arch 'nope.json' is not a readable HF config.json" in result.stderr
+
+
+def test_json_is_the_whole_stdout_with_lora_and_tied_embeddings(qwen_tied_dir):
+    result = invoke("plan", "--model", qwen_tied_dir, "--nproc-per-node", 2, "--sac-ratios", "0.5",
+                    "--micro-batch-sizes", 1, "--json", "lora.rank=4", "train.mixed_precision=bf16")
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = json.loads(result.stdout)  # the build's notes ("lora: rank 4 ...") went to stderr
+    assert "lora: rank 4" in result.stderr and plan["parallel"] == "FSDP 2"
+    assert set(plan["state"]) == {"params bfloat16", "params float32", "grads float32", "optimizer float32"}
+    state = plan["state"]
+    assert state["optimizer float32"] == 2 * state["grads float32"] == 2 * state["params float32"]  # adapters only
+    assert [(p["ac_ratio"], p["micro_batch_size"]) for p in plan["points"]] == [(0.5, 1)] and plan["best"]
