@@ -63,7 +63,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     from _tokenizers import build_tokenizer
-    from compare_hf_trainer import machine
+    from compare_peers import machine
 
     from finetune.data import build_samples, to_conversation, tokenize_messages
     tok = build_tokenizer("qwen3")

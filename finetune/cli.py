@@ -35,7 +35,7 @@ def options(version: bool = typer.Option(False, "--version", callback=print_vers
     pass
 
 
-OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.packing=true",
+OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.max_seq_len=4096",
                            show_default=False)
 CONFIG = typer.Option(None, "--config", "-c", help="TOML preset (default: configs/tiny.toml, the embedded demo)")
 MODEL = typer.Option(None, "--model", help="HF hub id, HF model dir or prepared checkpoint (model.path)")

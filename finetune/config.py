@@ -42,7 +42,7 @@ class DataConfig:
     format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"  # row format; auto detects from columns
     streaming: bool = False  # stream rows instead of loading them (file order, no shuffle)
     max_seq_len: int = 2048  # truncate samples (keeping the head) / pack to this many tokens
-    packing: bool = False  # concatenate samples into rows of max_seq_len (position_ids restart per sample)
+    packing: bool = True  # best-fit samples into rows of <= max_seq_len tokens (position_ids restart per sample)
     pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes for benchmarks)
     on_unsupported: Literal["error", "drop"] = "error"  # a row the chat template cannot hold: stop, or skip and count
     num_proc: int = 1  # processes that tokenize (datasets map workers; not used when streaming)
@@ -54,6 +54,7 @@ class TrainConfig:
     seed: int = 0  # data order, init of anything random
     micro_batch_size: int = 1  # samples per rank per forward
     grad_accum_steps: int = 1  # micro-batches per optimizer step (global batch = micro * accum * world)
+    tokens_per_step: int = 0  # packed data: global batch of tokens_per_step / max_seq_len rows (0 = off); sets accum
     lr: float = 2e-5  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 0  # linear warm-up steps
@@ -245,6 +246,7 @@ def validate(cfg: Config) -> None:
         ("train.beta2", 0 <= t.beta2 < 1, "in [0, 1)"),
         ("train.max_grad_norm", t.max_grad_norm >= 0, ">= 0"),
         ("train.log_interval", t.log_interval > 0, "> 0"),
+        ("train.tokens_per_step", t.tokens_per_step >= 0, ">= 0 (0 = off)"),
         ("data.max_seq_len", d.max_seq_len > 0, "> 0"),
         ("lora.rank", cfg.lora.rank >= 0, ">= 0 (0 = off)"),
         ("lora.alpha", cfg.lora.alpha > 0, "> 0"),
@@ -262,6 +264,14 @@ def validate(cfg: Config) -> None:
     for key, ok, rule in checks:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {reduce(getattr, key.split('.'), cfg)!r}")
+    if t.tokens_per_step:  # a step is a number of packed rows: see steps_per_rank in train.py
+        for ok, why in ((d.packing, "needs data.packing=true (a step of unpacked samples has no token size)"),
+                        (t.tokens_per_step % d.max_seq_len == 0, f"must be a multiple of data.max_seq_len "
+                                                                  f"({d.max_seq_len}): rows of that many tokens"),
+                        (t.grad_accum_steps == 1, "sets the micro-batches per step; leave train.grad_accum_steps "
+                                                  f"at 1 (got {t.grad_accum_steps})")):
+            if not ok:
+                raise ConfigError(f"train.tokens_per_step={t.tokens_per_step} {why}")
     for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
         if not reduce(getattr, key.split("."), cfg):
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")

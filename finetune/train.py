@@ -11,8 +11,8 @@ import torch
 
 from . import checkpoint as ckpt
 from . import faults
-from .config import Config, to_toml
-from .data import IGNORE_INDEX, build_samples, pad_collate
+from .config import Config, ConfigError, to_toml
+from .data import IGNORE_INDEX, batch_efficiency, build_samples, pad_collate
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .evaluate import evaluate
@@ -48,8 +48,22 @@ def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pa
     return batches, num_input_tokens
 
 
+def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: int, max_seq_len: int,
+                num_ranks: int) -> int:
+    """Micro-batches per rank per step. With tokens_per_step (packed data), a step is R = tokens_per_step /
+    max_seq_len rows (the next R global units, rank r taking those with g % num_ranks == r), so R / (ranks x
+    micro_batch_size) micro-batches: the same global batch at any world size that divides it."""
+    if not tokens_per_step:
+        return grad_accum_steps
+    rows = tokens_per_step // max_seq_len
+    if rows % (micro_batch_size * num_ranks):
+        raise ConfigError(f"train.tokens_per_step={tokens_per_step} is {rows} rows of data.max_seq_len={max_seq_len}, "
+                          f"not a multiple of train.micro_batch_size ({micro_batch_size}) x ranks ({num_ranks})")
+    return rows // (micro_batch_size * num_ranks)
+
+
 # what train_step returns, one float64 device tensor per step: index of each value
-LOSS, GRAD_NORM, NUM_TOKENS, NUM_INPUT_TOKENS, STOP = range(5)
+LOSS, GRAD_NORM, NUM_TOKENS, NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS = range(6)
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
@@ -57,10 +71,11 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run).
 
     Forward/backward each micro-batch on the summed token losses (gradient sync on the last), then ONE all_reduce
-    of [label tokens, input tokens, loss sum, stop] over the ranks; the gradients are divided by the global
-    label-token count on the device, so the loss is the mean over every label token of the global batch, whatever
-    the split into ranks and micro-batches. Then clip and step. Returns ([loss, grad_norm, label tokens, input
-    tokens, stop] as one float64 tensor on the device, never read here, and whether the update was skipped).
+    of [label tokens, input tokens, loss sum, stop, computed (padded) tokens] over the ranks; the gradients are
+    divided by the global label-token count on the device, so the loss is the mean over every label token of the
+    global batch, whatever the split into ranks and micro-batches. Then clip and step. Returns ([loss, grad_norm,
+    label tokens, input tokens, stop, computed tokens] as one float64 tensor on the device, never read here, and
+    whether the update was skipped).
     `skip_nonfinite` (nan_policy "skip") reads loss and grad norm on the host to skip a non-finite update."""
     device = next(model.parameters()).device
     one = torch.ones((), device=device)  # num_items_in_batch: HF losses return the sum over label tokens
@@ -75,13 +90,17 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
         loss.backward()
         loss_sum += loss.detach().double()
     # host-to-device copies with non_blocking: no wait for the GPU here (a blocking copy would be a sync)
-    counts = torch.tensor([num_input_tokens, float(stop)], dtype=torch.float64).to(device, non_blocking=True)
-    stats = torch.stack([num_tokens.to(device, torch.float64, non_blocking=True), counts[0], loss_sum, counts[1]])
+    num_computed = sum(b["input_ids"].numel() for b in micro_batches)
+    counts = torch.tensor([num_input_tokens, float(stop), num_computed], dtype=torch.float64).to(device,
+                                                                                               non_blocking=True)
+    stats = torch.stack([num_tokens.to(device, torch.float64, non_blocking=True), counts[0], loss_sum, counts[1],
+                         counts[2]])
     all_reduce(stats)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, (1 / stats[0].clamp(min=1)).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
-    result = torch.stack([stats[2] / stats[0].clamp(min=1), grad_norm.double(), stats[0], stats[1], stats[3]])
+    result = torch.stack([stats[2] / stats[0].clamp(min=1), grad_norm.double(), stats[0], stats[1], stats[3],
+                          stats[4]])
     skipped = skip_nonfinite and not bool(torch.isfinite(result[:2]).all())
     if not skipped:
         optimizer.step()
@@ -112,6 +131,7 @@ def train(cfg: Config) -> dict:
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
     out = Path(cfg.output_dir)
     tc, dc = cfg.train, cfg.data
+    accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
@@ -125,14 +145,22 @@ def train(cfg: Config) -> dict:
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
+        packed = ckpt.read_marker(resume_dir).get("config", {}).get("data", {}).get("packing", dc.packing)
+        if packed != dc.packing:  # allowed, but the data position counted the other kind of unit
+            print0(f"note: the checkpoint's run had data.packing={str(packed).lower()}: its data position counted "
+                   f"{'packed rows' if packed else 'samples'}, this run counts {'rows' if dc.packing else 'samples'}")
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen)
+    pad_to = dc.max_seq_len if dc.pad_to_max else None
     if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {describe_counts(samples.counts)}")
+        packed = (f"packed into {samples.num_samples} rows of <= {dc.max_seq_len} tokens" if dc.packing else
+                  "not packed: each micro-batch pads to its longest sample")
+        efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, dims.dp_size, pad_to)
+        print0(f"data: {packed}; packing efficiency {efficiency:.1%} (real tokens / computed tokens, first epoch)")
     sample_iter = iter(samples)
-    pad_to = dc.max_seq_len if dc.pad_to_max else None
-    global_batch = tc.micro_batch_size * tc.grad_accum_steps * dims.dp_size
+    global_batch = tc.micro_batch_size * accum * dims.dp_size
     if state.step and state.samples_seen != state.step * global_batch:  # allowed, but then not the same run
         print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
                f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
@@ -141,7 +169,8 @@ def train(cfg: Config) -> dict:
     flops_tok = flops_per_token(num_params, len(find_layers(model)), model.config.hidden_size, dc.max_seq_len)
     peak = peak_flops(device)
     print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
-           f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} samples")
+           f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
+           + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
 
     eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
@@ -167,7 +196,7 @@ def train(cfg: Config) -> dict:
             faults.pause_if(step, lambda: signals.name is not None)
             t0 = time.perf_counter()
             micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
-                                                                 tc.grad_accum_steps, tokenizer.pad_token_id, pad_to)
+                                                                 accum, tokenizer.pad_token_id, pad_to)
             result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
                                          max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
                                          stop=signals.name is not None)
@@ -222,6 +251,7 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
     tokens_per_s = values[NUM_INPUT_TOKENS] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
     record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
               "num_tokens": int(values[NUM_TOKENS]), "tokens_per_s": tokens_per_s,
+              "padding_fraction": 1 - values[NUM_INPUT_TOKENS] / values[NUM_COMPUTED_TOKENS],
               "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
               "tokens_seen": state.tokens_seen}
     if peak:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from .labels import IGNORE_INDEX
@@ -28,6 +29,18 @@ def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> 
     if any("position_ids" in s for s in samples):
         del batch["attention_mask"]
     return batch
+
+
+def batch_efficiency(lengths, micro_batch_size: int, num_ranks: int, pad_to: int | None = None) -> float:
+    """Real tokens / computed tokens of units (samples or packed rows) of these lengths, in global order, batched as
+    train does: global unit g on rank g % num_ranks, micro_batch_size consecutive units of a rank per micro-batch,
+    right-padded to its longest (or pad_to). Whole rounds of micro-batches only (the stream wraps the rest)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    group = micro_batch_size * num_ranks
+    n = max(len(lengths) // group, 1) * group
+    x = np.resize(lengths, n).reshape(-1, micro_batch_size, num_ranks)  # [micro-batch round, row, rank]
+    width = x.max(axis=1) if pad_to is None else np.full(x[:, 0].shape, pad_to)
+    return float(x.sum() / (width.sum() * micro_batch_size))
 
 
 def format_preview(tokenizer, sample: dict, color: bool = True) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 
 import datasets
 import numpy as np
@@ -14,17 +16,27 @@ from .labels import DROP_REASONS, tokenize_messages
 _META = ("row", "turns", "split")  # where a sample comes from: row index, trained message indices, why split out
 
 
-def _greedy_packs(items, max_len: int):
-    """Group consecutive (item, length) pairs into lists whose lengths sum to at most max_len."""
-    group, used = [], 0
-    for item, n in items:
-        if group and used + n > max_len:
-            yield group
-            group, used = [], 0
-        group.append(item)
-        used += n
-    if group:
-        yield group
+PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
+
+
+def _best_fit_packs(items, max_len: int, window: int = PACK_WINDOW):
+    """Best-fit-decreasing packing of (item, length) pairs (each length <= max_len), one window of `window`
+    consecutive pairs at a time: longest first, each into the fullest row it fits (ties: the older row), else a
+    new row. Each row keeps its items in input order; rows come in the order of their first item. Deterministic,
+    and the same whatever reads it (so the same on every rank)."""
+    it = iter(items)
+    while chunk := list(itertools.islice(it, window)):
+        rows: list[list[int]] = []
+        free: list[tuple[int, int]] = []  # (space left, row), sorted: bisect finds the fullest row that fits
+        for j in sorted(range(len(chunk)), key=lambda j: (-chunk[j][1], j)):
+            k = bisect.bisect_left(free, (chunk[j][1], -1))
+            space, r = free.pop(k) if k < len(free) else (max_len, len(rows))
+            if r == len(rows):
+                rows.append([])
+            rows[r].append(j)
+            bisect.insort(free, (space - chunk[j][1], r))
+        for row in sorted(map(sorted, rows)):
+            yield [chunk[j][0] for j in row]
 
 
 def _count(counts: dict, samples: list[dict], reason: str | None) -> None:
@@ -51,12 +63,13 @@ class SampleStream(torch.utils.data.IterableDataset):
     counts for streaming data are filled in as it goes. `tokenize(row, idx)` returns (samples, drop reason)."""
 
     def __init__(self, rows, tokenize, *, streaming, shuffle, packing, max_seq_len, seed, rank, world_size,
-                 start_sample, epoch_limit, source, num_proc=1):
+                 start_sample, epoch_limit, source, num_proc=1, pack_window=PACK_WINDOW):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.streaming, self.shuffle, self.packing, self.max_seq_len = streaming, shuffle, packing, max_seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.start_sample, self.epoch_limit, self.source = start_sample, epoch_limit, source
+        self.pack_window = pack_window
         self._rows, self._tokenize = rows, tokenize
         self.counts = _new_counts()
         self.num_samples: int | None = None
@@ -91,11 +104,13 @@ class SampleStream(torch.utils.data.IterableDataset):
                            **{f"turns_split_{k}": v for k, v in sorted(collections.Counter(
                                splits[i] for i in kept if splits[i]).items())},
                            **{f"dropped_{r}": n for r, n in reasons.items()})
+        lengths = np.asarray(self._tok["length"], dtype=np.int64)
         if packing:  # pack once in file order, then shuffle the packs each epoch: a constant epoch length
-            lengths = self._tok["length"]
-            self._units = list(_greedy_packs(((i, lengths[i]) for i in kept), max_seq_len))
+            self._units = list(_best_fit_packs(((i, int(lengths[i])) for i in kept), max_seq_len, pack_window))
+            self._unit_lengths = np.asarray([lengths[u].sum() for u in self._units], dtype=np.int64)
         else:
             self._units = np.asarray(kept, dtype=np.int64)
+            self._unit_lengths = lengths[self._units]
         self.num_samples = len(self._units)
         if not self.num_samples:
             raise DataError(f"{source}: no usable samples ({self.counts})")
@@ -107,9 +122,16 @@ class SampleStream(torch.utils.data.IterableDataset):
         unit["sources"] = [{k: s[k] for k in _META} for s in samples]  # for the preview; the collator ignores it
         return unit
 
-    def _epoch_indexed(self, epoch: int, g0: int):
+    def _order(self, epoch: int) -> np.ndarray:
         n = self.num_samples
-        order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
+        return np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
+
+    def unit_lengths(self, epoch: int = 0) -> np.ndarray:
+        """Real tokens of each global unit (sample, or packed row) of an epoch, in global order (not streaming)."""
+        return self._unit_lengths[self._order(epoch)]
+
+    def _epoch_indexed(self, epoch: int, g0: int):
+        n, order = self.num_samples, self._order(epoch)
         first = max(0, self.start_sample - g0)
         first += (self.rank - g0 - first) % self.world_size
         for p in range(first, n, self.world_size):
@@ -131,7 +153,8 @@ class SampleStream(torch.utils.data.IterableDataset):
                 for s in samples:
                     yield {**s, "row": idx}, len(s["input_ids"])
 
-        units = _greedy_packs(kept(), self.max_seq_len) if self.packing else ([s] for s, _ in kept())
+        units = (_best_fit_packs(kept(), self.max_seq_len, self.pack_window) if self.packing
+                 else ([s] for s, _ in kept()))
         n = 0
         for n, unit in enumerate(units, 1):
             g = g0 + n - 1
@@ -157,7 +180,7 @@ class SampleStream(torch.utils.data.IterableDataset):
 
 def build_samples(path, tokenizer, *, fmt="auto", split="train", name=None, streaming=False, max_seq_len=2048,
                   packing=False, shuffle=True, seed=0, rank=0, world_size=1, start_sample=0,
-                  epoch_limit=None, on_unsupported="error", num_proc=1) -> SampleStream:
+                  epoch_limit=None, on_unsupported="error", num_proc=1, pack_window=PACK_WINDOW) -> SampleStream:
     """This rank's tokenized (optionally packed) samples; see SampleStream for the order contract.
     Non-streaming data is tokenized up front (num_proc workers) and shuffled per epoch (seed + epoch) when shuffle;
     streaming data is read lazily in file order (never shuffled), so it matches non-streaming with shuffle=False.
@@ -179,4 +202,5 @@ def build_samples(path, tokenizer, *, fmt="auto", split="train", name=None, stre
 
     return SampleStream(rows, tokenize, streaming=streaming, shuffle=shuffle and not streaming, packing=packing,
                         max_seq_len=max_seq_len, seed=seed, rank=rank, world_size=world_size,
-                        start_sample=start_sample, epoch_limit=epoch_limit, source=path, num_proc=num_proc)
+                        start_sample=start_sample, epoch_limit=epoch_limit, source=path, num_proc=num_proc,
+                        pack_window=pack_window)
