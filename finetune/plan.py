@@ -139,7 +139,7 @@ def measure_state(model) -> dict:
         for kind, t in tensors:
             key = f"{kind} {str(t.dtype).removeprefix('torch.')}"
             state[key] = state.get(key, 0) + t.numel() * t.element_size()
-        params.append((p.shape[0], p.numel(), sum(t.element_size() for _, t in tensors)))
+        params.append((tuple(p.shape), p.numel(), sum(t.element_size() for _, t in tensors)))
     held, units, unit_grads = 0, [], 0
     for m in model.modules():
         group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
@@ -159,8 +159,13 @@ def measure_state(model) -> dict:
 
 
 def sharded_bytes(params: list, world_size: int) -> int:
-    """fully_shard's dim-0 chunks: rank 0 holds ceil(rows / world) rows of each parameter (and its grad, state)."""
-    return sum(math.ceil(rows / world_size) * (numel // rows) * nbytes for rows, numel, nbytes in params)
+    """fully_shard's chunks (model.shard_dim): rank 0 holds ceil(rows / world) rows of each parameter (and its
+    grad, state)."""
+    from .model import shard_dim
+
+    def rows(shape):
+        return shape[shard_dim(shape, world_size)] if shape else 1
+    return sum(math.ceil(rows(s) / world_size) * (numel // rows(s)) * nbytes for s, numel, nbytes in params)
 
 
 def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float],

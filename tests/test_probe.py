@@ -51,3 +51,33 @@ def test_a_set_dp_shard_that_does_not_fit_names_the_world_and_dp_shard_that_do(l
     assert small["best"] is None and world and 8 < world <= 32 and world % 8 == 0
     assert plan(world // 8, gpu, world // 2)["best"] and not plan(world // 8 - 1, gpu, world // 2 - 4)["best"]
     assert format_plan(small).endswith(f"is {world} GPUs ({world // 8} nodes x 8; parallel.dp_shard={world // 2})")
+
+
+def expert_placements(model_dir: str) -> dict:
+    from finetune.distributed import init_distributed
+    from finetune.model import build_model
+    device, dims = init_distributed()
+    model = build_model(model_dir, device, dims.mesh, mixed_precision="fp32")
+    return {n: (str(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()
+            if "experts" in n or "gate.weight" in n}
+
+
+def test_moe_experts_fewer_than_ranks_are_sharded_on_their_longest_dim(tmp_path, chat_file):
+    """2 fused experts on 4 ranks sharded on dim 0 left 2 ranks without expert weights and gave the other 2 twice
+    their share (Mixtral-8x7B on 16+ GPUs: no world size fit). They shard on their longest dim, train as one
+    process does, and plan counts them so."""
+    from conftest import make_model_dir
+    from finetune.model import shard_dim
+    from finetune.plan import sharded_bytes
+    from helpers import run_ranks, sft
+    moe = make_model_dir(tmp_path / "moe", "chatml", "mixtral", tied=False, num_layers=2, num_local_experts=2,
+                         num_experts_per_tok=1)
+    placements = run_ranks(expert_placements, 4, str(moe))[3]
+    gate_up = next(v for n, v in placements.items() if n.endswith("experts.gate_up_proj"))
+    assert gate_up == ("(Shard(dim=1),)", (2, 80, 64))  # (2 experts, 2 x 160, 64) over 4 ranks
+    one = sft(moe, chat_file, tmp_path / "one", "train.max_steps=2", "train.micro_batch_size=4")
+    four = sft(moe, chat_file, tmp_path / "four", "train.max_steps=2", "train.micro_batch_size=1", nproc=4)
+    assert [r["loss"] for r in four] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["grad_norm"] for r in four] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+    assert shard_dim((8, 28672, 4096), 8) == 0 and shard_dim((8, 28672, 4096), 16) == 1
+    assert sharded_bytes([((8, 28672, 4096), 8 * 28672 * 4096, 4)], 64) == 8 * 28672 * 4096 * 4 // 64
