@@ -187,8 +187,11 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 
 def shard_dim(shape, shards: int) -> int:
     """The dim FSDP shards a parameter on: 0, unless it has fewer rows than ranks in a shard group (fused MoE experts,
-    8 of them on 16 ranks: half the ranks would hold none, the others twice their share), then its longest dim."""
-    return 0 if not shape or shape[0] >= shards else max(range(len(shape)), key=lambda d: shape[d])
+    8 of them on 16 ranks: half the ranks would hold none, the others twice their share), then its longest dim that
+    the group divides (FSDP2 shards other dims only evenly)."""
+    if not shape or shape[0] >= shards:
+        return 0
+    return max((d for d in range(1, len(shape)) if shape[d] % shards == 0), key=lambda d: shape[d], default=0)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:

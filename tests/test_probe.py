@@ -80,4 +80,19 @@ def test_moe_experts_fewer_than_ranks_are_sharded_on_their_longest_dim(tmp_path,
     assert [r["loss"] for r in four] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["grad_norm"] for r in four] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
     assert shard_dim((8, 28672, 4096), 8) == 0 and shard_dim((8, 28672, 4096), 16) == 1
+    assert shard_dim((2, 64), 4) == 1 and shard_dim((2, 66), 4) == 0  # FSDP2 shards dims > 0 only evenly
     assert sharded_bytes([((8, 28672, 4096), 8 * 28672 * 4096, 4)], 64) == 8 * 28672 * 4096 * 4 // 64
+
+
+def test_the_slice_reader_fills_parameters_sharded_on_dim_1(tmp_path):
+    """k_proj with 2 rows on 4 ranks is sharded on dim 1 (and on dim 0 at 3 ranks, where dim 1 does not divide):
+    each rank's block equals the rank-0 load's, bit for bit."""
+    from conftest import make_model_dir
+    from helpers import run_ranks
+    from test_io import both_loads
+    narrow = make_model_dir(tmp_path / "narrow", "chatml", "llama", tied=False, num_layers=1, num_attention_heads=32,
+                            num_key_value_heads=1)  # head_dim 2: k_proj and v_proj are (2, 64)
+    for nproc, rows in ((4, [2, 2, 2, 2]), (3, [1, 1, 0])):
+        per_rank = run_ranks(both_loads, nproc, str(narrow))
+        assert all(path == "slices" and differ == [] and filled for path, differ, _, filled in per_rank)
+        assert [r["model.layers.0.self_attn.k_proj.weight"] for _, _, r, _ in per_rank] == rows
