@@ -231,6 +231,9 @@ def train(cfg: Config) -> dict:
         logger.close()
         if bar is not None:
             bar.close()
+    if cfg.checkpoint.export_hf:  # every rank gathers, writes and checks whole files (plan: the final checkpoint)
+        from .export import export_hf
+        export_hf(str(out), str(out / "hf"), live=model)
     if cfg.eval.path:
         record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device), eval_before, out)
     return record
