@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .distributed import is_main, print0
 from .errors import FinetuneError, one_line
@@ -185,6 +185,15 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
             layer.compile()
 
 
+def shard_dim(shape, shards: int) -> int:
+    """The dim FSDP shards a parameter on: 0, unless it has fewer rows than ranks in a shard group (fused MoE experts,
+    8 of them on 16 ranks: half the ranks would hold none, the others twice their share), then its longest dim that
+    the group divides (FSDP2 shards other dims only evenly)."""
+    if not shape or shape[0] >= shards:
+        return 0
+    return max((d for d in range(1, len(shape)) if shape[d] % shards == 0), key=lambda d: shape[d], default=0)
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
     """fully_shard each block, the input embedding and the output projection, then the root (final norm, the rest).
     On a 2-D mesh ("dp_replicate", "dp_shard") this is HSDP: sharded within a group, replicated across groups.
@@ -194,17 +203,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head
     never be all-gathered there (Liger issues #332, #631)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    shards = mesh.shape[-1]
+    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, shards)))
     layers = find_layers(model)
     for i, layer in enumerate(layers):
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kw)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
     if not tied:
-        fully_shard(embed, mesh=mesh, mp_policy=mp)
+        fully_shard(embed, **kw)
         if head is not None and lm_head_unit:  # used last in forward, first in backward: kept unsharded between
-            fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(head, reshard_after_forward=False, **kw)
+    fully_shard(model, **kw)
     # gradients are summed over ranks, not averaged: train_step divides by the global label-token count itself
     for m in model.modules():
         if isinstance(m, FSDPModule):

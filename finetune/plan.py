@@ -26,11 +26,12 @@ GIB = 2**30
 
 
 def parse_gpu_memory(text: str) -> int:
-    """'80GB' -> bytes. GB means GiB here, as GPUs are sized (an H100 80GB has 80 GiB)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB)?\s*", text, re.I)
-    if not m or float(m[1]) <= 0:
+    """'80GB' -> bytes. GB means GiB here, as GPUs are sized (an H100 80GB has 80 GiB); 80G, 1TB, 512MiB too."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([MGT])(?:i?B)?)?\s*", text, re.I)
+    size = int(float(m[1]) * 2 ** {"M": 20, "G": 30, "T": 40}[(m[2] or "G").upper()]) if m else 0
+    if size <= 0:  # also a size that rounds to no bytes (its percentages would divide by zero)
         raise ConfigError(f"--gpu-memory must be a size like 80GB or 24576MB, got {text!r}")
-    return int(float(m[1]) * (2**20 if (m[2] or "GB").upper().startswith("M") else GIB))
+    return size
 
 
 def load_arch(cfg: Config, model_dir: str | None):
@@ -69,7 +70,10 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float):
     storage."""
     from .lora import apply_lora
     from .model import apply_ac, apply_fsdp, build_skeleton
-    model = build_skeleton(hf_config, cfg.model.attn_implementation, cfg.model.trust_remote_code)
+    # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
+    # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
+    attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
+    model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
     base_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float32
     model.lora = apply_lora(model, **asdict(cfg.lora), base_dtype=base_dtype) if cfg.lora.rank else None
     apply_ac(model, ac_ratio, cfg.ac.mode)
@@ -135,7 +139,7 @@ def measure_state(model) -> dict:
         for kind, t in tensors:
             key = f"{kind} {str(t.dtype).removeprefix('torch.')}"
             state[key] = state.get(key, 0) + t.numel() * t.element_size()
-        params.append((p.shape[0], p.numel(), sum(t.element_size() for _, t in tensors)))
+        params.append((tuple(p.shape), p.numel(), sum(t.element_size() for _, t in tensors)))
     held, units, unit_grads = 0, [], 0
     for m in model.modules():
         group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
@@ -155,8 +159,13 @@ def measure_state(model) -> dict:
 
 
 def sharded_bytes(params: list, world_size: int) -> int:
-    """fully_shard's dim-0 chunks: rank 0 holds ceil(rows / world) rows of each parameter (and its grad, state)."""
-    return sum(math.ceil(rows / world_size) * (numel // rows) * nbytes for rows, numel, nbytes in params)
+    """fully_shard's chunks (model.shard_dim): rank 0 holds ceil(rows / world) rows of each parameter (and its
+    grad, state)."""
+    from .model import shard_dim
+
+    def rows(shape):
+        return shape[shard_dim(shape, world_size)] if shape else 1
+    return sum(math.ceil(rows(s) / world_size) * (numel // rows(s)) * nbytes for s, numel, nbytes in params)
 
 
 def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float],
@@ -186,13 +195,14 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
     smallest = None
     replicas = cfg.parallel.dp_replicate
-    if not fits and not cfg.parallel.dp_shard:  # more GPUs shrink only the sharded state (shard groups grow)
+    if not fits:  # more GPUs shrink only the sharded state: the shard groups grow (a set dp_shard with them)
         least = min(p["total"] - fixed for p in points) + in_flight
         smallest = next((w for w in range(world + nproc, 2**16, nproc)
                          if w % replicas == 0 and sharded_bytes(measured["params"], w // replicas) + least <= usable),
                         None)
     return {"model": cfg.model.path, "num_params": sum(n for _, n, _ in measured["params"]), "nnodes": nnodes,
-            "nproc_per_node": nproc, "world_size": world, "parallel": str(dims), "gpu_memory": gpu_bytes,
+            "nproc_per_node": nproc, "world_size": world, "parallel": str(dims),
+            "parallel_config": asdict(cfg.parallel), "gpu_memory": gpu_bytes,
             "safety": SAFETY, "seq_len": cfg.data.max_seq_len,
             "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode, "liger": cfg.model.liger,
             "state": measured["state"], "in_flight": measured["in_flight"], "points": points, "best": best,
@@ -224,9 +234,10 @@ def format_plan(r: dict) -> str:
                      f"{size(b['free'])} {name} ({b['free'] / r['gpu_memory']:.0%}) free "
                      f"(>= {r['safety']:.0%} kept free)")
     else:
-        world = r["smallest_world_size"]
+        world, pc = r["smallest_world_size"], r["parallel_config"]
         lines.append(f"\ndoes not fit: no point leaves {r['safety']:.0%} of {size(r['gpu_memory'])} {name} free; "
                      + (f"the smallest world size that would fit is {world} GPUs ({world // r['nproc_per_node']} "
-                        f"nodes x {r['nproc_per_node']})" if world else
+                        f"nodes x {r['nproc_per_node']}" + (f"; parallel.dp_shard={world // pc['dp_replicate']}"
+                                                            if pc["dp_shard"] else "") + ")" if world else
                         "no world size fits: a smaller micro-batch, a higher ac.ratio or a shorter sequence"))
     return "\n".join(lines)
