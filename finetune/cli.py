@@ -9,12 +9,12 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Callable, List, NoReturn, Optional
+from typing import List, NoReturn, Optional
 
 import typer
 
 from .config import Config, ConfigError, check_parallel, load_config, parse_value
-from .errors import FinetuneError
+from .launch import guarded, launch, set_threads
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -43,18 +43,6 @@ DATASET = typer.Option(None, "--dataset", help="hub id or .json/.jsonl/.parquet 
 OUTPUT = typer.Option(None, "--output-dir", "-o", help="where metrics, config and checkpoints go (output_dir)")
 NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with torch's elastic launcher")
 DEBUG = typer.Option(False, "--debug", help="show tracebacks")
-
-
-def guarded(fn: Callable, debug: bool, *args):
-    """Run fn; our errors become `error: <one line>` on stderr and their exit code (2: bad input, 1: a failed run);
-    with --debug, the traceback instead."""
-    try:
-        return fn(*args)
-    except FinetuneError as e:
-        if debug:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(e.exit_code)
 
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
@@ -94,78 +82,9 @@ def check_paths(cfg: Config) -> None:
                           f"reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache") from None
 
 
-def set_threads(nproc: int) -> None:
-    """OMP_NUM_THREADS defaults to physical cores / local ranks (oversubscription slows CPU runs a lot)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        import psutil
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
-
-
 def check_flag(flag: str, ok: bool, rule: str, value) -> None:
     if not ok:
         raise ConfigError(f"{flag} must be {rule}, got {value}")
-
-
-def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None,
-           nnodes: int = 1, rdzv_endpoint: str = ""):
-    """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
-    that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them.
-    With nnodes > 1, one such launcher per node meets the others at `rdzv_endpoint` (c10d rendezvous)."""
-    set_threads(nproc)  # nproc >= 1: checked with the rest of the input
-    if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
-        return rank_main(entry, args, debug)
-    import uuid
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    from .distributed import _free_port
-    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them. SIGINT
-    # is ours: the ranks run in their own sessions, so a Ctrl-C reaches them only through this process, which passes
-    # the first one on (the ranks save and stop, as on SIGTERM) and kills them on the second. (Not by raising into
-    # the launcher as its own handler does: an except Exception there can swallow that, leaving the ranks paused.)
-    import psutil
-
-    def on_sigint(signum, frame):
-        ranks = psutil.Process().children()
-        if ranks and not getattr(on_sigint, "seen", False):
-            on_sigint.seen = True
-            for rank in ranks:
-                rank.send_signal(signal.SIGINT)
-            return
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-        print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
-        os._exit(130)
-    signal.signal(signal.SIGINT, on_sigint)
-    # every node's launcher must name the same rendezvous run: the SLURM job, or one fixed name per endpoint
-    run_id = os.environ.get("SLURM_JOB_ID", "finetune") if nnodes > 1 else str(uuid.uuid4())
-    lc = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
-                      rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{_free_port()}", max_restarts=0,
-                      signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
-                      monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
-    try:
-        elastic_launch(lc, sys.executable)("-m", "finetune", *sys.argv[1:])
-    except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values()]
-        raise SystemExit(2 if 2 in codes else (codes[0] or 1)) from None
-    except SignalException as e:
-        ok = on_signal() if on_signal else False
-        print(f"finetune: {e.sigval.name} forwarded to the ranks; "
-              f"{'they saved and stopped' if ok else 'no new checkpoint was completed'}", file=sys.stderr)
-        raise SystemExit(0 if ok else 1) from None
-
-
-def rank_main(entry: Callable, args: tuple, debug: bool):
-    """One rank: threads, the entry, errors as one line + exit 2, process group torn down."""
-    import torch
-    from .distributed import teardown
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    try:
-        return guarded(entry, debug, *args)
-    finally:
-        teardown()
 
 
 def preflight(cfg: Config) -> str | None:
