@@ -171,6 +171,11 @@ def start_workers(model_type: str):
 def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps: int, warmup: int,
               out_dir: Path, budget_mb: float | None) -> list[dict]:
     """Run every (ratio, accumulation) point in a fresh process; write bench.json/md/png; print the table."""
+    if cfg.train.tokens_per_step:  # bench runs one rank: the rows of a step as sft takes them there, as accumulation
+        from .train import accum_steps
+        cfg.train.grad_accum_steps = accum_steps(cfg.train.micro_batch_size, 1, cfg.train.tokens_per_step,
+                                                 cfg.data.max_seq_len, 1)
+        cfg.train.tokens_per_step = 0
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
     accums = accums or [cfg.train.grad_accum_steps]
     for a in accums:  # the global batch stays fixed; only its split into micro-batches changes
