@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint import MARKER, CheckpointError, arch_diffs, damage, latest_complete, read_marker, step_dirs
 from .config import ConfigError
 from .distributed import barrier, init_distributed, is_main, print0, world_size
-from .hfio import DTYPES as ST_TORCH
+from .hfio import DTYPES as ST_TORCH, INDEX
 from .lock import hold_lock, release_lock, remove_stale_partials
 from .metrics import peak_rss_mb
 from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
@@ -272,7 +272,7 @@ def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dt
     if split.is_sharded and is_main():
         num_params = sum(t.numel() for t in metas.values())
         index = {"metadata": {"total_parameters": num_params, **split.metadata}, "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return split.filename_to_tensors
 
 
