@@ -28,7 +28,7 @@ from .distributed import barrier, init_distributed, is_main, print0, world_size
 from .hfio import DTYPES as ST_TORCH, INDEX
 from .lock import hold_lock, release_lock, remove_stale_partials
 from .metrics import peak_rss_mb
-from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
+from .model import MANIFEST, ModelError, build_skeleton, clean_fqn, is_prepared, load_hf_config
 from .outdir import check_output_dir, publish_dir
 from .prepare import save_hf_files
 
@@ -174,7 +174,6 @@ def open_live(model) -> tuple[dict, Callable[[str], torch.Tensor]]:
     ask for the same names in the same order, which save_weights and verify_export do)."""
     from torch.distributed.checkpoint.metadata import TensorProperties
     from torch.distributed.tensor import DTensor
-    from .model import clean_fqn
     tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them
     stored = {n: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, []) for n, t in tensors.items()}
 

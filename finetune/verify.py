@@ -10,6 +10,7 @@ import torch
 from .distributed import is_main
 from .errors import FinetuneError
 from .export import ST_DTYPES, Source, mine, open_tensors, out_dtype_of, to_disk
+from .hfio import disk_to_memory, open_dir, read_tensor, streamed_logits
 from .model import ModelError, build_skeleton
 
 
@@ -29,7 +30,6 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
     config. (Tensors transformers converts on load, e.g. fused MoE experts, are checked piece by piece on disk and
     enter the logits from the checkpoint.) Returns the max abs logit difference."""
     from transformers import AutoConfig
-    from .hfio import disk_to_memory, open_dir, read_tensor, streamed_logits
     try:
         entries = open_dir(out) or {}  # strict: the index names existing files that hold what it lists
     except ModelError as e:
