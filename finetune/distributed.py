@@ -41,8 +41,7 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        coord = self.mesh.get_coordinate()
-        return coord[0] * self.dp_shard + coord[1] if len(coord) == 2 else coord[0]
+        return self.mesh.get_rank()  # the mesh holds all ranks in order (replicate outermost): its coordinate's rank
 
     def __str__(self) -> str:
         return f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"

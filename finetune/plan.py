@@ -179,7 +179,8 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
             with fake_mode:
                 for mbs in micro_batch_sizes:
                     runs[ratio, mbs] = measure_micro_batch(model, mbs, cfg.data.max_seq_len)
-                measured = measure_state(model)  # the same at every ratio
+        with fake_mode:
+            measured = measure_state(model)  # the same at every ratio: once, on the last one
     in_flight = sum(measured["in_flight"].values())
     fixed = sum(measured["state"].values()) + in_flight
     usable = gpu_bytes * (1 - SAFETY)

@@ -71,7 +71,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run).
 
     Forward/backward each micro-batch on the summed token losses (gradient sync on the last), then ONE all_reduce
-    of [label tokens, input tokens, loss sum, stop, computed (padded) tokens] over the ranks; the gradients are
+    of [label tokens, loss sum, input tokens, stop, computed (padded) tokens] over the ranks; the gradients are
     divided by the global label-token count on the device, so the loss is the mean over every label token of the
     global batch, whatever the split into ranks and micro-batches. Then clip and step. Returns ([loss, grad_norm,
     label tokens, input tokens, stop, computed tokens] as one float64 tensor on the device, never read here, and
@@ -93,14 +93,13 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     num_computed = sum(b["input_ids"].numel() for b in micro_batches)
     counts = torch.tensor([num_input_tokens, float(stop), num_computed], dtype=torch.float64).to(device,
                                                                                                non_blocking=True)
-    stats = torch.stack([num_tokens.to(device, torch.float64, non_blocking=True), counts[0], loss_sum, counts[1],
-                         counts[2]])
+    stats = torch.cat([torch.stack([num_tokens.to(device, torch.float64, non_blocking=True), loss_sum]), counts])
     all_reduce(stats)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, (1 / stats[0].clamp(min=1)).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
-    result = torch.stack([stats[2] / stats[0].clamp(min=1), grad_norm.double(), stats[0], stats[1], stats[3],
-                          stats[4]])
+    # [LOSS, GRAD_NORM, NUM_TOKENS], then stats[2:] as they are: NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS
+    result = torch.cat([torch.stack([stats[1] / stats[0].clamp(min=1), grad_norm.double(), stats[0]]), stats[2:]])
     skipped = skip_nonfinite and not bool(torch.isfinite(result[:2]).all())
     if not skipped:
         optimizer.step()
