@@ -2,7 +2,7 @@
 
 Tensors stream from DCP one at a time into safetensors shards whose headers are known up front (from DCP's
 metadata), so writing needs host RAM for about one fp32 tensor and its cast, whatever the model or shard size.
-The check afterwards streams too (verify_export): one tensor, or one decoder block in fp32, at a time.
+The check afterwards streams too (verify.py): one tensor, or one decoder block in fp32, at a time.
 Everything is written to a sibling temp dir and moved into place only once verified.
 """
 from __future__ import annotations
@@ -25,23 +25,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint import MARKER, CheckpointError, arch_diffs, damage, latest_complete, read_marker, step_dirs
 from .config import ConfigError
 from .distributed import barrier, init_distributed, is_main, print0, world_size
-from .errors import FinetuneError
-from .hfio import DTYPES as ST_TORCH
+from .hfio import DTYPES as ST_TORCH, INDEX
 from .lock import hold_lock, release_lock, remove_stale_partials
 from .metrics import peak_rss_mb
-from .model import MANIFEST, ModelError, build_skeleton, is_prepared, load_hf_config
+from .model import MANIFEST, ModelError, build_skeleton, clean_fqn, is_prepared, load_hf_config
 from .outdir import check_output_dir, publish_dir
 from .prepare import save_hf_files
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 ST_DTYPES = {v: k for k, v in ST_TORCH.items()}  # torch dtype -> safetensors' name
-
-
-class VerifyError(FinetuneError):
-    """The exported model does not reproduce the checkpoint (a failure: exit 1); the message is one line."""
-
-    exit_code = 1
 
 
 @dataclass
@@ -181,7 +174,6 @@ def open_live(model) -> tuple[dict, Callable[[str], torch.Tensor]]:
     ask for the same names in the same order, which save_weights and verify_export do)."""
     from torch.distributed.checkpoint.metadata import TensorProperties
     from torch.distributed.tensor import DTensor
-    from .model import clean_fqn
     tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them
     stored = {n: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, []) for n, t in tensors.items()}
 
@@ -279,78 +271,8 @@ def save_weights(out: Path, source: Source, skeleton, plan: dict, disk: dict, dt
     if split.is_sharded and is_main():
         num_params = sum(t.numel() for t in metas.values())
         index = {"metadata": {"total_parameters": num_params, **split.metadata}, "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return split.filename_to_tensors
-
-
-@torch.no_grad()
-def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, dtype: torch.dtype,
-                  shards: dict) -> float:
-    """Check `out` without ever holding the model: the files and index hold exactly the planned tensors, each equal
-    to the checkpoint's (rounded to dtype) bit for bit, read one at a time; then logits of the exported config's
-    model, its weights streamed block by block from the exported files under the names from_pretrained gives them,
-    must equal those of the source config's model on the same tensors, and config.json must read back as the
-    config. (Tensors transformers converts on load, e.g. fused MoE experts, are checked piece by piece on disk and
-    enter the logits from the checkpoint.) Returns the max abs logit difference."""
-    from transformers import AutoConfig
-    from .hfio import disk_to_memory, open_dir, read_tensor, streamed_logits
-    try:
-        entries = open_dir(out) or {}  # strict: the index names existing files that hold what it lists
-    except ModelError as e:
-        raise VerifyError(f"export check: {e}") from e
-    for filename, names in shards.items():
-        held = {n: e.dtype for n, e in entries.items() if e.file.name == filename}
-        if held != {n: ST_DTYPES[out_dtype_of(plan[disk[n][0]], dtype)] for n in names}:
-            raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
-    if set(entries) != set(disk):
-        raise VerifyError(f"export check: the exported files hold {len(entries)} tensors, {len(disk)} were planned")
-    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
-    _, load = open_tensors(source, hf_config)
-    pieces_of: dict[str, list[str]] = {}
-    for d, (k, _) in disk.items():
-        pieces_of.setdefault(k, []).append(d)
-    for k, pieces in pieces_of.items():
-        if not mine(entries[pieces[0]].file.name, shards):
-            if source.live:
-                load(k)  # take part in the owner's gather
-            continue
-        want = load(k).to(out_dtype_of(plan[k], dtype))
-        want = to_disk(skeleton, {k: want}) if pieces != [k] else {k: want}
-        for d in pieces:
-            got = read_tensor(entries[d])
-            if got.dtype != want[d].dtype or not torch.equal(got, want[d]):
-                raise VerifyError(f"export check: {d} in {entries[d].file.name} differs from the checkpoint's tensor")
-        del want
-    if not is_main():  # the other ranks checked their own files; rank 0 does the rest
-        return 0.0
-    exported = AutoConfig.from_pretrained(out, trust_remote_code=source.trust_remote_code)
-    to_memory = disk_to_memory(build_skeleton(exported, None, source.trust_remote_code), entries)
-    stored = {k: entries[d] for d, k in to_memory.items() if k is not None}
-    converted = {disk[d][0] for d, k in to_memory.items() if k is None}
-
-    def fetch(name: str) -> torch.Tensor:
-        if name in stored:
-            return read_tensor(stored[name])
-        if name in converted:
-            return load(name).to(out_dtype_of(plan[name], dtype))
-        raise VerifyError(f"export check: the exported files hold no {name}: from_pretrained would initialise it "
-                          f"itself")
-    vocab_size = skeleton.get_input_embeddings().weight.shape[0]
-    input_ids = torch.randint(vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    ref_logits = streamed_logits(hf_config, fetch, input_ids, source.trust_remote_code)
-    logits = streamed_logits(exported, fetch, input_ids, source.trust_remote_code)
-    diff = (logits - ref_logits).abs().max().item()
-    tol = 1e-4 * max(1.0, ref_logits.abs().max().item())
-    if not diff <= tol:
-        raise VerifyError(f"export check failed: the exported model's logits differ from the checkpoint's by "
-                          f"{diff:.3g} (tolerance {tol:.3g})")
-    want, got = hf_config.to_dict(), exported.to_dict()
-    wrong = sorted(k for k in want.keys() | got.keys()
-                   if k != "transformers_version" and not k.startswith("_") and want.get(k) != got.get(k))
-    if wrong:
-        raise VerifyError(f"export check: config.json reads back with {wrong[0]}={got.get(wrong[0])!r}, the "
-                          f"checkpoint's config has {want.get(wrong[0])!r}")
-    return diff
 
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
@@ -438,6 +360,7 @@ def write_model(tmp: Path, out: Path, checkpoint: str, source: Source, hf_config
            f"(largest stored tensor {largest_mb:.0f} MB)")
     diff = None
     if verify:
+        from .verify import verify_export
         diff = verify_export(tmp, source, hf_config, plan, disk, dtype, shards)
         print0(f"verified: {len(plan)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
                f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")

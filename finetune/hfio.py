@@ -194,7 +194,7 @@ def load_slices(model: nn.Module, plan: dict[str, Entry]) -> None:
         if local.numel() == 0:
             continue
         if not entry.shape:  # a scalar
-            local.copy_(read_rows(entry, 0, 1).reshape(()))
+            local.copy_(read_tensor(entry))
             continue
         rows = read_rows(entry, offset[0], offset[0] + shape[0])
         for dim in range(1, rows.dim()):  # a layout sharded on other dims too: read the rows, keep the block

@@ -133,7 +133,8 @@ def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool)
     """A LoRA checkpoint's PEFT adapter dir; verified by PeftModel.from_pretrained: every adapter tensor must load
     under its name (no missing or unexpected keys) with the checkpoint's values."""
     from safetensors.torch import save_file
-    from .export import VerifyError, open_dcp
+    from .export import open_dcp
+    from .verify import VerifyError
     stored, load = open_dcp(source.weights)
     tensors = {k: load(k) for k in stored}
     # adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained lays them out

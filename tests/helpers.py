@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 PRELOAD = ["pytest", "torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "datasets", "accelerate",
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
            "transformers.models.qwen2.modeling_qwen2", "finetune.train", "finetune.bench", "finetune.prepare",
-           "finetune.export", "helpers"]
+           "finetune.export", "finetune.verify", "helpers"]
 
 
 class RankError(RuntimeError):

@@ -205,7 +205,8 @@ def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
 
 def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, llama_export, tmp_path):
     from safetensors.torch import save_file
-    from finetune.export import VerifyError, find_source, plan_tensors, verify_export
+    from finetune.export import find_source, plan_tensors
+    from finetune.verify import VerifyError, verify_export
     from finetune.model import load_hf_config
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)
