@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint import MARKER, CheckpointError, arch_diffs, damage, latest_complete, read_marker, step_dirs
 from .config import ConfigError
 from .distributed import barrier, init_distributed, is_main, print0, world_size
-from .hfio import DTYPES as ST_TORCH, INDEX
+from .weights import DTYPES as ST_TORCH, INDEX
 from .lock import hold_lock, release_lock, remove_stale_partials
 from .metrics import peak_rss_mb
 from .model import MANIFEST, ModelError, build_skeleton, clean_fqn, is_prepared, load_hf_config

@@ -119,7 +119,7 @@ def merged(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.T
 def open_safetensors(path: str) -> tuple[dict, callable]:
     """{name: metadata} and name -> tensor of an HF model's safetensors files (a dir, or a hub id in the cache)."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
-    from .hfio import DTYPES, local_dir, open_dir, read_tensor
+    from .weights import DTYPES, local_dir, open_dir, read_tensor
     from .model import ModelError
     entries = open_dir(local_dir(path))
     if not entries:

@@ -235,7 +235,7 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 def load_hf_weights(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
     """Every rank reads its own slices of the safetensors files (hfio), checked strictly first; a checkpoint that
     needs converting on load, or has no safetensors, is read by rank 0 and scattered (load_hf_weights_rank0)."""
-    from .hfio import load_slices, plan_slices
+    from .weights import load_slices, plan_slices
     plan = plan_slices(model, path, trust_remote_code)
     if isinstance(plan, str):
         print0(f"loading on rank 0 and scattering: {plan}")

@@ -10,7 +10,7 @@ import torch
 from .distributed import is_main
 from .errors import FinetuneError
 from .export import ST_DTYPES, Source, mine, open_tensors, out_dtype_of, to_disk
-from .hfio import disk_to_memory, open_dir, read_tensor, streamed_logits
+from .weights import disk_to_memory, open_dir, read_tensor, streamed_logits
 from .model import ModelError, build_skeleton
 
 

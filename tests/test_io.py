@@ -1,6 +1,6 @@
-"""70B-ready I/O (finetune/hfio.py): every rank reads its own slices of the HF safetensors, bit-equal to the rank-0
-load for every test architecture at 1, 2 and 4 ranks with sizes that do not divide by the world size; strict about
-what the files hold. Ranks run in-process (run_ranks)."""
+"""70B-ready I/O (finetune/weights.py, finetune/load.py): every rank reads its own slices of the HF safetensors,
+bit-equal to the rank-0 load for every test architecture at 1, 2 and 4 ranks with sizes that do not divide by the
+world size; strict about what the files hold. Ranks run in-process (run_ranks)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,7 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     """On each rank: (the path plan_slices takes, shard names whose fp32 values differ between the slice reader and
     the rank-0 load, the local row counts, whether every shard was filled)."""
     from finetune.distributed import init_distributed
-    from finetune.hfio import plan_slices
+    from finetune.weights import plan_slices
     from finetune.model import build_model, load_hf_weights_rank0
     device, dims = init_distributed(dp_replicate=dp_replicate)
     mesh = dims.mesh
@@ -193,9 +193,9 @@ def test_sft_with_checkpoint_export_hf_writes_what_export_hf_writes(qwen_tied_di
 
 
 def local_dir_of_hub_id(model_dir, fail):
-    """hfio.local_dir("org/model") with snapshot_download replaced by a fake hub cache that records its calls."""
+    """weights.local_dir("org/model") with snapshot_download replaced by a fake hub cache that records its calls."""
     import huggingface_hub
-    from finetune.hfio import local_dir
+    from finetune.weights import local_dir
     calls = []
 
     def snapshot_download(repo_id, allow_patterns=None, local_files_only=False):
