@@ -12,24 +12,13 @@ import json
 import statistics
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from .config import Config, ConfigError, load_config, to_toml
 from .errors import one_line
-
-
-def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
-    """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(ok(v) for v in values):
-        raise ConfigError(f"{flag} must be comma-separated {rule}, got {text!r}")
-    return values
+from .metrics import count_saved
 
 
 def device_name() -> str:
@@ -51,36 +40,6 @@ def default_budget_mb() -> float:
 
 
 # ----------------------------------------------------------------------------------------------- one point
-
-@contextmanager
-def count_saved(model):
-    """Inside: the storages the forward keeps for backward, in the yielded dict: tensors autograd saves (and
-    op-level AC caches) outside checkpointed regions, plus the inputs a checkpointed block holds for its recompute.
-    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway)."""
-    storages = {}
-
-    def keep(t):
-        if isinstance(t, torch.Tensor):
-            base = t._base if t._base is not None else t
-            if not (base.is_leaf and base.requires_grad):
-                s = t.untyped_storage()
-                storages[s._cdata] = s
-        return t
-
-    def hold_inputs(module, args, kwargs):
-        for v in (*args, *kwargs.values()):
-            for t in (v if isinstance(v, tuple) else (v,)):
-                keep(t)
-
-    ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")]
-    handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            yield storages
-    finally:
-        for h in handles:
-            h.remove()
-
 
 def saved_for_backward_mb(model, batch: dict) -> float:
     """MB that one forward keeps for backward (count_saved)."""

@@ -28,13 +28,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from . import faults
 from .errors import FinetuneError
 from .distributed import barrier, is_main, print0, world_size
+from .weights import arch_diffs, arch_of, clean_fqn
 
 MARKER = "finetune_complete.json"
 TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # a LoRA checkpoint holds no frozen base weight
 # on load the frozen keys are absent by design (check_compatible has compared the trainable ones)
 TRAINABLE_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
-ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-             "num_key_value_heads", "vocab_size", "tie_word_embeddings")
 
 
 class CheckpointError(FinetuneError, ValueError):
@@ -68,6 +67,18 @@ class TrainState(Stateful):
 def is_complete(path: Path) -> bool:
     """The save finished (the marker is written last); whether the files are still intact is damage()'s question."""
     return (path / ".metadata").is_file() and (path / MARKER).is_file()
+
+
+def check_intact(path: Path, key: str = "") -> None:
+    """Raise a CheckpointError (prefixed with the setting `key`, if any) unless `path` is a complete, intact
+    checkpoint."""
+    where = f"{key}: {path}" if key else str(path)
+    if not is_complete(path):
+        raise CheckpointError(f"{where} is an incomplete checkpoint (needs .metadata and {MARKER}; its save did not "
+                              f"finish)")
+    problem = damage(path)
+    if problem:
+        raise CheckpointError(f"{where} is damaged: {problem}")
 
 
 def write_marker(path: Path, marker: dict) -> None:
@@ -115,7 +126,7 @@ def step_dirs(root: Path) -> list[Path]:
 def latest_complete(root: Path, report: bool = True) -> Path | None:
     """The newest intact checkpoint under root; `report` prints the step dirs passed over (one line each kind)."""
     dirs = step_dirs(root)
-    incomplete = [p.name for p in dirs if not (p / MARKER).exists()]  # the save did not finish
+    incomplete = [p.name for p in dirs if not is_complete(p)]  # the save did not finish
     if incomplete and report:
         print0(f"ignoring incomplete checkpoint(s) in {root}: {', '.join(incomplete)}")
     for path in reversed([p for p in dirs if p.name not in incomplete]):
@@ -131,14 +142,8 @@ def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool =
     """The checkpoint this run starts from: --resume-from, else the newest intact one (unless --no-resume).
     `report` prints the step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
     if resume_from:
-        path = Path(resume_from)
-        if not (path / MARKER).exists():
-            raise CheckpointError(f"checkpoint.resume_from: {path} is not a complete checkpoint "
-                                  f"(needs .metadata and {MARKER})")
-        problem = damage(path)
-        if problem:
-            raise CheckpointError(f"checkpoint.resume_from: {path} is damaged: {problem}")
-        return path
+        check_intact(Path(resume_from), "checkpoint.resume_from")
+        return Path(resume_from)
     latest = latest_complete(Path(output_dir) / "checkpoints", report=resume and report)
     if latest is not None and not resume:
         raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there "
@@ -146,34 +151,39 @@ def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool =
     return latest
 
 
+def resolve_checkpoint(path: Path) -> Path | None:
+    """The checkpoint `path` names: itself when it is a step dir (checked intact), the newest intact one of a
+    training output dir; None when it is neither."""
+    if (path / ".metadata").exists() or (path / MARKER).exists() or path.name.startswith("step-"):
+        check_intact(path)
+        return path
+    if not (path / "checkpoints").is_dir():
+        return None
+    step = latest_complete(path / "checkpoints")  # says which newer step dirs it passes over
+    if step is None:
+        found = ", ".join(d.name for d in step_dirs(path / "checkpoints")) or "none"
+        raise CheckpointError(f"no complete checkpoint under {path / 'checkpoints'} that is intact "
+                              f"(step dirs: {found})")
+    return step
+
+
 def read_marker(path: Path) -> dict:
     return json.loads((path / MARKER).read_text())
-
-
-def arch_of(hf_config) -> dict:
-    return {k: getattr(hf_config, k, None) for k in ARCH_KEYS}
 
 
 def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
     """What a checkpoint holds: model and optimizer state of the trainable parameters, the scheduler, TrainState.
     ignore_frozen_params keeps the second name of a tied frozen weight (lm_head.weight of a tied LoRA base): such
     names are dropped here."""
-    from .model import clean_fqn
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
     frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd,
             "scheduler": scheduler.state_dict(), "train": state}
 
 
-def arch_diffs(path: Path, hf_config, other: str) -> list[str]:
-    """How the architecture the checkpoint's marker records differs from hf_config's (called `other`)."""
-    return [f"{k}: checkpoint {v!r}, {other} {getattr(hf_config, k, None)!r}"
-            for k, v in read_marker(path).get("arch", {}).items() if v != getattr(hf_config, k, None)]
-
-
 def check_arch(path: Path, hf_config) -> None:
     """Same architecture as the checkpoint (from its marker: cheap enough for the launcher's pre-flight check)."""
-    diffs = arch_diffs(path, hf_config, "run")
+    diffs = arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run")
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 

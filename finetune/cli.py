@@ -82,6 +82,17 @@ def check_paths(cfg: Config) -> None:
                           f"reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache") from None
 
 
+def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        raise ConfigError(f"{flag} must be comma-separated {rule}, got {text!r}")
+    return values
+
+
 def check_flag(flag: str, ok: bool, rule: str, value) -> None:
     if not ok:
         raise ConfigError(f"{flag} must be {rule}, got {value}")
@@ -207,12 +218,12 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
     """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
     def prepare():
         from .model import load_hf_config, load_tokenizer
-        from .prepare import check_output_dir
+        from .prepare import check_prepare_target
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
         if not model or not output_dir:
             raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
-        check_output_dir(Path(cfg.output_dir), cfg.model.path)
+        check_prepare_target(Path(cfg.output_dir), cfg.model.path)
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before any rank starts
         load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         out = Path(cfg.output_dir).resolve()
@@ -268,7 +279,7 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
           debug: bool = DEBUG):
     """Measure step time, tokens/s, MFU and memory across activation-checkpointing ratios (fresh process each)."""
     def run():
-        from .bench import parse_list, run_bench
+        from .bench import run_bench
         from .model import load_hf_config
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
@@ -297,7 +308,6 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
     def run():
         import contextlib
         import json
-        from .bench import parse_list
         from .plan import format_plan, load_arch, parse_gpu_memory, run_plan
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         mbs = parse_list(micro_batch_sizes, "--micro-batch-sizes", int, lambda m: m > 0, "integers > 0")

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .config import check_parallel
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -61,7 +61,7 @@ def init_distributed(dp_replicate: int = 1, dp_shard: int = 0,
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`/`finetune` without torchrun: a group of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             backend = "cuda:nccl,cpu:gloo"  # gloo for CPU-side collectives (object lists, signals)
@@ -95,6 +95,20 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+def broadcast(obj):
+    """rank 0's `obj` on every rank (itself on one process)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def is_my_file(filename: str, files: dict) -> bool:
+    """Whether this process writes (and checks) `filename`: files are dealt out round-robin over the ranks."""
+    return list(files).index(filename) % world_size() == (dist.get_rank() if dist.is_initialized() else 0)
 
 
 def teardown() -> None:

@@ -14,3 +14,7 @@ def one_line(e: BaseException) -> str:
     """`Type: first line of the message`: a library's exception inside one of our one-line messages."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+class ModelError(FinetuneError, ValueError):
+    """The model cannot be loaded or does not match; the message is one line."""

@@ -43,7 +43,7 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    from .distributed import _free_port
+    from .distributed import free_port
     # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them. SIGINT
     # is ours: the ranks run in their own sessions, so a Ctrl-C reaches them only through this process, which passes
     # the first one on (the ranks save and stop, as on SIGTERM) and kills them on the second. (Not by raising into
@@ -65,7 +65,7 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     # every node's launcher must name the same rendezvous run: the SLURM job, or one fixed name per endpoint
     run_id = os.environ.get("SLURM_JOB_ID", "finetune") if nnodes > 1 else str(uuid.uuid4())
     lc = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
-                      rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{_free_port()}", max_restarts=0,
+                      rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", max_restarts=0,
                       signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
                       monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:

@@ -1,29 +1,16 @@
-"""LoRA via peft: inject adapters into the HF model (names stay HF names), initialise them, and the key maps that
-checkpoints, export (merged W + alpha/r * B @ A) and PEFT adapter dirs share."""
+"""LoRA via peft: inject adapters into the HF model (names stay HF names; handed its decoder blocks), initialise
+them, the merge math (W + alpha/r * B @ A) and the key map of PEFT adapter dirs. No file I/O."""
 from __future__ import annotations
 
 import math
 import re
-import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from .config import ConfigError
 from .distributed import print0
-
-# peft wraps a target Linear as <name>.base_layer + <name>.lora_A/B.default, and a module to save as
-# <name>.original_module (frozen) + <name>.modules_to_save.default (the trained copy)
-_WRAPPERS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
-
-
-def base_name(fqn: str) -> str:
-    """The HF name a (wrapped) parameter is loaded from: q_proj.base_layer.weight -> q_proj.weight."""
-    return _WRAPPERS.sub("", fqn)
-
-
-def is_adapter(fqn: str) -> bool:
-    return ".lora_A." in fqn or ".lora_B." in fqn
+from .weights import is_adapter
 
 
 def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:
@@ -34,9 +21,8 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> 
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
                          if isinstance(m, nn.Linear)})
         return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})"
-    from .model import ModelError
     if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
-        raise ModelError(f"lora.target_modules must be \"all-linear\" or a non-empty list of module names, "
+        raise ConfigError(f"lora.target_modules must be \"all-linear\" or a non-empty list of module names, "
                          f"got {target_modules!r}")
     check_names_match(model, "target_modules", target_modules)
     return list(target_modules)
@@ -44,22 +30,21 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> 
 
 def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:
     """Each of `names` (the setting lora.`key`) is a module of `model` or ends one's name."""
-    from .model import ModelError
     fqns = [n for n, _ in model.named_modules()]
     for name in names:
         if not any(n == name or n.endswith("." + name) for n in fqns):
-            raise ModelError(f"lora.{key}: '{name}' matches no module of {type(model).__name__}")
+            raise ConfigError(f"lora.{key}: '{name}' matches no module of {type(model).__name__}")
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules, modules_to_save: list,
-               base_dtype: torch.dtype) -> dict | None:
-    """Inject peft LoRA layers (and trainable copies of modules_to_save) into the meta skeleton; freeze the rest
-    and keep it in base_dtype. Returns the settings a checkpoint records (None when rank is 0)."""
+def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float, dropout: float, target_modules,
+               modules_to_save: list, base_dtype: torch.dtype) -> dict | None:
+    """Inject peft LoRA layers (and trainable copies of modules_to_save) into the meta skeleton, whose decoder
+    blocks are `layers`; freeze the rest and keep it in base_dtype. Returns the settings a checkpoint records (None
+    when rank is 0)."""
     if rank == 0:
         return None
     from peft import inject_adapter_in_model
-    from .model import find_layers
-    targets = resolve_targets(model, find_layers(model), target_modules)
+    targets = resolve_targets(model, layers, target_modules)
     check_names_match(model, "modules_to_save", modules_to_save)
     settings = {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": targets,
                 "modules_to_save": list(modules_to_save)}
@@ -103,7 +88,7 @@ def peft_key(fqn: str) -> str:
         ".lora_B.default.", ".lora_B.").replace(".modules_to_save.default.", ".")
 
 
-def merged(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
+def merge_lora_tensor(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
     """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target, the trained copy of a module to save,
     else the base tensor. load_adapter(checkpoint key) returns that tensor, or None when the checkpoint has none."""
     module, leaf = name.rsplit(".", 1)
@@ -114,48 +99,3 @@ def merged(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.T
     if lora_a is None:
         return base
     return base.float() + scale * (load_adapter(f"{module}.lora_B.default.weight").float() @ lora_a.float())
-
-
-def open_safetensors(path: str) -> tuple[dict, callable]:
-    """{name: metadata} and name -> tensor of an HF model's safetensors files (a dir, or a hub id in the cache)."""
-    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
-    from .weights import DTYPES, local_dir, open_dir, read_tensor
-    from .model import ModelError
-    entries = open_dir(local_dir(path))
-    if not entries:
-        raise ModelError(f"the LoRA base model '{path}' has no safetensors weights")
-    metas = {k: TensorStorageMetadata(TensorProperties(dtype=DTYPES[e.dtype]), torch.Size(e.shape), [])
-             for k, e in entries.items()}
-    return metas, lambda name: read_tensor(entries[name])
-
-
-def save_adapter(out: Path, source, hf_config, dtype: torch.dtype, verify: bool) -> dict:
-    """A LoRA checkpoint's PEFT adapter dir; verified by PeftModel.from_pretrained: every adapter tensor must load
-    under its name (no missing or unexpected keys) with the checkpoint's values."""
-    from safetensors.torch import save_file
-    from .export import open_dcp
-    from .verify import VerifyError
-    stored, load = open_dcp(source.weights)
-    tensors = {k: load(k) for k in stored}
-    # adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained lays them out
-    peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
-    save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
-              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    if verify:  # on a base built from the config: the check is about names and adapter values
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-        base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=source.trust_remote_code)
-        with warnings.catch_warnings():  # transformers' deprecation notes from inside peft
-            warnings.simplefilter("ignore", FutureWarning)
-            state = PeftModel.from_pretrained(base, str(out)).state_dict()
-        lora_keys = {k for k in state if ".lora_" in k or ".modules_to_save." in k}
-        if lora_keys != {"base_model.model." + k for k in tensors}:
-            raise VerifyError(f"adapter check: peft loads {len(lora_keys)} adapter tensors, the checkpoint has "
-                              f"{len(tensors)}")
-        for k, t in tensors.items():
-            if not torch.equal(state["base_model.model." + k], t.to(dtype).to(state["base_model.model." + k].dtype)):
-                raise VerifyError(f"adapter check: peft's {k} differs from the checkpoint's")
-    print0(f"exported the LoRA adapter of {source.label}: {len(tensors)} tensors "
-           f"({sum(t.numel() for t in tensors.values()) / 1e6:.3f}M params){', verified with peft' if verify else ''}")
-    return {"source": str(source.weights.resolve()), "base_model": source.model_path, "adapter": True,
-            "dtype": str(dtype).split(".")[1], "lora": source.lora}

@@ -1,6 +1,6 @@
-"""Build the sharded training model: skeleton, kernels -> activation checkpointing -> compile -> FSDP, weights.
+"""Build the sharded training model: skeleton, kernels -> LoRA -> activation checkpointing -> compile -> FSDP, weights.
 
-`build_model` is the one place where the order lives:
+`parallelize` is the one place where the order lives (build_model and plan's fake model both call it):
   1. apply_kernels  patches modules (Liger) while they are plain HF modules;
      apply_lora     injects peft adapters into the Linear layers (before AC/compile/FSDP wrap the blocks, so each
                     block's FSDP unit holds its adapters too: every parameter is a DTensor);
@@ -8,11 +8,12 @@
                     gradient_checkpointing, which under FSDP all-gathers each block again on recompute);
   3. apply_compile  compiles each block (regional compile must see the block before FSDP hooks it);
   4. apply_fsdp     shards each block, then the root (fp32 params, bf16 compute when mixed precision);
-then weights arrive: each rank reads its own slices of the HF safetensors (hfio; rank 0 reads and scatters a layout
-that needs converting on load), or a prepared DCP checkpoint straight into the shards.
+then `build_model` materialises the shards and load.py fills them: each rank reads its own slices of the HF
+safetensors (rank 0 reads and scatters a layout that needs converting on load), or a prepared DCP checkpoint.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from functools import partial
@@ -20,29 +21,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
-from .distributed import is_main, print0
-from .errors import FinetuneError, one_line
-from .lora import apply_lora, base_name, init_lora_weights, is_adapter
-
-MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
-
-
-class ModelError(FinetuneError, ValueError):
-    """The model cannot be loaded or does not match; the message is one line."""
-
-
-def is_prepared(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
-
-def clean_fqn(name: str) -> str:
-    """Parameter name as the HF model has it (without AC / compile wrapper prefixes)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
+from .distributed import print0
+from .errors import ModelError, one_line
+from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_weights
+from .lora import apply_lora, init_lora_weights
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -71,6 +58,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True)
     return tok
 
 
+def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool) -> None:
+    """config.json, generation_config.json and the tokenizer files of `model_path`, saved as save_pretrained would."""
+    from transformers import GenerationConfig
+    hf_config.save_pretrained(out)
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # the source has none: derive it from the model config, as save_pretrained does
+        gen = GenerationConfig.from_model_config(hf_config)
+    gen.save_pretrained(out)
+    load_tokenizer(model_path, trust_remote_code, pad=False).save_pretrained(out)
+    # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
+    # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped
+    tok_config = out / "tokenizer_config.json"
+    if tok_config.is_file():
+        entries = json.loads(tok_config.read_text())
+        if [entries.pop(k) for k in ("is_local", "local_files_only") if k in entries]:
+            tok_config.write_text(json.dumps(entries, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
 def resolve_attn_implementation(hf_config, requested: str | None) -> str:
     """`requested` (None: sdpa), except sdpa for a model class without an sdpa path (Gemma2: attention logit
     soft-capping), which gets eager: transformers would refuse to build it."""
@@ -92,12 +98,13 @@ def resolve_attn_implementation(hf_config, requested: str | None) -> str:
 
 
 def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_remote_code: bool = False) -> nn.Module:
-    """The model with parameters on the meta device (fp32) and real buffers (rotary tables etc.) on CPU."""
+    """The model with parameters on the meta device (fp32) and real buffers (rotary tables etc.) on CPU, on a copy
+    of hf_config (from_config would set the caller's dtype and attention)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     attn_implementation = resolve_attn_implementation(hf_config, attn_implementation)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.float32,
                                                  attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties them
@@ -136,14 +143,13 @@ def apply_kernels(model: nn.Module, liger: bool) -> None:
     if not torch.cuda.is_available() and not interpret:
         raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels; on CPU only "
                          "under TRITON_INTERPRET=1, for tests)")
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError as e:
-        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
     # RoPE and fused linear cross-entropy are on by default; the interpreter gets no others (each arch's apply
     # function takes the switches it has)
     off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm"), False) if interpret else {}
-    _apply_liger_kernel_to_instance(model=model, **off)
+    try:
+        apply_liger_kernels(model, **off)
+    except ImportError as e:
+        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
 
 
 def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
@@ -232,72 +238,20 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             b.copy_(buffers[n])
 
 
-def load_hf_weights(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Every rank reads its own slices of the safetensors files (hfio), checked strictly first; a checkpoint that
-    needs converting on load, or has no safetensors, is read by rank 0 and scattered (load_hf_weights_rank0)."""
-    from .weights import load_slices, plan_slices
-    plan = plan_slices(model, path, trust_remote_code)
-    if isinstance(plan, str):
-        print0(f"loading on rank 0 and scattering: {plan}")
-        return load_hf_weights_rank0(model, path, trust_remote_code)
-    load_slices(model, plan)
-
-
-@torch.no_grad()
-def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype (fp32 masters, or the frozen
-    base's dtype under LoRA) and scattered to its shards in turn. LoRA adapters are left to init_lora_weights."""
-    from collections import Counter
-    full = None
-    if is_main():
-        from transformers import AutoModelForCausalLM
-        src = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
-        full = src.state_dict()
-        del src
-    params = [(base_name(clean_fqn(n)), p) for n, p in model.named_parameters() if not is_adapter(n)]
-    uses = Counter(key for key, _ in params)  # a module to save and its trained copy load the same tensor
-    if is_main():
-        missing = [key for key in uses if key not in full]
-        if missing:
-            raise ModelError(f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}")
-    for key, param in params:
-        uses[key] -= 1
-        if is_main():
-            src_t = (full.pop(key) if uses[key] == 0 else full[key]).to(param.device, param.dtype)
-        else:
-            src_t = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        assert isinstance(param, DTensor), key  # fully_shard at the root makes every parameter a DTensor
-        shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
-        param.to_local().copy_(shard.to_local())
-        del src_t
-
-
-def load_prepared_weights(model: nn.Module, path: str) -> None:
-    """DCP-load a prepared checkpoint straight into the shards (any world size: DCP reshards; it casts to each
-    parameter's dtype). A module to save under LoRA loads into its frozen original, then its trained copy."""
-    import torch.distributed.checkpoint as dcp
-    targets, copies = {}, []
-    for name, param in model.named_parameters():
-        if not is_adapter(name):
-            key = base_name(clean_fqn(name))
-            if key in targets:
-                copies.append((param, key))
-            else:
-                targets[key] = param
-    dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
-    with torch.no_grad():
-        for param, key in copies:
-            param.copy_(targets[key])
-
-
-def check_manifest(path: str, hf_config) -> None:
-    """A prepared checkpoint must hold the model the config describes."""
-    manifest = json.loads((Path(path) / MANIFEST).read_text())
-    for key, want in manifest.get("config", {}).items():  # the architecture keys prepare-checkpoint recorded
-        got = getattr(hf_config, key, None)
-        if want is not None and want != got:
-            raise ModelError(f"prepared checkpoint '{path}' does not match its config.json: {key} is {want} in the "
-                             f"manifest but {got} in the config")
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lora: dict | None = None,
+                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False, liger: bool = False,
+                kernels: bool = True) -> dict | None:
+    """apply_* in their order (module docstring) on the meta skeleton; returns the LoRA settings a checkpoint records
+    (None without LoRA). With `lora` (rank, alpha, dropout, target_modules, modules_to_save) the frozen base is
+    kept in bf16 (fp32 when mixed_precision is fp32). kernels=False leaves Liger's kernels out but keeps the FSDP
+    layout they need (plan's fake model: the kernels cannot run on fake tensors)."""
+    apply_kernels(model, liger and kernels)
+    base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    settings = apply_lora(model, find_layers(model), **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
+    apply_ac(model, ac_ratio, ac_mode)
+    apply_compile(model, compile)
+    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not liger)
+    return settings
 
 
 def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_precision: str = "bf16",
@@ -309,19 +263,16 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     bf16 (fp32 when mixed_precision is fp32)."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
-    apply_kernels(model, liger)
-    base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    model.lora = apply_lora(model, **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
-    apply_ac(model, ac_ratio, ac_mode)
-    apply_compile(model, compile)
-    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not liger)
+    model.lora = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
+                             ac_mode=ac_mode, compile=compile, liger=liger)
     _materialize(model, device)
     if is_prepared(path):
         load_prepared_weights(model, path)
-    else:
-        load_hf_weights(model, path, trust_remote_code)
+    else:  # the name map comes from a clean skeleton: the model's own is wrapped by now
+        load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code)
     if model.lora:
         init_lora_weights(model, seed)
+    base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
         assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype
     model.train()

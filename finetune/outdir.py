@@ -1,12 +1,15 @@
-"""Output directories written whole (prepared checkpoints, exports): refuse to overwrite what we did not write,
-and publish a finished temporary directory by rename, so the output is the old one or the new one, never half."""
+"""Output directories written whole (prepared checkpoints, exports): refuse to overwrite what we did not write, write
+into a sibling temp dir and publish it by rename, so the output is the old one or the new one, never half."""
 from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from .config import ConfigError
+from .distributed import barrier, broadcast, is_main
+from .lock import hold_lock, release_lock, remove_stale_partials
 
 
 def check_output_dir(out: Path, marker: str, kind: str) -> None:
@@ -29,3 +32,29 @@ def publish_dir(new: Path, out: Path) -> None:
     new.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staging(out: Path):
+    """Run on every rank: yields the sibling temp dir `.<name>.partial-<pid>` (rank 0's) that all of them write `out`
+    into; once the block has ended on every rank, rank 0 moves it into place. Rank 0 holds the lock `.<name>.lock`
+    beside `out` meanwhile (unless this command's launcher holds it) and first removes the temp dirs that runs
+    killed -9 left. On an error the temp dir is removed and nothing is published."""
+    if not is_main():
+        yield broadcast(None)
+        barrier()
+        return
+    lock, tmp = out.parent / f".{out.name}.lock", out.parent / f".{out.name}.partial-{os.getpid()}"
+    own_lock = os.environ.get("FINETUNE_LOCK") != str(lock.resolve())  # else the launcher holds it for us
+    if own_lock:
+        hold_lock(lock, f"--output-dir {out}")
+    try:
+        remove_stale_partials(out.parent, out.name)
+        tmp.mkdir(parents=True)
+        yield broadcast(tmp)
+        barrier()  # every rank's files are written (and checked)
+        publish_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if own_lock:
+            release_lock(lock)

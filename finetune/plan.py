@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .compat import TorchDispatchMode, fake_store, fake_tensor_mode, fsdp_param_group, storage_key, tree_leaves
 from .config import Config, ConfigError
 
 SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
@@ -54,36 +55,31 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0):
     """A fake process group of world_size (no ranks, no communication), the run's ParallelDims over it, and the
     fake tensor mode everything is measured in; this process is rank 0."""
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .distributed import build_parallel_dims
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
-        yield build_parallel_dims("cpu", dp_replicate, dp_shard), FakeTensorMode(allow_non_fake_inputs=True)
+        yield build_parallel_dims("cpu", dp_replicate, dp_shard), fake_tensor_mode()
     finally:
         dist.destroy_process_group()
 
 
 def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float):
-    """build_model's order (LoRA -> AC -> FSDP) on the meta device (fully_shard is slow on fake tensors), then fake
-    storage."""
-    from .lora import apply_lora
-    from .model import apply_ac, apply_fsdp, build_skeleton
+    """build_model's parallelize (LoRA -> AC -> FSDP; no kernels or compile) on the meta device (fully_shard is slow
+    on fake tensors), then fake storage."""
+    from .model import build_skeleton, parallelize
     # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
     model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
-    base_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float32
-    model.lora = apply_lora(model, **asdict(cfg.lora), base_dtype=base_dtype) if cfg.lora.rank else None
-    apply_ac(model, ac_ratio, cfg.ac.mode)
-    apply_fsdp(model, mesh, cfg.train.mixed_precision, lm_head_unit=not cfg.model.liger)  # as build_model does
+    parallelize(model, mesh, mixed_precision=cfg.train.mixed_precision, lora=asdict(cfg.lora), ac_ratio=ac_ratio,
+                ac_mode=cfg.ac.mode, liger=cfg.model.liger, kernels=False)
     with fake_mode:
         model.to_empty(device="cpu")
     return model
 
 
-class LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
+class LivePeak(TorchDispatchMode):
     """Peak bytes alive in the storages that ops create while it is on (weakly held: freed ones stop counting)."""
 
     def __init__(self):
@@ -93,10 +89,10 @@ class LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
         out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
+        for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
-                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+                self.refs.setdefault(storage_key(s), (StorageWeakRef(s), s.nbytes()))
         self.peak = max(self.peak, sum(n for ref, n in self.refs.values() if not ref.expired()))
         return out
 
@@ -104,7 +100,7 @@ class LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
 def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     """One fake forward: bytes saved for backward up to the end of the last decoder block, and the peak of the head
     (final norm, lm_head, loss) from there through its backward to the last block's output gradient."""
-    from .bench import count_saved
+    from .metrics import count_saved
     from .model import find_layers
     ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
     head, marks = LivePeak(), {}
@@ -131,7 +127,6 @@ def measure_state(model) -> dict:
     """Bytes per GPU of the sharded parameters, their gradients (FSDP2 keeps them like the parameter's shard) and
     AdamW state (exp_avg, exp_avg_sq: two more) by dtype; each parameter's (rows, numel, bytes per element) to
     re-shard for another world size; the units in flight (after a forward: FSDP's lazy init decides resharding)."""
-    from torch.distributed.fsdp import FSDPModule
     state, params = {}, []
     for p in model.parameters():
         local = p.to_local()
@@ -142,7 +137,7 @@ def measure_state(model) -> dict:
         params.append((tuple(p.shape), p.numel(), sum(t.element_size() for _, t in tensors)))
     held, units, unit_grads = 0, [], 0
     for m in model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        group = fsdp_param_group(m)
         if group is None:
             continue
         fps = [(math.prod(fp._orig_size), fp.param_dtype or fp.orig_dtype, fp.reduce_dtype, fp.sharded_param)

@@ -2,67 +2,47 @@
 
 Layout of a prepared dir P: P/weights/ (DCP, state dict {"model": <HF-named fp32 tensors>}), config.json,
 generation_config.json, tokenizer files, and P/finetune_manifest.json, written last: its presence marks P as
-prepared. Everything is written into a sibling P.partial first and renamed to P at the end, so P is either the
-old or the new prepared checkpoint, never half of one. `build_model(P, ...)` then loads straight into the shards at
-any world size (DCP reshards).
+prepared. Everything is written into a sibling temp dir first and renamed to P at the end (outdir.staging), so P is
+either the old or the new prepared checkpoint, never half of one. `build_model(P, ...)` then loads straight into the
+shards at any world size (DCP reshards).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from . import __version__, outdir
-from .checkpoint import arch_of
-from .distributed import barrier, init_distributed, is_main, print0, world_size
-from .model import MANIFEST, ModelError, build_model, load_hf_config, load_tokenizer
+from . import __version__
+from .distributed import init_distributed, is_main, print0, world_size
+from .errors import ModelError
+from .load import MANIFEST
+from .model import build_model, load_hf_config, save_hf_files
+from .outdir import check_output_dir, staging
+from .weights import arch_of, fingerprint, local_dir, tied_groups
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
 
-
-def check_output_dir(out: Path, model_path: str) -> None:
+def check_prepare_target(out: Path, model_path: str) -> None:
     """Missing, empty, or an earlier prepared checkpoint (replaced at the end); never the source itself."""
     if Path(model_path).exists() and Path(model_path).resolve() == out.resolve():
         raise ModelError(f"--output-dir {out} is the model being prepared; pick another directory")
-    outdir.check_output_dir(out, MANIFEST, "a prepared checkpoint")
+    check_output_dir(out, MANIFEST, "a prepared checkpoint")
 
 
-def source_dir(model_path: str) -> tuple[Path, str | None]:
-    """The local directory holding the model's files, and the hub revision (commit) when it came from the cache."""
-    if Path(model_path).is_dir():
-        return Path(model_path).resolve(), None
-    from transformers.utils import cached_file
-    snapshot = Path(cached_file(model_path, "config.json")).parent
-    return snapshot, snapshot.name if snapshot.parent.name == "snapshots" else None
-
-
-def fingerprint(directory: Path) -> str:
-    """sha256 of config.json and the weight files' names and sizes (hashing the weights themselves takes minutes)."""
-    h = hashlib.sha256()
-    h.update((directory / "config.json").read_bytes())
-    for f in sorted(directory.rglob("*")):
-        if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name in (".metadata", "model.safetensors.index.json")):
-            h.update(f"{f.relative_to(directory)}:{f.stat().st_size}\n".encode())
-    return "sha256:" + h.hexdigest()
-
-
-def build_manifest(model, model_path: str, hf_config, keys: list[str], trust_remote_code: bool) -> dict:
-    directory, revision = source_dir(model_path)
-    shared: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        shared.setdefault(id(p), []).append(name)
+def build_manifest(model, model_path: str, directory: Path, hf_config, keys: list[str],
+                   trust_remote_code: bool) -> dict:
+    """What a prepared dir records: its source (`directory`: the local copy of model_path), format and shapes."""
     return {
         "format": "finetune-prepared-checkpoint", "format_version": 1, "finetune_version": __version__,
-        "source": {"model": model_path, "path": str(directory), "revision": revision,
+        "source": {"model": model_path, "path": str(directory),
+                   "revision": directory.name if directory.parent.name == "snapshots" else None,  # a hub cache
                    "fingerprint": fingerprint(directory)},
         "dtype": "float32", "source_dtype": str(getattr(hf_config, "dtype", None) or "").replace("torch.", ""),
         "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
-        "tied_parameters": [names for names in shared.values() if len(names) > 1],
+        "tied_parameters": [names for names in tied_groups(model) if len(names) > 1],
         "num_params": sum(p.numel() for p in model.parameters()),  # DTensor numel is the global count
         "num_tensors": len(keys), "key_set_sha256": hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest(),
         "saved_world_size": world_size(), "trust_remote_code": trust_remote_code, "time": time.time(),
@@ -70,49 +50,24 @@ def build_manifest(model, model_path: str, hf_config, keys: list[str], trust_rem
     }
 
 
-def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool) -> None:
-    """config.json, generation_config.json and the tokenizer files of `model_path`, saved as save_pretrained would."""
-    from transformers import GenerationConfig
-    hf_config.save_pretrained(out)
-    try:
-        gen = GenerationConfig.from_pretrained(model_path)
-    except OSError:  # the source has none: derive it from the model config, as save_pretrained does
-        gen = GenerationConfig.from_model_config(hf_config)
-    gen.save_pretrained(out)
-    load_tokenizer(model_path, trust_remote_code, pad=False).save_pretrained(out)
-    # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
-    # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped
-    tok_config = out / "tokenizer_config.json"
-    if tok_config.is_file():
-        entries = json.loads(tok_config.read_text())
-        if [entries.pop(k) for k in ("is_local", "local_files_only") if k in entries]:
-            tok_config.write_text(json.dumps(entries, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
 def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool = False,
                        attn_implementation: str = "sdpa") -> Path:
     """Run on every rank: build the sharded fp32 model as sft does, DCP-save it, then config/tokenizer/manifest."""
     device, dims = init_distributed()
     out = Path(output_dir)
-    partial = out.parent / f".{out.name}.partial"  # one name all ranks (and nodes) agree on
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
     model = build_model(model_path, device, dims.mesh, mixed_precision="fp32", attn_implementation=attn_implementation,
                         trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
-    if is_main():
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    barrier()
-    sd = get_model_state_dict(model)
-    dcp.save({"model": sd}, checkpoint_id=str(partial / "weights"))
-    barrier()
-    if is_main():
-        save_hf_files(partial, model_path, hf_config, trust_remote_code)
-        manifest = build_manifest(model, model_path, hf_config, list(sd), trust_remote_code)
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks the dir as prepared
-        outdir.publish_dir(partial, out)  # out: empty, or an earlier prepared checkpoint (checked before launch)
-        print0(f"prepared {out}: {manifest['num_params'] / 1e6:.1f}M params, {len(sd)} tensors, fp32 DCP; train "
-               f"with `finetune sft --model {out}` at any --nproc-per-node")
-    barrier()
+    directory = local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
+    with staging(out) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
+        sd = get_model_state_dict(model)
+        dcp.save({"model": sd}, checkpoint_id=str(tmp / "weights"))
+        if is_main():
+            save_hf_files(tmp, model_path, hf_config, trust_remote_code)
+            manifest = build_manifest(model, model_path, directory, hf_config, list(sd), trust_remote_code)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks the dir as prepared
+    print0(f"prepared {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {len(sd)} tensors, fp32 "
+           f"DCP; train with `finetune sft --model {out}` at any --nproc-per-node")
     return out

@@ -1,17 +1,20 @@
-"""The streaming check of an export-hf output dir (verify_export): one tensor, or one decoder block in fp32, at a
-time, so it never holds the model.
+"""The checks of an export-hf output dir, handed what the export wrote from: the meta skeleton, the planned tensors and
+name -> source tensor. check_files reads one tensor at a time, check_logits runs one decoder block at a time (fp32),
+so neither ever holds the model; check_adapter loads a PEFT adapter dir with peft.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
-from .distributed import is_main
-from .errors import FinetuneError
-from .export import ST_DTYPES, Source, mine, open_tensors, out_dtype_of, to_disk
-from .weights import disk_to_memory, open_dir, read_tensor, streamed_logits
-from .model import ModelError, build_skeleton
+from .distributed import is_main, is_my_file
+from .errors import FinetuneError, ModelError
+from .model import build_skeleton, find_layers
+from .weights import SAFETENSORS_CODES, Entry, disk_to_memory, open_dir, out_dtype_of, read_tensor, to_disk
 
 
 class VerifyError(FinetuneError):
@@ -20,34 +23,40 @@ class VerifyError(FinetuneError):
     exit_code = 1
 
 
+def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, plan: dict,
+                  disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
+                  trust_remote_code: bool = False) -> float:
+    """`out` (written from `load` as `plan`/`disk`/`shards` say, config.json from hf_config, the config of the meta
+    `skeleton`) holds exactly that, bit for bit, and reads back as the same model. `live`: load() is a collective
+    that every rank takes part in. Returns the max abs logit difference (0.0 on ranks other than 0)."""
+    entries = check_files(out, skeleton, load, plan, disk, dtype, shards, live)
+    if not is_main():  # the other ranks checked their own files; rank 0 does the rest
+        return 0.0
+    return check_logits(out, skeleton, load, hf_config, plan, disk, dtype, entries, trust_remote_code)
+
+
 @torch.no_grad()
-def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, dtype: torch.dtype,
-                  shards: dict) -> float:
-    """Check `out` without ever holding the model: the files and index hold exactly the planned tensors, each equal
-    to the checkpoint's (rounded to dtype) bit for bit, read one at a time; then logits of the exported config's
-    model, its weights streamed block by block from the exported files under the names from_pretrained gives them,
-    must equal those of the source config's model on the same tensors, and config.json must read back as the
-    config. (Tensors transformers converts on load, e.g. fused MoE experts, are checked piece by piece on disk and
-    enter the logits from the checkpoint.) Returns the max abs logit difference."""
-    from transformers import AutoConfig
+def check_files(out: Path, skeleton: nn.Module, load, plan: dict, disk: dict, dtype: torch.dtype, shards: dict,
+                live: bool) -> dict[str, Entry]:
+    """The files and index hold exactly the planned tensors and dtypes, and each tensor of this rank's files equals
+    the source's, rounded to dtype (tensors transformers converts on load, e.g. fused MoE experts, piece by piece).
+    Returns {stored name: Entry} of the export."""
     try:
         entries = open_dir(out) or {}  # strict: the index names existing files that hold what it lists
     except ModelError as e:
         raise VerifyError(f"export check: {e}") from e
     for filename, names in shards.items():
         held = {n: e.dtype for n, e in entries.items() if e.file.name == filename}
-        if held != {n: ST_DTYPES[out_dtype_of(plan[disk[n][0]], dtype)] for n in names}:
+        if held != {n: SAFETENSORS_CODES[out_dtype_of(plan[disk[n][0]], dtype)] for n in names}:
             raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
     if set(entries) != set(disk):
         raise VerifyError(f"export check: the exported files hold {len(entries)} tensors, {len(disk)} were planned")
-    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
-    _, load = open_tensors(source, hf_config)
     pieces_of: dict[str, list[str]] = {}
     for d, (k, _) in disk.items():
         pieces_of.setdefault(k, []).append(d)
     for k, pieces in pieces_of.items():
-        if not mine(entries[pieces[0]].file.name, shards):
-            if source.live:
+        if not is_my_file(entries[pieces[0]].file.name, shards):
+            if live:
                 load(k)  # take part in the owner's gather
             continue
         want = load(k).to(out_dtype_of(plan[k], dtype))
@@ -57,12 +66,20 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
             if got.dtype != want[d].dtype or not torch.equal(got, want[d]):
                 raise VerifyError(f"export check: {d} in {entries[d].file.name} differs from the checkpoint's tensor")
         del want
-    if not is_main():  # the other ranks checked their own files; rank 0 does the rest
-        return 0.0
-    exported = AutoConfig.from_pretrained(out, trust_remote_code=source.trust_remote_code)
-    to_memory = disk_to_memory(build_skeleton(exported, None, source.trust_remote_code), entries)
+    return entries
+
+
+@torch.no_grad()
+def check_logits(out: Path, skeleton: nn.Module, load, hf_config, plan: dict, disk: dict, dtype: torch.dtype,
+                 entries: dict[str, Entry], trust_remote_code: bool) -> float:
+    """The model config.json describes, its weights streamed from the files under the names from_pretrained gives
+    them, has the logits of `skeleton`'s model on the same tensors; and config.json reads back as hf_config."""
+    from transformers import AutoConfig
+    exported = AutoConfig.from_pretrained(out, trust_remote_code=trust_remote_code)
+    reloaded = build_skeleton(exported, None, trust_remote_code)
+    to_memory = disk_to_memory(reloaded, entries)
     stored = {k: entries[d] for d, k in to_memory.items() if k is not None}
-    converted = {disk[d][0] for d, k in to_memory.items() if k is None}
+    converted = {disk[d][0] for d, k in to_memory.items() if k is None}  # these enter from the source
 
     def fetch(name: str) -> torch.Tensor:
         if name in stored:
@@ -73,8 +90,8 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
                           f"itself")
     vocab_size = skeleton.get_input_embeddings().weight.shape[0]
     input_ids = torch.randint(vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    ref_logits = streamed_logits(hf_config, fetch, input_ids, source.trust_remote_code)
-    logits = streamed_logits(exported, fetch, input_ids, source.trust_remote_code)
+    ref_logits = streamed_logits(skeleton, fetch, input_ids)
+    logits = streamed_logits(reloaded, fetch, input_ids)
     diff = (logits - ref_logits).abs().max().item()
     tol = 1e-4 * max(1.0, ref_logits.abs().max().item())
     if not diff <= tol:
@@ -87,3 +104,58 @@ def verify_export(out: Path, source: Source, hf_config, plan: dict, disk: dict, 
         raise VerifyError(f"export check: config.json reads back with {wrong[0]}={got.get(wrong[0])!r}, the "
                           f"checkpoint's config has {want.get(wrong[0])!r}")
     return diff
+
+
+@torch.no_grad()
+def streamed_logits(model: nn.Module, fetch, input_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the meta `model` on `input_ids`, its weights fetched by fetch(in-memory name) just before the
+    module that owns them runs and dropped right after (a decoder block as a whole, every other module with
+    parameters on its own): RAM holds one block's weights at a time, never the model. `model` is left as it was."""
+    canonical = {id(p): name for name, p in model.named_parameters()}  # a tied weight: the name it is stored by
+    layers = set(find_layers(model))
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    units = [m for m in model.modules() if m in layers or (id(m) not in inside and m._parameters)]
+
+    def owners(unit):  # (module, attribute, meta parameter) for each parameter the unit runs with
+        mods = unit.modules() if unit in layers else [unit]
+        return [(m, a, p) for m in mods for a, p in m._parameters.items() if p is not None]
+
+    def hooks(params):
+        def load(module, args):
+            for m, a, p in params:
+                m._parameters[a] = nn.Parameter(fetch(canonical[id(p)]).float(), requires_grad=False)
+
+        def drop(module, args, output):
+            for m, a, p in params:
+                m._parameters[a] = p  # back to meta: the weights are freed
+        return load, drop
+
+    handles, was_training = [], model.training
+    for unit in units:
+        load, drop = hooks(owners(unit))
+        handles += [unit.register_forward_pre_hook(load), unit.register_forward_hook(drop)]
+    try:
+        return model.eval()(input_ids=input_ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+
+def check_adapter(out: Path, tensors: dict, hf_config, dtype: torch.dtype, trust_remote_code: bool) -> None:
+    """PeftModel.from_pretrained loads every adapter tensor of `out` under its name (no missing or unexpected keys)
+    with the checkpoint's value, rounded to dtype. On a base built from the config: the check is about names and
+    adapter values."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    with warnings.catch_warnings():  # transformers' deprecation notes from inside peft
+        warnings.simplefilter("ignore", FutureWarning)
+        state = PeftModel.from_pretrained(base, str(out)).state_dict()
+    lora_keys = {k for k in state if ".lora_" in k or ".modules_to_save." in k}
+    if lora_keys != {"base_model.model." + k for k in tensors}:
+        raise VerifyError(f"adapter check: peft loads {len(lora_keys)} adapter tensors, the checkpoint has "
+                          f"{len(tensors)}")
+    for k, t in tensors.items():
+        if not torch.equal(state["base_model.model." + k], t.to(dtype).to(state["base_model.model." + k].dtype)):
+            raise VerifyError(f"adapter check: peft's {k} differs from the checkpoint's")

@@ -1,35 +1,96 @@
-"""Hugging Face safetensors read without holding the model: every rank reads just the slices its shards hold.
+"""The bottom of the weights path: parameter names, safetensors bytes and tensor sources; no model building.
 
-A safetensors file is a u64 header length, a JSON header ({name: dtype, shape, data_offsets}) and the raw
-little-endian data, each tensor row-major, so a run of dim-0 rows is one contiguous byte range. `load_slices` reads,
-for each sharded parameter, the byte range of its local rows with one pread (no mmap: pages read are not left
-mapped into the process, so RSS holds the fp32 shard and one slice in flight, never a bf16 copy of the model), and
-casts it into the local shard. The local shape and offset come from the DTensor itself (its mesh and placements),
-so any FSDP/HSDP layout works, uneven sizes included. Names map from disk to memory exactly as from_pretrained does
-(transformers' renamings: GPT-NeoX's embed_out, legacy names, the base-model prefix); a checkpoint whose layout
-needs a real conversion (fused MoE experts) is left to the rank-0 path, and so is one without safetensors files.
+- Names: `hf_key` is the one answer to "which HF tensor is this parameter" (AC/compile wrapper prefixes and peft's
+  wrappers dropped; None for a LoRA adapter); `disk_to_memory`/`to_disk` map stored names as transformers does.
+- safetensors: a u64 header length, a JSON header ({name: dtype, shape, data_offsets}) and the raw little-endian
+  data, each tensor row-major, so a run of dim-0 rows is one contiguous byte range (`read_rows`: one pread, no mmap).
+- Sources, each {name: metadata} plus name -> one full tensor: a DCP dir, an HF dir's safetensors, the live model.
+- The architecture fingerprint a checkpoint or prepared dir records, and how a config differs from it.
+Imports nothing of ours but errors.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .errors import one_line
-from .model import ModelError, build_skeleton, clean_fqn
+from .errors import ModelError, one_line
 
 INDEX = "model.safetensors.index.json"
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}  # torch dtype -> safetensors' name
+ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
+# peft wraps a target Linear as <name>.base_layer + <name>.lora_A/B.default, and a module to save as
+# <name>.original_module (frozen) + <name>.modules_to_save.default (the trained copy)
+_WRAPPERS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
 
+
+# ------------------------------------------------------------------------------------------------------ names
+
+def clean_fqn(name: str) -> str:
+    """Parameter name as the HF model has it (without AC / compile wrapper prefixes)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def base_name(fqn: str) -> str:
+    """The HF name a (wrapped) parameter is loaded from: q_proj.base_layer.weight -> q_proj.weight."""
+    return _WRAPPERS.sub("", fqn)
+
+
+def is_adapter(fqn: str) -> bool:
+    return ".lora_A." in fqn or ".lora_B." in fqn
+
+
+def hf_key(fqn: str) -> str | None:
+    """The HF tensor a parameter of the (wrapped, sharded) model loads from; None for a LoRA adapter, which has none."""
+    return None if is_adapter(fqn) else base_name(clean_fqn(fqn))
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter, tied ones in one list (the first is the name it is stored by)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return list(groups.values())
+
+
+def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
+    """{stored name: in-memory name} as from_pretrained renames them; None where the stored layout needs a real
+    conversion (a transformers WeightConverter, e.g. per-expert MoE weights fused on load)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+    conversions = get_model_conversion_mapping(skeleton)
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+    expected = skeleton.state_dict()
+    mapping = {}
+    for name in names:
+        key, converter = rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
+        mapping[name] = None if converter else key
+    return mapping
+
+
+def to_disk(skeleton: nn.Module, tensors: dict) -> dict:
+    """{on-disk name: tensor} that save_pretrained writes for these in-memory {name: tensor}."""
+    from transformers.core_model_loading import revert_weight_conversion
+    return dict(revert_weight_conversion(skeleton, dict(tensors)))
+
+
+# ------------------------------------------------------------------------------------------------ safetensors
 
 @dataclass
 class Entry:
@@ -72,6 +133,16 @@ def local_dir(path: str) -> Path:
     return Path(snapshot_download(path, allow_patterns=patterns, local_files_only=True))
 
 
+def fingerprint(directory: Path) -> str:
+    """sha256 of config.json and the weight files' names and sizes (hashing the weights themselves takes minutes)."""
+    h = hashlib.sha256()
+    h.update((directory / "config.json").read_bytes())
+    for f in sorted(directory.rglob("*")):
+        if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name in (".metadata", INDEX)):
+            h.update(f"{f.relative_to(directory)}:{f.stat().st_size}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
 def open_dir(root: Path) -> dict[str, Entry] | None:
     """{stored name: Entry} of a model dir's safetensors (None: it has none). Strict about the index: a file it
     names must exist and hold the tensors it lists, and no file may hold a tensor twice."""
@@ -105,68 +176,9 @@ def open_dir(root: Path) -> dict[str, Entry] | None:
     return entries
 
 
-def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
-    """{stored name: in-memory name} as from_pretrained renames them; None where the stored layout needs a real
-    conversion (a transformers WeightConverter, e.g. per-expert MoE weights fused on load)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
-    conversions = get_model_conversion_mapping(skeleton)
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
-    expected = skeleton.state_dict()
-    mapping = {}
-    for name in names:
-        key, converter = rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
-        mapping[name] = None if converter else key
-    return mapping
-
-
-def plan_slices(model: nn.Module, path: str, trust_remote_code: bool = False) -> dict[str, Entry] | str:
-    """{in-memory name: Entry} for every parameter of the sharded `model` (names as clean_fqn/base_name give them),
-    checked strictly; or a one-line reason to take the rank-0 path. Every rank reaches the same answer."""
-    from .lora import base_name, is_adapter
-    root = local_dir(path)
-    entries = open_dir(root)
-    if entries is None:
-        return f"'{path}' has no safetensors files"
-    skeleton = build_skeleton(model.config, None, trust_remote_code)
-    mapping = disk_to_memory(skeleton, entries)
-    converted = next((d for d, k in mapping.items() if k is None), None)
-    if converted:
-        return f"{type(skeleton).__name__} stores {converted} in a layout that transformers converts on load"
-    expected = skeleton.state_dict()  # tied aliases and persistent buffers: may be stored, not needed
-    ignore = list(getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or [])
-    unexpected = [d for d, k in mapping.items() if k not in expected and not any(re.search(p, k) for p in ignore)]
-    if unexpected:
-        raise ModelError(f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place "
-                         f"for, e.g. {unexpected[0]}")
-    stored = {k: entries[d] for d, k in mapping.items()}
-    tied: dict[int, list[str]] = {}
-    for name, p in skeleton.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(p), []).append(name)
-    for names in tied.values():  # a tied twin (lm_head) reads what its stored twin holds (a LoRA copy of it does)
-        stored.update({n: stored[s] for s in names if s in stored for n in names if n not in stored})
-    plan = {}
-    for name, param in model.named_parameters():
-        if is_adapter(name):
-            continue
-        key = base_name(clean_fqn(name))
-        entry = stored.get(key)
-        if entry is None:
-            raise ModelError(f"'{path}' lacks the parameter {key}")
-        if entry.shape != tuple(param.shape):
-            raise ModelError(f"'{path}': {key} has shape {list(entry.shape)}, the model of its config.json needs "
-                             f"{list(param.shape)}")
-        if entry.dtype not in DTYPES or DTYPES[entry.dtype].is_floating_point != param.dtype.is_floating_point:
-            raise ModelError(f"'{path}': {key} is stored as {entry.dtype}, which does not load into a "
-                             f"{str(param.dtype).replace('torch.', '')} parameter")
-        plan[key] = entry
-    return plan
-
-
 def read_rows(entry: Entry, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of dim 0 of a stored tensor, in its stored dtype: one contiguous read."""
-    dtype = DTYPES[entry.dtype]
+    dtype = SAFETENSORS_DTYPES[entry.dtype]
     shape = entry.shape or (1,)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
@@ -177,65 +189,92 @@ def read_rows(entry: Entry, start: int, stop: int) -> torch.Tensor:
     return buf.view(dtype).reshape(stop - start, *shape[1:])
 
 
-@torch.no_grad()
-def load_slices(model: nn.Module, plan: dict[str, Entry]) -> None:
-    """Fill each parameter's local shard from its stored slice, cast to the parameter's dtype."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from .lora import base_name, is_adapter
-    for name, param in model.named_parameters():
-        if is_adapter(name):
-            continue
-        entry = plan[base_name(clean_fqn(name))]
-        assert isinstance(param, DTensor), name  # fully_shard at the root makes every parameter a DTensor
-        local = param.to_local()
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
-        if local.numel() == 0:
-            continue
-        if not entry.shape:  # a scalar
-            local.copy_(read_tensor(entry))
-            continue
-        rows = read_rows(entry, offset[0], offset[0] + shape[0])
-        for dim in range(1, rows.dim()):  # a layout sharded on other dims too: read the rows, keep the block
-            rows = rows.narrow(dim, offset[dim], shape[dim])
-        local.copy_(rows)
-
-
 def read_tensor(entry: Entry) -> torch.Tensor:
     return read_rows(entry, 0, (entry.shape or (1,))[0]).reshape(entry.shape)
 
 
-@torch.no_grad()
-def streamed_logits(hf_config, fetch, input_ids: torch.Tensor, trust_remote_code: bool = False) -> torch.Tensor:
-    """fp32 logits of the model of `hf_config` on `input_ids`, its weights fetched by fetch(in-memory name) just
-    before the module that owns them runs and dropped right after (a decoder block as a whole, every other module
-    with parameters on its own): RAM holds one block's weights at a time, never the model."""
-    from .model import find_layers
-    model = build_skeleton(hf_config, None, trust_remote_code).eval()
-    canonical: dict[int, str] = {}  # a tied weight is fetched under the name it is stored by
-    for name, p in model.named_parameters(remove_duplicate=False):
-        canonical.setdefault(id(p), name)
-    layers = set(find_layers(model))
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    units = [m for m in model.modules() if m in layers or (id(m) not in inside and m._parameters)]
+def write_safetensors(path: Path, specs: dict, fetch) -> None:
+    """A safetensors file (u64 header length, JSON header, raw little-endian data) written tensor by tensor:
+    specs is {name: (shape, dtype)}, fetch(name) returns the tensor. safetensors' save_file needs the whole shard
+    in memory; here only one tensor is."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (shape, dtype) in specs.items():
+        num_bytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, (shape, dtype) in specs.items():
+            t = fetch(name).to(dtype).contiguous()
+            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, t.dtype)
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            del t
 
-    def owners(unit):  # (module, attribute, meta parameter) for each parameter the unit runs with
-        mods = unit.modules() if unit in layers else [unit]
-        return [(m, a, p) for m in mods for a, p in m._parameters.items() if p is not None]
 
-    def hooks(params):
-        def load(module, args):
-            for m, a, p in params:
-                m._parameters[a] = nn.Parameter(fetch(canonical[id(p)]).float(), requires_grad=False)
+def out_dtype_of(meta, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an export writes a tensor in: `dtype` for floating-point tensors, else the stored one."""
+    return dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
 
-        def drop(module, args, output):
-            for m, a, p in params:
-                m._parameters[a] = p  # back to meta: the weights are freed
-        return load, drop
 
-    for unit in units:
-        load, drop = hooks(owners(unit))
-        unit.register_forward_pre_hook(load)
-        unit.register_forward_hook(drop)
-    return model(input_ids=input_ids).logits
+# -------------------------------------------------------------------------------------------------- sources
+# each returns ({name: TensorStorageMetadata}, name -> one full tensor)
+
+def open_safetensors(path: str, what: str = "model") -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """An HF model's safetensors files (a dir, or a hub id in the cache), by stored name; `what` names it in errors."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    entries = open_dir(local_dir(path))
+    if not entries:
+        raise ModelError(f"the {what} '{path}' has no safetensors weights")
+    metas = {k: TensorStorageMetadata(TensorProperties(dtype=SAFETENSORS_DTYPES[e.dtype]), torch.Size(e.shape), [])
+             for k, e in entries.items()}
+    return metas, lambda name: read_tensor(entries[name])
+
+
+def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """The model tensors of a DCP dir (state dict {"model": ...}), each full and in its saved dtype."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = dcp.FileSystemReader(str(weights))
+    metadata = reader.read_metadata()
+    # dcp.load re-reads .metadata on every call: loading tensor by tensor would be quadratic in the number of tensors
+    reader.read_metadata = lambda *args, **kwargs: metadata
+    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
+              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+    def load(name: str) -> torch.Tensor:
+        t = torch.empty(stored[name].size, dtype=stored[name].properties.dtype)
+        with warnings.catch_warnings():  # torch warns on every single-process load; that is exactly what we mean
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
+        return t
+    return stored, load
+
+
+def open_live(model: nn.Module) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """open_dcp for the sharded model in memory: load(name) gathers the full tensor (a collective: every rank must
+    ask for the same names in the same order)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    from torch.distributed.tensor import DTensor
+    tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them
+    stored = {n: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, []) for n, t in tensors.items()}
+
+    def load(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+    return stored, load
+
+
+# -------------------------------------------------------------------------------------------- architecture
+
+def arch_of(hf_config) -> dict:
+    """The architecture fingerprint a checkpoint (and a prepared dir) records."""
+    return {k: getattr(hf_config, k, None) for k in ARCH_KEYS}
+
+
+def arch_diffs(recorded: dict, hf_config, recorded_in: str, other: str) -> list[str]:
+    """How hf_config (`other`) differs from the architecture `recorded` (in `recorded_in`), one phrase per key."""
+    return [f"{k} is {v} in the {recorded_in} but {getattr(hf_config, k, None)} in the {other}"
+            for k, v in recorded.items() if v != getattr(hf_config, k, None)]

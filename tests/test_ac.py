@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from finetune.model import ac_layer_ids, apply_ac, clean_child, clean_fqn, find_layers
+from finetune.model import ac_layer_ids, apply_ac, clean_child, find_layers
+from finetune.weights import clean_fqn
 from helpers import read_metrics, sft
 
 CASES = [(0.25, "block"), (0.5, "block"), (1.0, "block"), (0.5, "op"), (1.0, "op")]

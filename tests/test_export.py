@@ -207,12 +207,15 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     from safetensors.torch import save_file
     from finetune.export import find_source, plan_tensors
     from finetune.verify import VerifyError, verify_export
-    from finetune.model import load_hf_config
+    from finetune.model import build_skeleton, load_hf_config
+    from finetune.weights import open_dcp
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)
-    _, plan, disk = plan_tensors(source, hf_config)
+    skeleton, (stored, load) = build_skeleton(hf_config, None), open_dcp(source.weights)
+    plan, disk = plan_tensors(source, skeleton, stored)
     shards = {"model.safetensors": list(plan)}
-    assert verify_export(llama_export, source, hf_config, plan, disk, torch.bfloat16, shards) == 0
+    args = (skeleton, load, hf_config, plan, disk, torch.bfloat16, shards)
+    assert verify_export(llama_export, *args) == 0
 
     bad_tensor = tmp_path / "bad_tensor"
     shutil.copytree(llama_export, bad_tensor)
@@ -220,7 +223,7 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     weights["model.layers.1.mlp.up_proj.weight"][0, 0] += 1
     save_file(weights, bad_tensor / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(VerifyError, match="model.layers.1.mlp.up_proj.weight in model.safetensors differs"):
-        verify_export(bad_tensor, source, hf_config, plan, disk, torch.bfloat16, shards)
+        verify_export(bad_tensor, *args)
 
     bad_config = tmp_path / "bad_config"
     shutil.copytree(llama_export, bad_config)
@@ -228,9 +231,9 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     config["rope_parameters"]["rope_theta"] = 500.0
     (bad_config / "config.json").write_text(json.dumps(config))
     with pytest.raises(VerifyError, match="logits differ"):
-        verify_export(bad_config, source, hf_config, plan, disk, torch.bfloat16, shards)
+        verify_export(bad_config, *args)
     config["rope_parameters"]["rope_theta"] = hf_config.rope_parameters["rope_theta"]
     config["bos_token_id"] = 7  # no effect on the logits: config.json must still read back as written
     (bad_config / "config.json").write_text(json.dumps(config))
     with pytest.raises(VerifyError, match="config.json reads back with bos_token_id=7"):
-        verify_export(bad_config, source, hf_config, plan, disk, torch.bfloat16, shards)
+        verify_export(bad_config, *args)

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from finetune.config import ConfigError
-from finetune.distributed import _free_port
-from finetune.model import ModelError
+from finetune.distributed import free_port
+from finetune.errors import ModelError
 from helpers import BASE, REPO, invoke, losses, read_metrics, run_ranks, sft, sft_cli, sft_config, train_rank
 
 MESHES = {"2x2": ("parallel.dp_replicate=2",), "1x4": (), "4x1": ("parallel.dp_replicate=4",)}
@@ -53,7 +53,8 @@ def fsdp_layout(model_dir: str, dp_replicate: int, liger: bool = False) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from finetune.distributed import init_distributed
-    from finetune.model import build_model, clean_fqn
+    from finetune.model import build_model
+    from finetune.weights import clean_fqn
     device, dims = init_distributed(dp_replicate)
     model = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", liger=liger)
     units, seen = {}, set()
@@ -123,7 +124,7 @@ def test_two_nodes_save_on_sigusr1_exit_zero_and_resume(llama_dir, chat_file, tm
     resubmitted run (here in-process, the same 2 ranks) resumes and ends as the uninterrupted run."""
     out, two_ranks = tmp_path / "run", ("train.max_steps=8", "train.micro_batch_size=2")
     cmd = [sys.executable, "-m", "finetune", "sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", out,
-           "--nnodes", 2, "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *BASE, *two_ranks]
+           "--nnodes", 2, "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *BASE, *two_ranks]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_TEST_FAULTS": "pause_at_step=3"}
     nodes = [subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for _ in range(2)]

@@ -29,14 +29,14 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     """On each rank: (the path plan_slices takes, shard names whose fp32 values differ between the slice reader and
     the rank-0 load, the local row counts, whether every shard was filled)."""
     from finetune.distributed import init_distributed
-    from finetune.weights import plan_slices
-    from finetune.model import build_model, load_hf_weights_rank0
+    from finetune.load import load_hf_weights_rank0, plan_slices
+    from finetune.model import build_model, build_skeleton
     device, dims = init_distributed(dp_replicate=dp_replicate)
     mesh = dims.mesh
     lora_cfg = dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=[]) \
         if lora else None
     model = build_model(str(model_dir), device, mesh, mixed_precision="bf16" if lora else "fp32", lora=lora_cfg)
-    plan = plan_slices(model, str(model_dir))
+    plan = plan_slices(model, build_skeleton(model.config, None), str(model_dir))
     new = {n: p.to_local().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
@@ -138,7 +138,7 @@ def test_strict_load_is_one_error_line_before_training(case, expect, odd_models,
             "shape": lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:63].clone()}),
             "dtype": lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}),
         }[case])
-    from finetune.model import ModelError
+    from finetune.errors import ModelError
     with pytest.raises(ModelError) as e:
         run_ranks(load_on_rank, 2, bad)
     assert expect in str(e.value) and "\n" not in str(e.value)

@@ -126,7 +126,7 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
 
 def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_tied_dir, chat_file, tmp_path):
     from finetune.export import export_hf
-    from finetune.model import ModelError
+    from finetune.errors import ModelError
     sft(llama_dir, chat_file, tmp_path / "run", "train.lr=0", "train.max_steps=1", "train.micro_batch_size=4")
     export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), "bfloat16")
     source, exported = read_weights(llama_dir), read_weights(tmp_path / "hf")
@@ -150,8 +150,8 @@ def train_on_prepared_base(llama_dir, tmp_path):
     from torch.distributed.tensor import DTensor
     from finetune.checkpoint import Checkpointer, TrainState
     from finetune.distributed import init_distributed
-    from finetune.lora import base_name, is_adapter
-    from finetune.model import build_model, clean_fqn
+    from finetune.model import build_model
+    from finetune.weights import base_name, clean_fqn, is_adapter
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.prepare import prepare_checkpoint
     device, dims = init_distributed()
@@ -207,7 +207,7 @@ def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit
 def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
     from finetune.config import ConfigError, load_config, to_toml
     from finetune.lora import apply_lora
-    from finetune.model import ModelError, build_skeleton, load_hf_config
+    from finetune.model import build_skeleton, find_layers, load_hf_config
     base = {"model.path": str(llama_dir), "data.path": "x.jsonl", "output_dir": str(tmp_path)}
     with pytest.raises(ConfigError, match=r"lora.rank must be >= 0 \(0 = off\), got -1"):
         load_config(None, {**base, "lora.rank": -1})
@@ -224,5 +224,5 @@ def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
     for kwargs, expect in cases:
         skeleton = build_skeleton(load_hf_config(str(llama_dir)))
         settings = {**dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[]), **kwargs}
-        with pytest.raises(ModelError, match=expect):
-            apply_lora(skeleton, **settings, base_dtype=torch.bfloat16)
+        with pytest.raises(ConfigError, match=expect):
+            apply_lora(skeleton, find_layers(skeleton), **settings, base_dtype=torch.bfloat16)

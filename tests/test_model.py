@@ -7,7 +7,8 @@ import torch
 
 def test_attention_implementation_is_resolved_per_model_class(monkeypatch):
     from transformers import Gemma2Config, LlamaConfig
-    from finetune.model import ModelError, resolve_attn_implementation
+    from finetune.errors import ModelError
+    from finetune.model import resolve_attn_implementation
     assert resolve_attn_implementation(LlamaConfig(), "sdpa") == "sdpa"
     assert resolve_attn_implementation(LlamaConfig(), "eager") == "eager"
     assert resolve_attn_implementation(Gemma2Config(), "sdpa") == "eager"  # Gemma2 has no sdpa path

@@ -68,8 +68,8 @@ class _Template:
         # The compiled template called directly on _prepared messages renders as apply_chat_template does (the first
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
         # row about twice per turn.
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-        self.compiled = {has: _compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has else None))
+        from ..compat import compile_jinja_template
+        self.compiled = {has: compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has else None))
                          for has in (False, True)}  # a template dict may have its own "tool_use" template
 
     def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:

@@ -1,0 +1,59 @@
+"""Private third-party APIs in one place, each checked against the version named beside it (torch 2.15,
+transformers 5.23, huggingface_hub 2.4, liger-kernel 0.8.5): an upgrade that moves one breaks here first.
+Imports nothing of ours; optional packages only when called."""
+from __future__ import annotations
+
+# torch 2.15: the module wrapper for non-reentrant activation checkpointing lives in a private package
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - torch 2.15
+from torch.utils._pytree import tree_leaves  # noqa: F401 - torch 2.15
+
+
+def local_shape_and_offset(param) -> tuple[tuple, tuple]:
+    """The local shard's shape and its offset in the global tensor, for any mesh and placements (torch 2.15
+    torch.distributed.tensor._utils)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+
+
+def storage_key(storage) -> int:
+    """A storage's identity, also for fake tensors, which have no data pointer (torch 2.15 `_cdata`)."""
+    return storage._cdata
+
+
+def fsdp_param_group(module):
+    """The FSDP2 parameter group of a fully_shard-ed module, or None (torch 2.15 `_get_fsdp_state()`); plan reads
+    its fsdp_params' _orig_size, param_dtype, orig_dtype, reduce_dtype, sharded_param and post_forward_mesh_info."""
+    from torch.distributed.fsdp import FSDPModule
+    return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+
+
+def fake_store():
+    """A store for a "fake" process group: ranks without processes behind them (torch 2.15 testing._internal)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """Tensors with shapes and dtypes but no storage (torch 2.15 torch._subclasses)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10**9, as huggingface_hub sizes shards (huggingface_hub 2.4 serialization._base)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+    return parse_size_to_int(text)
+
+
+def apply_liger_kernels(model, **switches) -> None:
+    """Liger's kernels for the model's architecture, swapped into this instance (liger-kernel 0.8.5; ImportError
+    when it is not installed)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    _apply_liger_kernel_to_instance(model=model, **switches)
+
+
+def compile_jinja_template(template: str):
+    """A chat template compiled as transformers renders it (transformers 5.23 chat_template_utils)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    return _compile_jinja_template(template)

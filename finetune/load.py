@@ -1,0 +1,158 @@
+"""Fill a sharded model that has been built and materialised: per-rank slices of HF safetensors, rank-0 read and
+scatter, or a prepared DCP checkpoint. Handed the model (and a clean meta skeleton for the name map); builds none.
+
+`load_slices` reads, for each sharded parameter, the byte range of its local rows with one pread (no mmap: pages read
+are not left mapped into the process, so RSS holds the fp32 shard and one slice in flight, never a bf16 copy of the
+model), and casts it into the local shard. The local shape and offset come from the DTensor itself (its mesh and
+placements), so any FSDP/HSDP layout works, uneven sizes included. Names map from disk to memory exactly as
+from_pretrained does (transformers' renamings: GPT-NeoX's embed_out, legacy names, the base-model prefix); a checkpoint
+whose layout needs a real conversion (fused MoE experts) is left to the rank-0 path, and so is one without safetensors.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .compat import local_shape_and_offset
+from .distributed import is_main, print0
+from .errors import ModelError
+from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key, local_dir, open_dir, read_rows,
+                      read_tensor, tied_groups)
+
+MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def check_manifest(path: str, hf_config) -> None:
+    """A prepared checkpoint must hold the model the config describes."""
+    recorded = json.loads((Path(path) / MANIFEST).read_text()).get("config", {})  # what prepare-checkpoint recorded
+    diffs = arch_diffs(recorded, hf_config, "manifest", "config")
+    if diffs:
+        raise ModelError(f"prepared checkpoint '{path}' does not match its config.json: {'; '.join(diffs)}")
+
+
+def plan_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, Entry] | str:
+    """{HF key: Entry} for every parameter of the sharded `model` (skeleton: the same model unwrapped, on the meta
+    device), checked strictly; or a one-line reason to take the rank-0 path. Every rank reaches the same answer."""
+    root = local_dir(path)
+    entries = open_dir(root)
+    if entries is None:
+        return f"'{path}' has no safetensors files"
+    mapping = disk_to_memory(skeleton, entries)
+    converted = next((d for d, k in mapping.items() if k is None), None)
+    if converted:
+        return f"{type(skeleton).__name__} stores {converted} in a layout that transformers converts on load"
+    expected = skeleton.state_dict()  # tied aliases and persistent buffers: may be stored, not needed
+    ignore = list(getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or [])
+    unexpected = [d for d, k in mapping.items() if k not in expected and not any(re.search(p, k) for p in ignore)]
+    if unexpected:
+        raise ModelError(f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place "
+                         f"for, e.g. {unexpected[0]}")
+    stored = {k: entries[d] for d, k in mapping.items()}
+    for names in tied_groups(skeleton):  # a tied twin (lm_head) reads what its stored twin holds (a LoRA copy does)
+        stored.update({n: stored[s] for s in names if s in stored for n in names if n not in stored})
+    plan = {}
+    for name, param in model.named_parameters():
+        key = hf_key(name)
+        if key is None:
+            continue
+        entry = stored.get(key)
+        if entry is None:
+            raise ModelError(f"'{path}' lacks the parameter {key}")
+        if entry.shape != tuple(param.shape):
+            raise ModelError(f"'{path}': {key} has shape {list(entry.shape)}, the model of its config.json needs "
+                             f"{list(param.shape)}")
+        if entry.dtype not in SAFETENSORS_DTYPES or \
+                SAFETENSORS_DTYPES[entry.dtype].is_floating_point != param.dtype.is_floating_point:
+            raise ModelError(f"'{path}': {key} is stored as {entry.dtype}, which does not load into a "
+                             f"{str(param.dtype).replace('torch.', '')} parameter")
+        plan[key] = entry
+    return plan
+
+
+@torch.no_grad()
+def load_slices(model: nn.Module, plan: dict[str, Entry]) -> None:
+    """Fill each parameter's local shard from its stored slice, cast to the parameter's dtype."""
+    from torch.distributed.tensor import DTensor
+    for name, param in model.named_parameters():
+        key = hf_key(name)
+        if key is None:
+            continue
+        entry = plan[key]
+        assert isinstance(param, DTensor), name  # fully_shard at the root makes every parameter a DTensor
+        local = param.to_local()
+        shape, offset = local_shape_and_offset(param)
+        assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
+        if local.numel() == 0:
+            continue
+        if not entry.shape:  # a scalar
+            local.copy_(read_tensor(entry))
+            continue
+        rows = read_rows(entry, offset[0], offset[0] + shape[0])
+        for dim in range(1, rows.dim()):  # a layout sharded on other dims too: read the rows, keep the block
+            rows = rows.narrow(dim, offset[dim], shape[dim])
+        local.copy_(rows)
+
+
+def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False) -> None:
+    """Every rank reads its own slices of the safetensors files, checked strictly first; a checkpoint that needs
+    converting on load, or has no safetensors, is read by rank 0 and scattered (load_hf_weights_rank0)."""
+    plan = plan_slices(model, skeleton, path)
+    if isinstance(plan, str):
+        print0(f"loading on rank 0 and scattering: {plan}")
+        return load_hf_weights_rank0(model, path, trust_remote_code)
+    load_slices(model, plan)
+
+
+@torch.no_grad()
+def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
+    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype (fp32 masters, or the frozen
+    base's dtype under LoRA) and scattered to its shards in turn. LoRA adapters are left to init_lora_weights."""
+    from collections import Counter
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    full = None
+    if is_main():
+        from transformers import AutoModelForCausalLM
+        src = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
+        full = src.state_dict()
+        del src
+    params = [(hf_key(n), p) for n, p in model.named_parameters() if hf_key(n) is not None]
+    uses = Counter(key for key, _ in params)  # a module to save and its trained copy load the same tensor
+    if is_main():
+        missing = [key for key in uses if key not in full]
+        if missing:
+            raise ModelError(f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}")
+    for key, param in params:
+        uses[key] -= 1
+        if is_main():
+            src_t = (full.pop(key) if uses[key] == 0 else full[key]).to(param.device, param.dtype)
+        else:
+            src_t = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        assert isinstance(param, DTensor), key  # fully_shard at the root makes every parameter a DTensor
+        shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
+        param.to_local().copy_(shard.to_local())
+        del src_t
+
+
+def load_prepared_weights(model: nn.Module, path: str) -> None:
+    """DCP-load a prepared checkpoint straight into the shards (any world size: DCP reshards; it casts to each
+    parameter's dtype). A module to save under LoRA loads into its frozen original, then its trained copy."""
+    import torch.distributed.checkpoint as dcp
+    targets, copies = {}, []
+    for name, param in model.named_parameters():
+        key = hf_key(name)
+        if key in targets:
+            copies.append((param, key))
+        elif key is not None:
+            targets[key] = param
+    dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
+    with torch.no_grad():
+        for param, key in copies:
+            param.copy_(targets[key])

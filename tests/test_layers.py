@@ -1,0 +1,87 @@
+"""Imports run downward (STYLE #14): no cycle in finetune/'s import graph, so no module imports one of its callers,
+and the weights path keeps its layers. Read from the source with `ast`, function-level imports included."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "finetune"
+# what each layer of the weights path must not import (besides the cycle check, which covers everything)
+BUILDING = {"finetune.model", "finetune.load", "finetune.plan", "finetune.export", "finetune.prepare",
+            "finetune.verify", "finetune.train", "finetune.bench", "finetune.cli"}
+FORBIDDEN = {"finetune.checkpoint": BUILDING, "finetune.lora": BUILDING,
+             "finetune.load": BUILDING - {"finetune.load"}, "finetune.verify": {"finetune.export", "finetune.prepare"}}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """{module: the modules of ours it imports anywhere in its source}."""
+    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                # `from . import checkpoint`: the submodule, where one of that name exists
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n))), None)
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "finetune.train" in graph and "finetune.data.labels" in graph  # the walk sees the package
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_weights_path_imports_downward_only():
+    graph = import_graph()
+    assert "finetune.weights" in graph and "finetune.load" in graph, "the bottom of the weights path is missing"
+    assert graph["finetune.weights"] <= {"finetune.errors"}, graph["finetune.weights"]
+    wrong = {m: sorted(graph[m] & banned) for m, banned in FORBIDDEN.items() if graph[m] & banned}
+    assert not wrong, f"imports that run up the weights path: {wrong}"
+
+
+def test_the_check_sees_lazy_imports_and_cycles(tmp_path):
+    pkg = tmp_path / "finetune"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .sub.b import g\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from .. import a\nfrom ..c import x\n")
+    (pkg / "c.py").write_text("import json\n")
+    graph = import_graph(pkg)
+    assert graph == {"finetune": set(), "finetune.a": {"finetune.sub.b"}, "finetune.sub": set(),
+                     "finetune.sub.b": {"finetune.a", "finetune.c"}, "finetune.c": set()}
+    assert find_cycle(graph) == ["finetune.a", "finetune.sub.b", "finetune.a"]
