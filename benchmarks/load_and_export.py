@@ -90,7 +90,7 @@ def load_child(sources: list[str], reps: int, warmup: bool) -> None:
     import torch.distributed as dist
     from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model
-    import finetune.weights as io
+    import finetune.load as io
     device, dims = init_distributed()
     mesh = dims.mesh
     plan_slices = io.plan_slices
