@@ -234,3 +234,29 @@ def read_metrics(output_dir) -> list[dict]:
 
 def losses(output_dir) -> list[float]:
     return [r["loss"] for r in read_metrics(output_dir)]
+
+
+def count_builds_and_opens(monkeypatch) -> dict[str, list]:
+    """From now on, record each model construction (the config of every AutoModelForCausalLM.from_config, which
+    every meta skeleton goes through), each tensor source opened (finetune.weights.open_dcp/open_safetensors/
+    open_live, also where imported by name) and each DCP metadata read (FileSystemReader.read_metadata)."""
+    import sys
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+    seen: dict[str, list] = {"builds": [], "opens": [], "metadata_reads": []}
+
+    def counted(fn, log: list, what):
+        def wrapper(*args, **kwargs):
+            log.append(what(*args))
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config",
+                        counted(AutoModelForCausalLM.from_config, seen["builds"], lambda config: config))
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", counted(
+        dcp.FileSystemReader.read_metadata, seen["metadata_reads"], lambda reader, *a: str(reader.path)))
+    for name in ("open_dcp", "open_safetensors", "open_live"):
+        def source_of(source, *args, name=name):
+            return name, str(source) if isinstance(source, (str, Path)) else type(source).__name__
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("finetune") and hasattr(m, name)]:
+            monkeypatch.setattr(module, name, counted(getattr(module, name), seen["opens"], source_of))
+    return seen

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import BASE, invoke, losses, run_cli, sft
+from helpers import BASE, count_builds_and_opens, invoke, losses, run_cli, sft
 
 LR0 = ("train.lr=0", "train.max_steps=2", "train.micro_batch_size=4")
 
@@ -237,3 +237,15 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     (bad_config / "config.json").write_text(json.dumps(config))
     with pytest.raises(VerifyError, match="config.json reads back with bos_token_id=7"):
         verify_export(bad_config, *args)
+
+
+def test_an_export_builds_its_skeleton_once_and_opens_the_checkpoint_once(llama_run, monkeypatch, tmp_path):
+    """Build once, pass down: the writing and the check of a (sharded) export use one meta skeleton and one open of
+    the checkpoint (one read of its DCP metadata); the check builds one more model, the one config.json describes."""
+    from finetune.export import export_hf
+    step = str(llama_run / "checkpoints" / "step-2")
+    for verify in (False, True):
+        seen = count_builds_and_opens(monkeypatch)
+        export_hf(str(llama_run), str(tmp_path / f"hf-{verify}"), max_shard_size="100KB", verify=verify)
+        assert seen["opens"] == [("open_dcp", step)] and seen["metadata_reads"] == [step], seen
+        assert len(seen["builds"]) == 1 + verify, seen["builds"]

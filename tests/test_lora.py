@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import helpers
-from helpers import losses
+from helpers import count_builds_and_opens, losses
 
 # on top of helpers.BASE (fp32, constant lr, no eval)
 LORA = ["lora.rank=4", "lora.alpha=8", "train.lr=1e-2", "train.max_steps=5", "checkpoint.interval=3",
@@ -96,6 +96,23 @@ def test_merged_export_gives_the_logits_of_peft_on_the_adapter_export(runs, tmp_
     assert config["tie_word_embeddings"] == (kind == "qwen_tied")
     weights = read_weights(merged)
     assert ("lm_head.weight" in weights) == (kind != "qwen_tied")
+
+
+def test_a_merged_export_builds_its_skeleton_once_and_opens_each_source_once(runs, monkeypatch, tmp_path):
+    """Build once, pass down: one meta skeleton (two when a tied embedding trained apart is exported untied: that
+    is another model), the adapters and the base each opened once; an adapter export builds no model unverified."""
+    from finetune.export import export_hf
+    model_dir, root, kind = runs
+    step = str(root / "one" / "checkpoints" / "step-5")
+    seen = count_builds_and_opens(monkeypatch)
+    export_hf(str(root / "one"), str(tmp_path / "merged"), verify=False)
+    assert seen["opens"] == [("open_dcp", step), ("open_safetensors", str(model_dir))], seen["opens"]
+    assert seen["metadata_reads"] == [step]
+    tied = {"llama": [False], "qwen_tied": [True], "qwen_tied_head": [True, False]}[kind]
+    assert [config.tie_word_embeddings for config in seen["builds"]] == tied
+    seen = count_builds_and_opens(monkeypatch)
+    export_hf(str(root / "one"), str(tmp_path / "adapter"), adapter=True, verify=False)
+    assert seen == {"builds": [], "opens": [("open_dcp", step)], "metadata_reads": [step]}
 
 
 def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path):
