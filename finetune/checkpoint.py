@@ -274,7 +274,11 @@ class Checkpointer:
         barrier()
 
     def close(self) -> None:
+        """Wait for the save in flight, then free the async saves' process group."""
         self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
 
 def prune(root: Path, keep: int) -> None:
@@ -286,13 +290,20 @@ def prune(root: Path, keep: int) -> None:
 
 
 class SignalFlag:
-    """Remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal)/SIGINT (Ctrl-C) so the loop can save at the next step
-    boundary; a second Ctrl-C exits at once. (With several local ranks, the `finetune` process owns Ctrl-C: launch.)"""
+    """Inside `with`: remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal)/SIGINT (Ctrl-C) so the loop can save at
+    the next step boundary; a second Ctrl-C exits at once. On exit the previous handlers are back. (With several
+    local ranks, the `finetune` process owns Ctrl-C: launch.)"""
 
-    def __init__(self):
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __enter__(self) -> SignalFlag:
         self.name = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.name == "SIGINT":

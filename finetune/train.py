@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from .data import IGNORE_INDEX, batch_efficiency, build_samples, pad_collate
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .evaluate import evaluate
+from .export import export_hf
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
 from .model import build_model, find_layers, load_tokenizer
 from .optim import build_optimizer, build_scheduler
@@ -128,11 +130,8 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
 def train(cfg: Config) -> dict:
     """Run SFT as configured; returns the final metrics record (rank 0) and held-out results."""
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
-    out = Path(cfg.output_dir)
-    tc, dc = cfg.train, cfg.data
+    out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
-    if is_main():
-        out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
 
@@ -142,100 +141,127 @@ def train(cfg: Config) -> dict:
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
     if resume_dir is not None:
-        ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
-        print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
-        packed = ckpt.read_marker(resume_dir).get("config", {}).get("data", {}).get("packing", dc.packing)
-        if packed != dc.packing:  # allowed, but the data position counted the other kind of unit
-            print0(f"note: the checkpoint's run had data.packing={str(packed).lower()}: its data position counted "
-                   f"{'packed rows' if packed else 'samples'}, this run counts {'rows' if dc.packing else 'samples'}")
+        resume(resume_dir, cfg, model, optimizer, scheduler, state)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen)
-    pad_to = dc.max_seq_len if dc.pad_to_max else None
-    if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
-        print0(f"data: {describe_counts(samples.counts)}")
-        packed = (f"packed into {samples.num_samples} rows of <= {dc.max_seq_len} tokens" if dc.packing else
-                  "not packed: each micro-batch pads to its longest sample")
-        efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, dims.dp_size, pad_to)
-        print0(f"data: {packed}; packing efficiency {efficiency:.1%} (real tokens / computed tokens, first epoch)")
-    sample_iter = iter(samples)
+    sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
-    if state.step and state.samples_seen != state.step * global_batch:  # allowed, but then not the same run
-        print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
-               f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
-
-    num_params = sum(p.numel() for p in model.parameters())
-    flops_tok = flops_per_token(num_params, len(find_layers(model)), model.config.hidden_size, dc.max_seq_len)
-    peak = peak_flops(device)
-    print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
-           f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
-           + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
-
+    flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)
     eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
-    logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
-    if is_main():  # only now, with the run accepted (model, checkpoint, data): a refused run rewrites nothing
+    pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
+    with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
+        with open_outputs(cfg, out, state.step) as (logger, saver, bar):
+            while state.step < tc.max_steps:
+                step = state.step + 1
+                faults.kill_if("kill_at_step", step)
+                faults.pause_if(step, lambda: signals.name is not None)
+                t0 = time.perf_counter()
+                micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
+                                                                     accum, tokenizer.pad_token_id, pad_to)
+                result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
+                                             max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
+                                             stop=signals.name is not None)
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                state.step, state.samples_seen = step, state.samples_seen + global_batch
+                pending.append((result, {"step": step, "lr": lr, "step_time_s": time.perf_counter() - t0,
+                                         "skipped": skipped}))
+                save = step == tc.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
+                if device.type != "cuda" or save or step % tc.log_interval == 0 or tc.nan_policy == "skip":
+                    record, stop = flush_steps(pending, state, logger, bar, tc, device, flops_tok, peak)
+                    if save or stop:
+                        path = saver.save(step, model, optimizer, scheduler, state, model.config)
+                    if stop:
+                        saver.wait()
+                        print0(f"received {signals.name or 'a signal (on another rank)'}: saved checkpoint {path} at "
+                               f"step {step}; exiting")
+                        return record
+            saver.wait()
+            if samples.num_samples is None:
+                print0(f"data (streamed so far): {describe_counts(samples.counts)}")
+        if cfg.checkpoint.export_hf:  # every rank gathers, writes and checks whole files (plan: the final checkpoint)
+            export_hf(str(out), str(out / "hf"), live=model)
+        if cfg.eval.path:
+            record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device), eval_before, out)
+    return record
+
+
+def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.TrainState) -> None:
+    """Load the checkpoint at `path` into the run; say where it continues, and what differs from the run saved."""
+    ckpt.load_checkpoint(path, model, optimizer, scheduler, state, hf_config=model.config)
+    print0(f"resumed from {path} at step {state.step} ({state.samples_seen} samples seen)")
+    packed = ckpt.read_marker(path).get("config", {}).get("data", {}).get("packing", cfg.data.packing)
+    if packed != cfg.data.packing:  # allowed, but the data position counted the other kind of unit
+        print0(f"note: the checkpoint's run had data.packing={str(packed).lower()}: its data position counted "
+               f"{'packed rows' if packed else 'samples'}, this run counts {'rows' if cfg.data.packing else 'samples'}")
+
+
+@contextmanager
+def open_outputs(cfg: Config, out: Path, start_step: int):
+    """The run's outputs once it is accepted (model, checkpoint, data; a refused run rewrites nothing): config.toml,
+    and (the metrics logger, the checkpointer, the progress bar or None) closed on exit. Each checkpoint records the
+    config: export-hf finds the model (config, tokenizer) it trained through it."""
+    if is_main():
+        out.mkdir(parents=True, exist_ok=True)
+    logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=start_step)
+    if is_main():
         (out / "config.toml").write_text(to_toml(cfg))
-    run = asdict(cfg)  # each checkpoint names the model (config, tokenizer) it trained: export-hf reads that
+    run = asdict(cfg)
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
                               run={"config": run})
-    signals = ckpt.SignalFlag()
-    bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
-    # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
-    # checkpoint steps (and every step under nan_policy "skip"), so the GPU never waits for the host in between.
-    # Every record is still exact; on GPU a signal is acted on (and a "stop" non-finite step raised) at that read,
-    # which always comes before a checkpoint is written.
-    pending: list[tuple[torch.Tensor, dict]] = []
-    record: dict = {}
+    bar = progress_bar(cfg.train.max_steps, start_step, cfg.log.progress)
     try:
-        while state.step < tc.max_steps:
-            step = state.step + 1
-            faults.kill_if("kill_at_step", step)
-            faults.pause_if(step, lambda: signals.name is not None)
-            t0 = time.perf_counter()
-            micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
-                                                                 accum, tokenizer.pad_token_id, pad_to)
-            result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
-                                         max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
-                                         stop=signals.name is not None)
-            if skipped:
-                state.skipped_steps += 1
-                print0(f"step {step}: non-finite loss/grad norm, update skipped ({state.skipped_steps} skipped so far)")
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            state.step, state.samples_seen = step, state.samples_seen + global_batch
-            pending.append((result, {"step": step, "lr": lr, "step_time_s": time.perf_counter() - t0}))
-            save = step == tc.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
-            if device.type != "cuda" or save or step % tc.log_interval == 0 or tc.nan_policy == "skip":
-                values = torch.stack([r for r, _ in pending]).tolist()  # the one host read
-                for v, timing in zip(values, [t for _, t in pending]):
-                    record = make_record(v, timing, state, tc.nan_policy, device, flops_tok, peak)
-                    logger.log(record)
-                    report(bar, record, tc.log_interval, tc.max_steps)
-                pending.clear()
-                stop = values[-1][STOP] > 0
-                if save or stop:
-                    path = saver.save(step, model, optimizer, scheduler, state, model.config)
-                if stop:
-                    saver.wait()
-                    print0(f"received {signals.name or 'a signal (on another rank)'}: saved checkpoint {path} at "
-                           f"step {step}; exiting")
-                    return record
-        saver.wait()
-        if samples.num_samples is None:
-            print0(f"data (streamed so far): {describe_counts(samples.counts)}")
+        yield logger, saver, bar
     finally:
         saver.close()
         logger.close()
         if bar is not None:
             bar.close()
-    if cfg.checkpoint.export_hf:  # every rank gathers, writes and checks whole files (plan: the final checkpoint)
-        from .export import export_hf
-        export_hf(str(out), str(out / "hf"), live=model)
-    if cfg.eval.path:
-        record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device), eval_before, out)
-    return record
+
+
+def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, state: ckpt.TrainState):
+    """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch);
+    returns (training FLOPs per token, the device's peak FLOP/s or None) for MFU."""
+    tc, dc = cfg.train, cfg.data
+    if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
+        print0(f"data: {describe_counts(samples.counts)}")
+        packed = (f"packed into {samples.num_samples} rows of <= {dc.max_seq_len} tokens" if dc.packing else
+                  "not packed: each micro-batch pads to its longest sample")
+        efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, dims.dp_size,
+                                      dc.max_seq_len if dc.pad_to_max else None)
+        print0(f"data: {packed}; packing efficiency {efficiency:.1%} (real tokens / computed tokens, first epoch)")
+    if state.step and state.samples_seen != state.step * global_batch:  # allowed, but then not the same run
+        print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
+               f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
+    num_params = sum(p.numel() for p in model.parameters())
+    flops_tok = flops_per_token(num_params, len(find_layers(model)), model.config.hidden_size, dc.max_seq_len)
+    print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
+           f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
+           + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
+    return flops_tok, peak_flops(device)
+
+
+def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, flops_tok: float,
+                peak: float | None) -> tuple[dict, bool]:
+    """Read the pending steps' results on the host (one read) and log each (saying which updates were skipped);
+    returns (the last record, whether a rank asked to stop). Results stay on the device until then: train reads
+    every step on CPU (free there), on GPU only on log and checkpoint steps (and every step under nan_policy
+    "skip"), so the GPU never waits for the host in between. Every record is still exact; on GPU a signal is acted
+    on (and a "stop" non-finite step raised) here, which always comes before a checkpoint is written."""
+    values = torch.stack([r for r, _ in pending]).tolist()  # the one host read
+    for v, (_, timing) in zip(values, pending):
+        if timing["skipped"]:  # only under nan_policy "skip", which reads every step at once
+            state.skipped_steps += 1
+            print0(f"step {timing['step']}: non-finite loss/grad norm, update skipped ({state.skipped_steps} skipped "
+                   f"so far)")
+        record = make_record(v, timing, state, tc.nan_policy, device, flops_tok, peak)
+        logger.log(record)
+        report(bar, record, tc.log_interval, tc.max_steps)
+    pending.clear()
+    return record, values[-1][STOP] > 0
 
 
 def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_policy: str, device, flops_tok: float,
