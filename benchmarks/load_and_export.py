@@ -93,10 +93,10 @@ def load_child(sources: list[str], reps: int, warmup: bool) -> None:
     import finetune.load as io
     device, dims = init_distributed()
     mesh = dims.mesh
-    plan_slices = io.plan_slices
+    locate_slices = io.locate_slices
 
     def build(src: str):  # "rank0=DIR": the HF dir through the rank-0 path
-        io.plan_slices = (lambda *a: "forced by the benchmark") if src.startswith("rank0=") else plan_slices
+        io.locate_slices = (lambda *a: "forced by the benchmark") if src.startswith("rank0=") else locate_slices
         return build_model(src.split("=", 1)[-1], device, mesh, mixed_precision="fp32")
     times: dict[str, list[float]] = {src: [] for src in sources}
     for src in sources if warmup else ():  # untimed: first-use imports and allocator warm-up land here

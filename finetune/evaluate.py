@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import torch
 
 from .data import (IGNORE_INDEX, Conversation, columns_of, detect_format, load_rows, pad_collate, prompt_text,
                    to_conversation, tokenize_messages)
+from .distributed import is_main, print0
 
 
 def load_eval_conversations(path: str, num_samples: int) -> list[Conversation]:
@@ -47,3 +50,14 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
         scored += 1
     model.train(was_training)
     return {"exact_match": correct / max(scored, 1), "loss": loss_sum / max(num_tokens, 1), "num_samples": scored}
+
+
+def report_eval(result: dict, before: dict | None, out: Path) -> dict:
+    """Print the held-out result (beside the one before training) and write eval.json; returns the result."""
+    em = f"{before['exact_match']:.1%} -> " if before else ""
+    loss = f"{before['loss']:.3f} -> " if before else ""
+    print0(f"held-out ({result['num_samples']} questions): exact match {em}{result['exact_match']:.1%}, "
+           f"loss {loss}{result['loss']:.3f}")
+    if is_main():
+        (out / "eval.json").write_text(json.dumps({"before": before, "after": result}))
+    return result

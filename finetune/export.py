@@ -85,7 +85,7 @@ def find_source(path: str) -> Source:
     return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"))
 
 
-def plan_tensors(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
+def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
     """({HF name: metadata} for exactly the tensors save_pretrained would keep of `stored`, and {on-disk name:
     (HF name, shape)}: where transformers stores weights in another layout on disk than in memory (renamings such
     as GPT-NeoX's embed_out, fused MoE experts), the names and shapes save_pretrained writes)."""
@@ -146,13 +146,13 @@ def open_merged(source: Source, skeleton, adapters: dict, load_adapter) -> tuple
     return metas, load
 
 
-def save_weights(out: Path, skeleton, plan: dict, disk: dict, load, dtype: torch.dtype, max_shard_size: int,
+def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch.dtype, max_shard_size: int,
                  live: bool) -> dict:
     """Shards named and split as save_pretrained does (model.safetensors, or model-0000i-of-0000N + index); with
     several processes each writes whole files (is_my_file), rank 0 the index; `live`: load() is a collective every
     rank takes part in. Returns {file: names} of all files."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    metas = {d: torch.empty(shape, dtype=out_dtype_of(plan[k], dtype), device="meta") for d, (k, shape) in disk.items()}
+    metas = {d: torch.empty(shape, dtype=out_dtype_of(kept[k], dtype), device="meta") for d, (k, shape) in disk.items()}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     converted = any(d != k for d, (k, _) in disk.items())
@@ -180,27 +180,27 @@ def save_weights(out: Path, skeleton, plan: dict, disk: dict, load, dtype: torch
     return split.filename_to_tensors
 
 
-def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, plan: dict, disk: dict,
+def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, kept: dict, disk: dict,
                 load, dtype_name: str, shard_bytes: int, verify: bool, live: bool) -> dict:
     """The merged/full HF model dir, written and verified; returns what the export marker records."""
     from .verify import verify_export
     t0, dtype = time.perf_counter(), EXPORT_DTYPES[dtype_name]
-    num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in plan.values())
-    largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in plan.values()) / 2**20
-    shards = save_weights(tmp, skeleton, plan, disk, load, dtype, shard_bytes, live)
+    num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in kept.values())
+    largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
+    shards = save_weights(tmp, skeleton, kept, disk, load, dtype, shard_bytes, live)
     written = copy.deepcopy(hf_config)  # with dtype and architectures, as save_pretrained sets them
     written.dtype, written.architectures = str(dtype).split(".")[1], [type(skeleton).__name__]
     if is_main():
         save_hf_files(tmp, source.model_path, written, source.trust_remote_code)
     barrier()  # the check reads config.json
-    print0(f"exported {label}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
+    print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
            f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "
            f"tensor {largest_mb:.0f} MB)")
     diff = None
     if verify:
-        diff = verify_export(tmp, skeleton, load, written, plan, disk, dtype, shards, live=live,
+        diff = verify_export(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
                              trust_remote_code=source.trust_remote_code)
-        print0(f"verified: {len(plan)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
+        print0(f"verified: {len(kept)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
                f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
     return {"source": str(Path(checkpoint).resolve()),
             "weights": "the live model" if live else str(source.weights.resolve()),
@@ -259,7 +259,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
         if source.lora:
             stored, load = open_merged(source, skeleton, stored, load)
-        plan, disk = plan_tensors(source, skeleton, stored)
+        kept, disk = export_layout(source, skeleton, stored)
         gathered = live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk)
         if gathered:
             load = open_live(live)[1]
@@ -268,7 +268,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         if adapter:
             record = save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
         else:
-            record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, plan, disk, load, dtype_name,
+            record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, kept, disk, load, dtype_name,
                                  shard_bytes, verify, gathered)
         if is_main():  # marks the dir as our export
             (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")

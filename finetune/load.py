@@ -38,9 +38,10 @@ def check_manifest(path: str, hf_config) -> None:
         raise ModelError(f"prepared checkpoint '{path}' does not match its config.json: {'; '.join(diffs)}")
 
 
-def plan_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, Entry] | str:
-    """{HF key: Entry} for every parameter of the sharded `model` (skeleton: the same model unwrapped, on the meta
-    device), checked strictly; or a one-line reason to take the rank-0 path. Every rank reaches the same answer."""
+def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, Entry] | str:
+    """Where each parameter of the sharded `model` is stored ({HF key: Entry}; skeleton: the same model unwrapped,
+    on the meta device), checked strictly; or a one-line reason to take the rank-0 path. Every rank reaches the same
+    answer."""
     root = local_dir(path)
     entries = open_dir(root)
     if entries is None:
@@ -58,7 +59,7 @@ def plan_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, E
     stored = {k: entries[d] for d, k in mapping.items()}
     for names in tied_groups(skeleton):  # a tied twin (lm_head) reads what its stored twin holds (a LoRA copy does)
         stored.update({n: stored[s] for s in names if s in stored for n in names if n not in stored})
-    plan = {}
+    located = {}
     for name, param in model.named_parameters():
         key = hf_key(name)
         if key is None:
@@ -73,19 +74,19 @@ def plan_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, E
                 SAFETENSORS_DTYPES[entry.dtype].is_floating_point != param.dtype.is_floating_point:
             raise ModelError(f"'{path}': {key} is stored as {entry.dtype}, which does not load into a "
                              f"{str(param.dtype).replace('torch.', '')} parameter")
-        plan[key] = entry
-    return plan
+        located[key] = entry
+    return located
 
 
 @torch.no_grad()
-def load_slices(model: nn.Module, plan: dict[str, Entry]) -> None:
+def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
     """Fill each parameter's local shard from its stored slice, cast to the parameter's dtype."""
     from torch.distributed.tensor import DTensor
     for name, param in model.named_parameters():
         key = hf_key(name)
         if key is None:
             continue
-        entry = plan[key]
+        entry = located[key]
         assert isinstance(param, DTensor), name  # fully_shard at the root makes every parameter a DTensor
         local = param.to_local()
         shape, offset = local_shape_and_offset(param)
@@ -104,11 +105,11 @@ def load_slices(model: nn.Module, plan: dict[str, Entry]) -> None:
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False) -> None:
     """Every rank reads its own slices of the safetensors files, checked strictly first; a checkpoint that needs
     converting on load, or has no safetensors, is read by rank 0 and scattered (load_hf_weights_rank0)."""
-    plan = plan_slices(model, skeleton, path)
-    if isinstance(plan, str):
-        print0(f"loading on rank 0 and scattering: {plan}")
+    located = locate_slices(model, skeleton, path)
+    if isinstance(located, str):
+        print0(f"loading on rank 0 and scattering: {located}")
         return load_hf_weights_rank0(model, path, trust_remote_code)
-    load_slices(model, plan)
+    load_slices(model, located)
 
 
 @torch.no_grad()

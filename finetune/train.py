@@ -1,7 +1,6 @@
 """The training loop: one explicit loop from the first batch to the last checkpoint, readable top to bottom."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ from .config import Config, ConfigError, to_toml
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, pad_collate
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
-from .evaluate import evaluate
+from .evaluate import evaluate, report_eval
 from .export import export_hf
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
 from .model import build_model, find_layers, load_tokenizer
@@ -282,17 +281,6 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
     if peak:
         record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())
     return record
-
-
-def report_eval(result: dict, before: dict | None, out: Path) -> dict:
-    """Print the held-out result (beside the one before training) and write eval.json; returns the result."""
-    em = f"{before['exact_match']:.1%} -> " if before else ""
-    loss = f"{before['loss']:.3f} -> " if before else ""
-    print0(f"held-out ({result['num_samples']} questions): exact match {em}{result['exact_match']:.1%}, "
-           f"loss {loss}{result['loss']:.3f}")
-    if is_main():
-        (out / "eval.json").write_text(json.dumps({"before": before, "after": result}))
-    return result
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:

@@ -23,20 +23,20 @@ class VerifyError(FinetuneError):
     exit_code = 1
 
 
-def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, plan: dict,
+def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, kept: dict,
                   disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
                   trust_remote_code: bool = False) -> float:
-    """`out` (written from `load` as `plan`/`disk`/`shards` say, config.json from hf_config, the config of the meta
+    """`out` (written from `load` as `kept`/`disk`/`shards` say, config.json from hf_config, the config of the meta
     `skeleton`) holds exactly that, bit for bit, and reads back as the same model. `live`: load() is a collective
     that every rank takes part in. Returns the max abs logit difference (0.0 on ranks other than 0)."""
-    entries = check_files(out, skeleton, load, plan, disk, dtype, shards, live)
+    entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
-    return check_logits(out, skeleton, load, hf_config, plan, disk, dtype, entries, trust_remote_code)
+    return check_logits(out, skeleton, load, hf_config, kept, disk, dtype, entries, trust_remote_code)
 
 
 @torch.no_grad()
-def check_files(out: Path, skeleton: nn.Module, load, plan: dict, disk: dict, dtype: torch.dtype, shards: dict,
+def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dtype: torch.dtype, shards: dict,
                 live: bool) -> dict[str, Entry]:
     """The files and index hold exactly the planned tensors and dtypes, and each tensor of this rank's files equals
     the source's, rounded to dtype (tensors transformers converts on load, e.g. fused MoE experts, piece by piece).
@@ -47,7 +47,7 @@ def check_files(out: Path, skeleton: nn.Module, load, plan: dict, disk: dict, dt
         raise VerifyError(f"export check: {e}") from e
     for filename, names in shards.items():
         held = {n: e.dtype for n, e in entries.items() if e.file.name == filename}
-        if held != {n: SAFETENSORS_CODES[out_dtype_of(plan[disk[n][0]], dtype)] for n in names}:
+        if held != {n: SAFETENSORS_CODES[out_dtype_of(kept[disk[n][0]], dtype)] for n in names}:
             raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
     if set(entries) != set(disk):
         raise VerifyError(f"export check: the exported files hold {len(entries)} tensors, {len(disk)} were planned")
@@ -59,7 +59,7 @@ def check_files(out: Path, skeleton: nn.Module, load, plan: dict, disk: dict, dt
             if live:
                 load(k)  # take part in the owner's gather
             continue
-        want = load(k).to(out_dtype_of(plan[k], dtype))
+        want = load(k).to(out_dtype_of(kept[k], dtype))
         want = to_disk(skeleton, {k: want}) if pieces != [k] else {k: want}
         for d in pieces:
             got = read_tensor(entries[d])
@@ -70,7 +70,7 @@ def check_files(out: Path, skeleton: nn.Module, load, plan: dict, disk: dict, dt
 
 
 @torch.no_grad()
-def check_logits(out: Path, skeleton: nn.Module, load, hf_config, plan: dict, disk: dict, dtype: torch.dtype,
+def check_logits(out: Path, skeleton: nn.Module, load, hf_config, kept: dict, disk: dict, dtype: torch.dtype,
                  entries: dict[str, Entry], trust_remote_code: bool) -> float:
     """The model config.json describes, its weights streamed from the files under the names from_pretrained gives
     them, has the logits of `skeleton`'s model on the same tensors; and config.json reads back as hf_config."""
@@ -85,7 +85,7 @@ def check_logits(out: Path, skeleton: nn.Module, load, hf_config, plan: dict, di
         if name in stored:
             return read_tensor(stored[name])
         if name in converted:
-            return load(name).to(out_dtype_of(plan[name], dtype))
+            return load(name).to(out_dtype_of(kept[name], dtype))
         raise VerifyError(f"export check: the exported files hold no {name}: from_pretrained would initialise it "
                           f"itself")
     vocab_size = skeleton.get_input_embeddings().weight.shape[0]

@@ -205,16 +205,16 @@ def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
 
 def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, llama_export, tmp_path):
     from safetensors.torch import save_file
-    from finetune.export import find_source, plan_tensors
+    from finetune.export import find_source, export_layout
     from finetune.verify import VerifyError, verify_export
     from finetune.model import build_skeleton, load_hf_config
     from finetune.weights import open_dcp
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)
     skeleton, (stored, load) = build_skeleton(hf_config, None), open_dcp(source.weights)
-    plan, disk = plan_tensors(source, skeleton, stored)
-    shards = {"model.safetensors": list(plan)}
-    args = (skeleton, load, hf_config, plan, disk, torch.bfloat16, shards)
+    kept, disk = export_layout(source, skeleton, stored)
+    shards = {"model.safetensors": list(kept)}
+    args = (skeleton, load, hf_config, kept, disk, torch.bfloat16, shards)
     assert verify_export(llama_export, *args) == 0
 
     bad_tensor = tmp_path / "bad_tensor"

@@ -26,17 +26,17 @@ def odd_models(tmp_path_factory):
 
 
 def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
-    """On each rank: (the path plan_slices takes, shard names whose fp32 values differ between the slice reader and
+    """On each rank: (the path locate_slices takes, shard names whose fp32 values differ between the slice reader and
     the rank-0 load, the local row counts, whether every shard was filled)."""
     from finetune.distributed import init_distributed
-    from finetune.load import load_hf_weights_rank0, plan_slices
+    from finetune.load import load_hf_weights_rank0, locate_slices
     from finetune.model import build_model, build_skeleton
     device, dims = init_distributed(dp_replicate=dp_replicate)
     mesh = dims.mesh
     lora_cfg = dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=[]) \
         if lora else None
     model = build_model(str(model_dir), device, mesh, mixed_precision="bf16" if lora else "fp32", lora=lora_cfg)
-    plan = plan_slices(model, build_skeleton(model.config, None), str(model_dir))
+    located = locate_slices(model, build_skeleton(model.config, None), str(model_dir))
     new = {n: p.to_local().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
@@ -45,7 +45,7 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     old = {n: p.to_local() for n, p in model.named_parameters() if "lora_" not in n}
     differ = [n for n in old if not torch.equal(new[n].view(torch.uint8), old[n].view(torch.uint8))]  # bits
     filled = all(not t.isnan().any() for t in old.values())
-    return ("slices" if isinstance(plan, dict) else plan), differ, {n: t.shape[0] for n, t in old.items()
+    return ("slices" if isinstance(located, dict) else located), differ, {n: t.shape[0] for n, t in old.items()
                                                                   if t.dim()}, filled
 
 
