@@ -264,7 +264,7 @@ def validate(cfg: Config) -> None:
     for key, ok, rule in checks:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {reduce(getattr, key.split('.'), cfg)!r}")
-    if t.tokens_per_step:  # a step is a number of packed rows: see steps_per_rank in train.py
+    if t.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py
         for ok, why in ((d.packing, "needs data.packing=true (a step of unpacked samples has no token size)"),
                         (t.tokens_per_step % d.max_seq_len == 0, f"must be a multiple of data.max_seq_len "
                                                                   f"({d.max_seq_len}): rows of that many tokens"),
