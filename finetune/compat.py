@@ -10,8 +10,7 @@ from torch.utils._pytree import tree_leaves  # noqa: F401 - torch 2.15
 
 
 def local_shape_and_offset(param) -> tuple[tuple, tuple]:
-    """The local shard's shape and its offset in the global tensor, for any mesh and placements (torch 2.15
-    torch.distributed.tensor._utils)."""
+    """A DTensor's local shape and its offset in the global tensor (torch 2.15 distributed.tensor._utils)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
 
@@ -28,16 +27,12 @@ def fsdp_param_group(module):
     return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
 
 
-def fake_store():
-    """A store for a "fake" process group: ranks without processes behind them (torch 2.15 testing._internal)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    return FakeStore()
-
-
-def fake_tensor_mode():
-    """Tensors with shapes and dtypes but no storage (torch 2.15 torch._subclasses)."""
+def fake_world_parts():
+    """(a store for a "fake" process group: ranks with no process behind them, a mode for tensors with shapes and
+    dtypes but no storage) (torch 2.15 testing._internal and _subclasses)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore(), FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def parse_size(text: str) -> int:
@@ -47,8 +42,7 @@ def parse_size(text: str) -> int:
 
 
 def apply_liger_kernels(model, **switches) -> None:
-    """Liger's kernels for the model's architecture, swapped into this instance (liger-kernel 0.8.5; ImportError
-    when it is not installed)."""
+    """Liger's kernels for the model's architecture, into this instance (liger-kernel 0.8.5; ImportError without)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     _apply_liger_kernel_to_instance(model=model, **switches)
 

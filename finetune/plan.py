@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .compat import TorchDispatchMode, fake_store, fake_tensor_mode, fsdp_param_group, storage_key, tree_leaves
+from .compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
 from .config import Config, ConfigError
 
 SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
@@ -57,9 +57,10 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0):
     import torch.distributed as dist
 
     from .distributed import build_parallel_dims
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
+    store, fake_mode = fake_world_parts()
+    dist.init_process_group("fake", store=store, rank=0, world_size=world_size)
     try:
-        yield build_parallel_dims("cpu", dp_replicate, dp_shard), fake_tensor_mode()
+        yield build_parallel_dims("cpu", dp_replicate, dp_shard), fake_mode
     finally:
         dist.destroy_process_group()
 

@@ -203,9 +203,8 @@ def open_outputs(cfg: Config, out: Path, start_step: int):
     config: export-hf finds the model (config, tokenizer) it trained through it."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
-    logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=start_step)
-    if is_main():
         (out / "config.toml").write_text(to_toml(cfg))
+    logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=start_step)
     run = asdict(cfg)
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
