@@ -260,7 +260,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
                 seed: int = 0) -> nn.Module:
     """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
-    bf16 (fp32 when mixed_precision is fp32)."""
+    bf16 (fp32 when mixed_precision is fp32). `model.lora` holds the LoRA settings its checkpoints record (None
+    without LoRA): set here only, read by checkpoint.py."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     model.lora = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
