@@ -46,6 +46,7 @@ class Source:
     label: str
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
     live: torch.nn.Module | None = None  # the sharded model that just trained (weights: its final checkpoint)
+    chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -98,7 +99,8 @@ def find_source(path: str) -> Source:
     model = marker.get("config", {}).get("model", {})
     if not model.get("path"):
         raise CheckpointError(f"{step / MARKER} does not name the model it trained (saved by an older finetune)")
-    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"))
+    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"),
+                  chat_template=marker.get("chat_template") or "")
 
 
 def plan_tensors(source: Source, hf_config) -> tuple[torch.nn.Module, dict, dict]:
@@ -353,7 +355,7 @@ def write_model(tmp: Path, out: Path, checkpoint: str, source: Source, hf_config
     hf_config.dtype = str(dtype).split(".")[1]  # as save_pretrained sets them
     hf_config.architectures = [type(skeleton).__name__]
     if is_main():
-        save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code)
+        save_hf_files(tmp, source.model_path, hf_config, source.trust_remote_code, source.chat_template)
     barrier()  # the check reads config.json
     print0(f"exported {source.label} -> {out}: {len(plan)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in "
            f"{len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "

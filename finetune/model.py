@@ -59,8 +59,9 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     return hf_config
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True):
-    """The model's tokenizer, with a pad token (eos when the tokenizer has none) unless pad=False (as saved)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True, chat_template: str | dict = ""):
+    """The model's tokenizer, with a pad token (eos when the tokenizer has none) unless pad=False (as saved), and
+    `chat_template` (data.chat_template's text) in place of its own."""
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -68,6 +69,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True)
         raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
     if pad and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if chat_template:
+        tok.chat_template = chat_template
     return tok
 
 

@@ -70,8 +70,9 @@ def build_manifest(model, model_path: str, hf_config, keys: list[str], trust_rem
     }
 
 
-def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool) -> None:
-    """config.json, generation_config.json and the tokenizer files of `model_path`, saved as save_pretrained would."""
+def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = ""):
+    """config.json, generation_config.json and the tokenizer files of `model_path` (with `chat_template` in place of
+    its own, if given), saved as save_pretrained would."""
     from transformers import GenerationConfig
     hf_config.save_pretrained(out)
     try:
@@ -79,7 +80,7 @@ def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool
     except OSError:  # the source has none: derive it from the model config, as save_pretrained does
         gen = GenerationConfig.from_model_config(hf_config)
     gen.save_pretrained(out)
-    load_tokenizer(model_path, trust_remote_code, pad=False).save_pretrained(out)
+    load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template).save_pretrained(out)
     # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
     # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped
     tok_config = out / "tokenizer_config.json"

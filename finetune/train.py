@@ -12,7 +12,7 @@ import torch
 from . import checkpoint as ckpt
 from . import faults
 from .config import Config, ConfigError, to_toml
-from .data import IGNORE_INDEX, batch_efficiency, build_samples, pad_collate
+from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, pad_collate, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .evaluate import evaluate
@@ -110,9 +110,23 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
 def build_run_samples(cfg: Config, tokenizer, **kwargs):
     """The sample stream `cfg.data` describes (one call for sft, bench and preview-data, so they see the same data)."""
     dc = cfg.data
-    return build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
-                         streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=cfg.train.seed,
-                         on_unsupported=dc.on_unsupported, num_proc=dc.num_proc, **kwargs)
+    return build_samples([asdict(s) for s in dc.sources] or dc.path, tokenizer, fmt=dc.format, split=dc.split,
+                         name=dc.name or None, streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing,
+                         seed=cfg.train.seed, on_unsupported=dc.on_unsupported, num_proc=dc.num_proc,
+                         chat_template_kwargs=dc.chat_template_kwargs, **kwargs)
+
+
+def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
+    """(the model's tokenizer, with data.chat_template's in place of its own; that template or None). Resuming, the
+    template saved with the checkpoint is used, whatever the file holds now."""
+    path, template = cfg.data.chat_template, None
+    if path:
+        template = ckpt.read_marker(resume_dir).get("chat_template") if resume_dir is not None else None
+        if template and Path(path).exists() and read_chat_template(path) != template:
+            print0(f"note: data.chat_template {cfg.data.chat_template} changed since {resume_dir}; resuming with the "
+                   f"template saved with it")
+        template = template or read_chat_template(path)
+    return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
 
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
@@ -134,9 +148,8 @@ def train(cfg: Config) -> dict:
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
+    tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
     model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
@@ -152,8 +165,9 @@ def train(cfg: Config) -> dict:
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen)
     pad_to = dc.max_seq_len if dc.pad_to_max else None
-    if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
-        print0(f"data: {describe_counts(samples.counts)}")
+    for line in samples.summary():  # streaming counts fill in as rows go by; reported at the end
+        print0(f"data: {line}")
+    if samples.num_samples is not None:
         packed = (f"packed into {samples.num_samples} rows of <= {dc.max_seq_len} tokens" if dc.packing else
                   "not packed: each micro-batch pads to its longest sample")
         efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, dims.dp_size, pad_to)
@@ -171,7 +185,8 @@ def train(cfg: Config) -> dict:
            f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
            + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
 
-    eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
+    eval_before = evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs) \
+        if cfg.eval.path and state.step == 0 else None
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
     if is_main():  # only now, with the run accepted (model, checkpoint, data): a refused run rewrites nothing
         (out / "config.toml").write_text(to_toml(cfg))
@@ -179,7 +194,7 @@ def train(cfg: Config) -> dict:
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
-                              run={"config": run})
+                              run={"config": run, "chat_template": chat_template})
     signals = ckpt.SignalFlag()
     bar = progress_bar(tc.max_steps, state.step, cfg.log.progress)
     # Step results stay on the device until a host read: every step on CPU (free there), on GPU only on log and
@@ -234,7 +249,8 @@ def train(cfg: Config) -> dict:
         from .export import export_hf
         export_hf(str(out), str(out / "hf"), live=model)
     if cfg.eval.path:
-        record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device), eval_before, out)
+        record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs),
+                                     eval_before, out)
     return record
 
 
@@ -275,6 +291,3 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-
-def describe_counts(counts: dict) -> str:
-    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items())

@@ -3,18 +3,20 @@
 import itertools
 import json
 
+import datasets
+
 import pytest
 import torch
 
 from finetune.data import (
     DataError,
     build_samples,
-    columns_of,
     detect_format,
     format_preview,
     load_rows,
     pad_collate,
-    to_messages,
+    row_of,
+    to_conversation,
     tokenize_messages,
 )
 
@@ -46,8 +48,8 @@ def trained_spans(tok, sample):
 
 
 def tokenize_ok(tok, messages, max_seq_len=4096):
-    samples, reason = tokenize_messages(tok, messages, max_seq_len, "test row 0")
-    assert reason is None, reason
+    samples, reason, left_out = tokenize_messages(tok, messages, max_seq_len, "test row 0")
+    assert reason is None and not left_out, reason
     assert len(samples) == 1 and not samples[0]["split"]  # these templates keep every turn in one sample
     sample = samples[0]
     # Training sees what inference sees.
@@ -58,6 +60,15 @@ def tokenize_ok(tok, messages, max_seq_len=4096):
 
 def msg(role, content):
     return {"role": role, "content": content}
+
+
+def to_messages(row, fmt, where):
+    return to_conversation(row, fmt, where).messages
+
+
+def rows_of(path, **kw):
+    """The rows load_rows reads, decoded as the trainer decodes them."""
+    return [row_of(item, path, i)[0] for i, item in enumerate(load_rows(str(path), **kw).data)]
 
 
 # ----------------------------------------------------------------------------- labels
@@ -110,7 +121,7 @@ def test_conversation_ending_with_user_keeps_earlier_labels(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_no_assistant(family):
     tok = build_tokenizer(family)
-    assert tokenize_messages(tok, [msg("system", "s"), msg("user", "only a question")], 100) == ([], "no_assistant")
+    assert tokenize_messages(tok, [msg("system", "s"), msg("user", "only a question")], 100) == ([], "no_assistant", [])
 
 
 @pytest.mark.parametrize("family", ["llama3", "chatml"])
@@ -133,7 +144,7 @@ def test_assistant_first_is_context_only(family):
 def test_a_row_of_one_assistant_message_has_nothing_to_train():
     # a template that indexes messages[0] would fail on the empty prefix; no render of it is needed
     assert tokenize_messages(build_tokenizer("chatml_default_system"), [msg("assistant", "hi")], 100,
-                             "test row 0") == ([], "no_assistant")
+                             "test row 0") == ([], "no_assistant", [])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -152,7 +163,7 @@ def test_truncation_keeps_head(family):
     assert trained_spans(tok, sample) == ["4" + eot, head]
     assert answer.startswith(head) and len(head) < len(answer)
     # Cut before the first answer: nothing left to learn.
-    assert tokenize_messages(tok, messages, trained[0]) == ([], "no_labels_after_truncation")
+    assert tokenize_messages(tok, messages, trained[0]) == ([], "no_labels_after_truncation", [])
 
 
 def test_eos_only_after_the_last_message_is_not_trained():
@@ -188,14 +199,11 @@ def test_detect_format():
 
 def test_detect_format_from_streaming_rows(tmp_path):
     rows = load_rows(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "i", "output": "o"}]), streaming=True)
-    assert rows.column_names is None  # a generator-backed IterableDataset has no features
-    assert columns_of(rows) == ["instruction", "output"]
-    assert detect_format(rows) == "alpaca"
-    with pytest.raises(ValueError, match="columns_of"):
-        detect_format(rows.column_names)
+    assert rows.data.column_names is None  # datasets does not know them before reading: the first row tells
+    assert rows.columns == ["instruction", "output"] and detect_format(rows.columns) == "alpaca"
 
 
-def test_to_messages_all_formats():
+def test_to_conversation_all_formats():
     w = "f.jsonl row 0"
     sharegpt = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
                                   {"from": "gpt", "value": "A"}]}
@@ -244,20 +252,22 @@ def test_load_rows_local_files(tmp_path):
     rows = [{"messages": [msg("user", f"q{i}"), msg("assistant", f"a{i}")]} for i in range(3)]
     jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
     (tmp_path / "b.json").write_text(json.dumps(rows), encoding="utf-8")
-    assert load_rows(jsonl)[2] == rows[2]
-    assert len(load_rows(str(tmp_path / "b.json"))) == 3
-    assert len(load_rows(str(tmp_path))) == 6  # directory
-    assert [r["messages"][1]["content"] for r in load_rows(jsonl, streaming=True)] == ["a0", "a1", "a2"]
-    load_rows(jsonl).to_parquet(str(tmp_path / "c.parquet"))
-    assert load_rows(str(tmp_path / "c.parquet"))[1] == rows[1]
-    assert list(load_rows(str(tmp_path / "c.parquet"), streaming=True))[1] == rows[1]
+    assert rows_of(jsonl)[2] == rows[2]
+    assert rows_of(tmp_path / "b.json") == rows
+    assert len(rows_of(tmp_path)) == 6  # directory
+    assert [r["messages"][1]["content"] for r in rows_of(jsonl, streaming=True)] == ["a0", "a1", "a2"]
+    parquet = tmp_path / "p" / "c.parquet"
+    parquet.parent.mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    assert rows_of(parquet)[1] == rows[1] == rows_of(parquet, streaming=True)[1]
+    assert load_rows(str(parquet)).data[1]["__where__"] == f"{parquet} row 1"
 
 
 def test_load_rows_mixed_content_types(tmp_path):
     rows = [{"messages": [msg("user", "plain"), msg("assistant", "x")]},
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}, msg("assistant", "y")]}]
-    ds = load_rows(write_jsonl(tmp_path / "odd.jsonl", rows))
-    assert [to_messages(r, "messages", "r")[0] for r in ds] == [msg("user", "plain"), msg("user", "parts")]
+    got = rows_of(write_jsonl(tmp_path / "odd.jsonl", rows))
+    assert [to_messages(r, "messages", "r")[0] for r in got] == [msg("user", "plain"), msg("user", "parts")]
 
 
 def test_load_rows_errors(tmp_path):
@@ -267,7 +277,7 @@ def test_load_rows_errors(tmp_path):
         load_rows(str(bad))
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match=rf"^{bad}:3: malformed JSON"):
-        list(load_rows(str(bad), streaming=True))
+        list(load_rows(str(bad), streaming=True).data)
     arr = tmp_path / "arr.jsonl"
     arr.write_text('{"messages": []}\n[1, 2]\n', encoding="utf-8")
     with pytest.raises(DataError, match=rf"^{arr}:2: expected a JSON object, got list"):
@@ -531,15 +541,16 @@ def test_added_token_text_inside_an_answer_does_not_end_it():
 def test_tool_calls_bom_and_python_tokenizer(tmp_path):
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
     # a template without tool support renders no call: the row is refused, not trained as an empty answer
-    with pytest.raises(DataError, match=r"^f row 0: message 1: the chat template drops its tool call 'f'"):
+    with pytest.raises(DataError, match=r"^f row 0: message 1: the chat template drops its tool call 'f' "
+                                         r"\(drops_tool_calls\); data.on_unsupported=\"drop\" leaves such turns"):
         tokenize_messages(build_tokenizer("chatml"), to_messages({"messages": [msg("user", "q"), call]}, "messages",
                                                                  "f row 0"), 100, "f row 0")
     path = tmp_path / "bom.jsonl"
     path.write_text("\ufeff" + json.dumps({"messages": [msg("user", "q"), msg("assistant", "a")]}) + "\n",
                     encoding="utf-8")
-    assert load_rows(str(path))[0]["messages"][1]["content"] == "a"
+    assert rows_of(path)[0]["messages"][1]["content"] == "a"
     (tmp_path / "bom.json").write_text("\ufeff" + json.dumps([{"instruction": "i", "output": "o"}]), encoding="utf-8")
-    assert load_rows(str(tmp_path / "bom.json"))[0] == {"instruction": "i", "output": "o"}
+    assert rows_of(tmp_path / "bom.json")[0] == {"instruction": "i", "output": "o"}
 
     class Slow:  # a Python (slow / remote-code) tokenizer returns no offsets
         def __init__(self, fast):

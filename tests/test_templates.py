@@ -140,8 +140,8 @@ def check(tok, messages, tools=None, eot=("<|im_end|>",), row=None, render_messa
     """Label the row (`row` defaults to {messages, tools}); every trained run decodes to completion_i and all
     before it to prompt_i, as rendered here from `render_messages` (default: messages). Returns the samples."""
     conv = to_conversation(row or {"messages": messages, "tools": tools}, "messages", "t.jsonl row 0")
-    samples, reason = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
-    assert reason is None
+    samples, reason, left_out = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
+    assert reason is None and not left_out
     want = expected(tok, render_messages or messages, tools, eot, answers)
     got = {}
     for s in samples:
@@ -307,8 +307,12 @@ def test_rows_the_template_cannot_hold(template, messages, tools, reason, says):
     conv = to_conversation({"messages": messages, "tools": tools}, "messages", "data/t.jsonl row 7")
     with pytest.raises(DataError) as err:
         tokenize_messages(tok, conv.messages, 4096, "data/t.jsonl row 7", conv.tools)
-    assert str(err.value) == f'data/t.jsonl row 7: {says} (data.on_unsupported="drop" skips such rows)'
-    assert tokenize_messages(tok, conv.messages, 4096, "r", conv.tools, on_unsupported="drop") == ([], reason)
+    what = "rows" if reason in ("drops_tools", "template_error") else "turns"
+    assert str(err.value) == (f'data/t.jsonl row 7: {says} ({reason}); data.on_unsupported="drop" leaves such '
+                              f'{what} untrained and trains the rest')
+    samples, dropped, left_out = tokenize_messages(tok, conv.messages, 4096, "r", conv.tools, on_unsupported="drop")
+    assert (samples, dropped) == ([], reason)
+    assert [(str(e), e.reason) for e in left_out] == ([] if what == "rows" else [(says, reason)])
 
 
 # ----------------------------------------------------------------------------- data shapes
@@ -411,7 +415,8 @@ def test_cli_refusal_is_one_line_naming_row_and_reason(qwen_tied_dir):
     assert result.exit_code == 2 and result.stdout == ""
     last = result.stderr.splitlines()[-1]  # (above it: the progress bar the CLI turns off outside tests)
     assert last == (f"error: {EXAMPLE}:1: message 8: chat template failed (UndefinedError: 'dict object' has no "
-                    "attribute 'content') (data.on_unsupported=\"drop\" skips such rows)")
+                    "attribute 'content') (template_error); data.on_unsupported=\"drop\" leaves such rows untrained "
+                    "and trains the rest")
 
 
 # ----------------------------------------------------------------------------- found by probing real families
@@ -454,7 +459,7 @@ def test_the_next_roles_token_is_trained_where_the_template_writes_no_end_of_tur
     tok = tok_with(NEXT_ROLE_ENDS_TURN)
     messages = [user("Weather?"), assistant("", calls=[call(city="Paris")]), tool("21"), assistant("Sunny.")]
     conv = to_conversation({"messages": messages}, "messages", "t.jsonl row 0")
-    samples, reason = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
+    samples, reason, _ = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
     assert reason is None and splits(samples) == [([1, 3], "")]
     ids, labels = samples[0]["input_ids"], samples[0]["labels"]
     runs = [k for k, lab in enumerate(labels) if lab != -100]
