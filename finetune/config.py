@@ -312,8 +312,8 @@ def validate(cfg: Config) -> None:
             if not ok:
                 raise ConfigError(f"data.sources[{j}]: {why}")
     if d.path and d.sources:
-        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (a single source, or a "
-                          "mixture)")
+        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
+                          "preset's path)")
     for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
         if not reduce(getattr, key.split("."), cfg) and not (key == "data.path" and d.sources):
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")

@@ -627,3 +627,34 @@ def test_preview_shows_the_turn_left_untrained_and_why(qwen3_model, tmp_path):
     assert "Sunny, 21 degrees.<|im_end|>\n<|im_start|>user" in shown.stdout  # context, not trained
     assert "[[Sunny" not in shown.stdout
     assert "turns left untrained not_prefix 1 (in 1 rows)" in lines[-1]
+
+
+def test_a_chat_template_of_our_own_is_saved_with_the_run_and_exported(qwen3_model, chat_file, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from finetune.checkpoint import read_marker
+    from finetune.export import export_hf
+    from helpers import invoke, sft
+    base = tmp_path / "base"  # a base model: its tokenizer has no chat template
+    shutil.copytree(qwen3_model, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    refused = invoke("preview-data", "--model", base, "--dataset", chat_file)
+    assert refused.exit_code == 2 and refused.stderr.splitlines()[-1] == (
+        f"error: {chat_file}: the tokenizer has no chat template; set data.chat_template to a Jinja file (or a "
+        f"tokenizer dir with one), or use a chat/instruct model's tokenizer")
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHATML)
+    out = tmp_path / "run"
+    sft(base, chat_file, out, "train.max_steps=2", f"data.chat_template={template}")
+    template.write_text("{{ raise_exception('the file changed since') }}")
+    sft(base, chat_file, out, "train.max_steps=3", f"data.chat_template={template}")  # resumes with the saved text
+    assert read_marker(out / "checkpoints" / "step-3")["chat_template"] == CHATML
+    template.unlink()
+    export_hf(str(out), str(tmp_path / "hf"), verify=False)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == CHATML  # inference renders as training did
+    assert not AutoTokenizer.from_pretrained(base).chat_template
