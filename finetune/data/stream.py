@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
-from .labels import DROP_REASONS, require_chat_template, tokenize_messages
+from .labels import DROP_REASONS, tokenize_messages
+from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _count for left_out)
 PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
