@@ -25,8 +25,8 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device, template_kwargs: 
     model.eval()
     loss_sum, num_tokens, correct, scored = 0.0, 0, 0, 0
     for i, (messages, tools) in enumerate(load_eval_conversations(eval_cfg.path, eval_cfg.num_samples)):
-        samples = tokenize_messages(tokenizer, messages, 4096, f"{eval_cfg.path} row {i}", tools,
-                                    template_kwargs=template_kwargs).samples
+        samples = tokenize_messages(tokenizer, messages, 4096, f"{eval_cfg.path} row {i}", tools, "drop",
+                                    template_kwargs).samples  # a turn the template cannot hold is not scored
         for sample in samples:
             batch = pad_collate([sample], pad_id=tokenizer.pad_token_id)
             labels = batch["labels"].to(device)
