@@ -8,8 +8,10 @@ message folded into a tool result: two turns in one sample, the tool call after 
 its empty think block is only written in the last turn). "labels" is tokenize_messages per row in this process
 (normalising included); "build_samples" is end to end (reading the file, datasets map with num_proc workers,
 Arrow). Rounds alternate the four; medians and spread of rows/s are printed as a Markdown table.
+Then, on this shared machine the steadier figure: labels / floor alternating row by row (the same load for both),
+per round; with --baseline REV also the labels of that git revision (exported to a temp dir), row by row beside them.
 
-    uv run python benchmarks/tokenize_templates.py [--rows 400] [--rounds 5]
+    uv run python benchmarks/tokenize_templates.py [--rows 400] [--rounds 5] [--baseline 072fff4]
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +64,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--baseline", default="", help="a git revision whose labels to time beside (row by row)")
     args = ap.parse_args()
     from _tokenizers import build_tokenizer
     from compare_peers import machine
@@ -97,6 +101,7 @@ def main():
                 fn()
                 times[name].append(args.rows / (time.perf_counter() - t0))
         results["one query" if one_query else "split"] = (times, statistics.median(tokens), ours.counts)
+    rowwise(tok, args, labels_of(args.baseline) if args.baseline else None)
     print(f"machine: {machine()} (shared with other jobs while measured)\n")
     for variant, (times, tokens, counts) in results.items():
         floor_med = statistics.median(next(iter(times.values())))
@@ -106,6 +111,44 @@ def main():
         for name, xs in times.items():
             med = statistics.median(xs)
             print(f"| {name} | {med:.0f} | {min(xs):.0f}-{max(xs):.0f} | {floor_med / med:.2f}x |")
+        print()
+
+
+def labels_of(rev: str):
+    """finetune.data of git revision `rev`, imported as finetune_base (its imports inside the package are relative)."""
+    root = Path(tempfile.mkdtemp())
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "finetune"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    (root / "finetune").rename(root / "finetune_base")
+    sys.path.insert(0, str(root))
+    import finetune_base.data
+    return finetune_base.data
+
+
+def rowwise(tok, args, base):
+    import finetune.data as data
+    for one_query in (True, False):
+        rng = random.Random(0)
+        rows = [make_row(rng, one_query) for _ in range(args.rows)]
+        fns = {"floor": lambda r: tok.apply_chat_template(r["messages"], tools=r["tools"], tokenize=True)}
+        for name, mod in (("labels", data), (f"labels at {args.baseline}", base)):
+            if mod is not None:
+                fns[name] = (lambda mod: lambda r: mod.tokenize_messages(
+                    tok, (c := mod.to_conversation(r, "messages", "r")).messages, 4096, "r", c.tools))(mod)
+        ratios = {k: [] for k in fns}
+        for _ in range(args.rounds):
+            total = dict.fromkeys(fns, 0.0)
+            for r in rows:
+                for k, f in fns.items():
+                    t0 = time.perf_counter()
+                    f(r)
+                    total[k] += time.perf_counter() - t0
+            for k in fns:
+                ratios[k].append(total[k] / total["floor"])
+        print(f"### {'one query' if one_query else 'split'}, row by row: time / the floor's, median (min-max) of "
+              f"{args.rounds} rounds\n| | x floor |\n|---|---|")
+        for k, xs in ratios.items():
+            print(f"| {k} | {statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f}) |")
         print()
 
 

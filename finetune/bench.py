@@ -56,12 +56,13 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
     from .distributed import init_distributed
     from .metrics import flops_per_token, peak_flops, peak_mem_mb
-    from .model import ac_layer_ids, load_tokenizer
-    from .train import LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, train_step
+    from .model import ac_layer_ids
+    from .train import (LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
+                        train_step)
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
-    tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    tok, _ = run_tokenizer(cfg)
     model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
     samples = iter(build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size))
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,

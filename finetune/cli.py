@@ -62,7 +62,8 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], check: 
 def check_paths(cfg: Config) -> None:
     """Path errors within a second, before torch is imported: a local-looking path that is not there, an output
     dir that is a file, and hub ids while the hub cannot be reached (huggingface_hub would retry for ~30 s)."""
-    paths = {"model.path": cfg.model.path, "data.path": cfg.data.path, "eval.path": cfg.eval.path}
+    paths = {"model.path": cfg.model.path, "data.path": cfg.data.path, "eval.path": cfg.eval.path,
+             **{f"data.sources[{j}].path": src.path for j, src in enumerate(cfg.data.sources)}}
     remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
     for key, value in remote.items():
         if value.startswith((".", "/", "~")) or value.endswith((".json", ".jsonl", ".parquet")):
@@ -101,21 +102,22 @@ def check_flag(flag: str, ok: bool, rule: str, value) -> None:
 def preflight(cfg: Config) -> str | None:
     """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
     (intact, same architecture), readable data and eval set. Returns why there is nothing to do, if so."""
+    from dataclasses import asdict
+
     from .checkpoint import check_arch, find_resume, read_marker
-    from .data import DataError, columns_of, detect_format, load_rows
-    from .model import load_hf_config, load_tokenizer
+    from .data import open_sources, require_chat_template
+    from .model import load_hf_config
+    from .train import run_tokenizer
     hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
-    tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    if not getattr(tok, "chat_template", None):
-        raise DataError(f"the tokenizer of '{cfg.model.path}' has no chat template (tokenizer_config.json "
-                        f"'chat_template'); instruct data cannot be rendered")
     resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
+    require_chat_template(run_tokenizer(cfg, resume)[0], f"model {cfg.model.path}")
     if resume is not None:
         check_arch(resume, hf_config)
-    rows = load_rows(cfg.data.path, split=cfg.data.split, name=cfg.data.name or None, streaming=cfg.data.streaming)
-    detect_format(columns_of(rows), cfg.data.format)
+    dc = cfg.data
+    open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split, name=dc.name or None,
+                 streaming=dc.streaming)
     if cfg.eval.path:  # checked now, not when training ends
-        detect_format(columns_of(load_rows(cfg.eval.path)))
+        open_sources(cfg.eval.path)
     step = read_marker(resume)["step"] if resume is not None else 0
     if step >= cfg.train.max_steps:
         return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
@@ -191,24 +193,25 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
     def run():
         import json
         from .data import format_preview
-        from .model import load_tokenizer
-        from .train import build_run_samples, describe_counts
+        from .train import build_run_samples, run_tokenizer
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         check_flag("--num", num >= 1, ">= 1", num)
-        tok = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        tok, _ = run_tokenizer(cfg)
         samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1)
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         for i, sample in zip(range(num), samples):
             if json_out:
                 print(json.dumps({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])}))
-            else:
-                where = "; ".join(f"row {s['row']} turns {','.join(map(str, s['turns']))}"
-                                  + (f" (own sample: {SPLIT_WHY[s['split']]})" if s["split"] else "")
-                                  for s in sample["sources"])
-                print(f"--- sample {i}: {where}\n{format_preview(tok, sample, color=color)}")
+                continue
+            where = "; ".join((f"source {s['source']} " if len(cfg.data.sources) > 1 else "")
+                              + f"row {s['row']} turns {','.join(map(str, s['turns']))}"
+                              + (f" (own sample: {SPLIT_WHY[s['split']]})" if s["split"] else "")
+                              for s in sample["sources"])
+            untrained = "".join(f"\n    left untrained: {x.split(' ', 1)[1]} ({x.split(' ', 1)[0]})"
+                                for s in sample["sources"] for x in s["left_out"])
+            print(f"--- sample {i}: {where}{untrained}\n{format_preview(tok, sample, color=color)}")
         if not json_out:  # streamed data is counted as it is read: the summary covers the rows read so far
-            print(f"--- {'streamed so far' if samples.num_samples is None else 'all data'}: "
-                  f"{describe_counts(samples.counts)}")
+            print("\n".join(f"--- {line}" for line in samples.summary()))
     guarded(run, debug)
 
 

@@ -35,17 +35,32 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:  # one entry of data.sources: [[data.sources]] tables in TOML
+    path: str = ""  # as data.path
+    split: str = "train"  # as data.split
+    name: str = ""  # as data.name
+    format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"  # as data.format
+    weight: float = 0.0  # share of an epoch's samples: the weighted sources share the samples they hold together
+    samples: int = 0  # or: this many samples an epoch (the source repeated, or a fixed part of it)
+    epochs: float = 0.0  # or: this many passes over the source an epoch (0.5: a fixed half); none of the 3 set: 1
+
+
+@dataclass
 class DataConfig:
-    path: str = ""  # hub id (optionally "id:split"), .json/.jsonl/.parquet file or dir
-    split: str = "train"  # dataset split when loading from the hub or a dir
+    path: str = ""  # hub id (optionally "id:split"), .json/.jsonl/.parquet file or dataset dir (splits as datasets)
+    sources: list[SourceConfig] = field(default_factory=list)  # a mixture instead of path; one epoch interleaves them
+    split: str = "train"  # dataset split when loading from the hub or a dataset dir
     name: str = ""  # dataset config name on the hub ("" = default)
     format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"  # row format; auto detects from columns
     streaming: bool = False  # stream rows instead of loading them (file order, no shuffle)
     max_seq_len: int = 2048  # truncate samples (keeping the head) / pack to this many tokens
     packing: bool = True  # best-fit samples into rows of <= max_seq_len tokens (position_ids restart per sample)
     pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes for benchmarks)
-    on_unsupported: Literal["error", "drop"] = "error"  # a row the chat template cannot hold: stop, or skip and count
+    on_unsupported: Literal["error", "drop"] = "error"  # a turn the template cannot train: stop, or leave it and count
     num_proc: int = 1  # processes that tokenize (datasets map workers; not used when streaming)
+    chat_template: str = ""  # Jinja file or tokenizer dir whose chat template replaces the model's (saved with the run)
+    chat_template_kwargs: dict = field(default_factory=dict)  # template variables, e.g. {enable_thinking=false};
+    # override one as data.chat_template_kwargs.enable_thinking=false, or all as data.chat_template_kwargs={...}
 
 
 @dataclass
@@ -128,7 +143,7 @@ class Config:
 
 
 _ALIASES = {"async": "async_"}  # TOML keys that are Python keywords
-PATH_KEYS = ("model.path", "model.arch", "data.path", "eval.path")
+PATH_KEYS = ("model.path", "model.arch", "data.path", "data.chat_template", "eval.path")
 
 
 def _closest(name: str, options) -> str:
@@ -144,6 +159,15 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             hint = _closest(str(value), choices) if isinstance(value, str) else ""
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}")
         return value
+    if getattr(typ, "__origin__", None) is list:  # an array of tables (data.sources)
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(f"{key} must be an array of tables, e.g. [{{path = \"a.jsonl\", weight = 2}}], got "
+                              f"{value!r}")
+        items = [get_args(typ)[0]() for _ in value]
+        for j, (item, table) in enumerate(zip(items, value)):
+            for k, v in _flatten(table).items():
+                set_key(item, k, v, f"{key}[{j}].")
+        return items
     if isinstance(typ, types.UnionType):  # str | list: any of the members
         if not any(isinstance(value, t) for t in get_args(typ)):
             raise ConfigError(f"{key} must be {' or '.join(t.__name__ for t in get_args(typ))}, got {value!r}")
@@ -156,28 +180,34 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     return value
 
 
-def set_key(cfg: Config, dotted: str, value: Any) -> None:
-    """Set `section.key` (or a top-level key) on cfg, checking that the key exists and the type fits."""
+def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
+    """Set `section.key` (or a top-level key, or `section.table.key` of a table-valued key) on cfg (a Config, or a
+    SourceConfig whose keys messages name as prefix + key), checking that the key exists and the type fits."""
     parts = dotted.split(".")
-    target = cfg
+    target, full = cfg, prefix + dotted
     for i, part in enumerate(parts):
         name = _ALIASES.get(part, part)
         names = {f.name for f in fields(target)}
         if name not in names:
-            where = ".".join(parts[:i]) or "the top level"
+            where = (prefix + ".".join(parts[:i])).rstrip(".") or "the top level"
             shown = sorted(n.rstrip("_") for n in names)
-            raise ConfigError(f"unknown config key '{dotted}'{_closest(part, shown)}; "
+            raise ConfigError(f"unknown config key '{full}'{_closest(part, shown)}; "
                               f"keys in {where}: {', '.join(shown)}")
+        typ = get_type_hints(type(target))[name]
+        if typ is dict and i < len(parts) - 1:  # one entry of a table (nested tables: one level per part)
+            table = getattr(target, name)
+            for key in parts[i + 1:-1]:
+                table = table.setdefault(key, {})
+            table[parts[-1]] = value
+            return
         if i < len(parts) - 1:
             target = getattr(target, name)
             if not dataclasses.is_dataclass(target):
-                raise ConfigError(f"unknown config key '{dotted}': '{'.'.join(parts[:i + 1])}' is not a section")
+                raise ConfigError(f"unknown config key '{full}': '{'.'.join(parts[:i + 1])}' is not a section")
+        elif dataclasses.is_dataclass(typ):
+            raise ConfigError(f"'{full}' is a section; set one of its keys, e.g. {full}.{fields(typ)[0].name}=...")
         else:
-            typ = get_type_hints(type(target))[name]
-            if dataclasses.is_dataclass(typ):
-                raise ConfigError(f"'{dotted}' is a section; set one of its keys, "
-                                  f"e.g. {dotted}.{fields(typ)[0].name}=...")
-            setattr(target, name, _coerce(dotted, value, typ))
+            setattr(target, name, _coerce(full, value, typ))
 
 
 def parse_value(text: str) -> Any:
@@ -212,6 +242,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for key, value in _flatten(table).items():
             if key in PATH_KEYS and value:
                 value = resolve_path(value, preset.parent)
+            if key == "data.sources" and isinstance(value, list):
+                value = [{**v, "path": resolve_path(v["path"], preset.parent)} if isinstance(v, dict) and
+                         isinstance(v.get("path"), str) and v["path"] else v for v in value]
             set_key(cfg, key, value)
     for key, value in (overrides or {}).items():
         set_key(cfg, key, value)
@@ -272,8 +305,17 @@ def validate(cfg: Config) -> None:
                                                   f"at 1 (got {t.grad_accum_steps})")):
             if not ok:
                 raise ConfigError(f"train.tokens_per_step={t.tokens_per_step} {why}")
+    for j, src in enumerate(d.sources):
+        how = [k for k in ("weight", "samples", "epochs") if getattr(src, k)]
+        for ok, why in ((src.path, "path is not set"), (len(how) <= 1, f"sets {' and '.join(how)}; set one"),
+                        (min(src.weight, src.samples, src.epochs) >= 0, "weight, samples and epochs must be >= 0")):
+            if not ok:
+                raise ConfigError(f"data.sources[{j}]: {why}")
+    if d.path and d.sources:
+        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
+                          "preset's path)")
     for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
-        if not reduce(getattr, key.split("."), cfg):
+        if not reduce(getattr, key.split("."), cfg) and not (key == "data.path" and d.sources):
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
 
 
@@ -297,6 +339,9 @@ def to_toml(cfg: Config) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(map(fmt, v)) + "]"
+        if dataclasses.is_dataclass(v) or isinstance(v, dict):  # inline tables
+            items = dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) else v.items()
+            return "{" + ", ".join(f"{fmt(str(k))} = {fmt(x)}" for k, x in items) + "}"
         return repr(v)
 
     top, sections = [], []

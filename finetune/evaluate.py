@@ -7,19 +7,20 @@ from pathlib import Path
 
 import torch
 
-from .data import (IGNORE_INDEX, Conversation, columns_of, detect_format, load_rows, pad_collate, prompt_text,
+from .data import (IGNORE_INDEX, Conversation, detect_format, load_rows, pad_collate, prompt_text, row_of,
                    to_conversation, tokenize_messages)
 from .distributed import is_main, print0
 
 
 def load_eval_conversations(path: str, num_samples: int) -> list[Conversation]:
-    rows = load_rows(path)
-    fmt = detect_format(columns_of(rows))
-    return [to_conversation(row, fmt, f"{path} row {i}") for i, row in zip(range(num_samples), rows)]
+    data = load_rows(path)
+    fmt = detect_format(data.columns)
+    rows = [row_of(item, path, i) for i, item in zip(range(num_samples), data.data)]
+    return [to_conversation(row, fmt, where) for row, where in rows]
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
+def evaluate(model, tokenizer, eval_cfg, device: torch.device, template_kwargs: dict | None = None) -> dict:
     """Every rank runs the same conversations (FSDP needs every rank in every forward); fine for small sets.
     The exact-match target is the last assistant turn's trained text (reasoning and tool calls included, so a
     turn with null content is scored too), without special tokens."""
@@ -27,7 +28,8 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
     model.eval()
     loss_sum, num_tokens, correct, scored = 0.0, 0, 0, 0
     for i, (messages, tools) in enumerate(load_eval_conversations(eval_cfg.path, eval_cfg.num_samples)):
-        samples, _ = tokenize_messages(tokenizer, messages, 4096, f"{eval_cfg.path} row {i}", tools)
+        samples = tokenize_messages(tokenizer, messages, 4096, f"{eval_cfg.path} row {i}", tools, "drop",
+                                    template_kwargs).samples  # a turn the template cannot hold is not scored
         for sample in samples:
             batch = pad_collate([sample], pad_id=tokenizer.pad_token_id)
             labels = batch["labels"].to(device)
@@ -38,7 +40,7 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device) -> dict:
         turn = next((s for s in samples if last in s["turns"]), None)
         if turn is None:
             continue
-        prompt = prompt_text(tokenizer, messages[:last], tools)
+        prompt = prompt_text(tokenizer, messages[:last], tools, template_kwargs)
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg.max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id)

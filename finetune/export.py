@@ -43,6 +43,7 @@ class Source:
     trust_remote_code: bool
     label: str
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
+    chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -82,7 +83,8 @@ def find_source(path: str) -> Source:
     if not model.get("path"):
         raise CheckpointError(f"{step / 'finetune_complete.json'} does not name the model it trained (saved by an "
                               f"older finetune)")
-    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"))
+    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"),
+                  chat_template=marker.get("chat_template") or "")
 
 
 def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
@@ -191,7 +193,7 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
     written = copy.deepcopy(hf_config)  # with dtype and architectures, as save_pretrained sets them
     written.dtype, written.architectures = str(dtype).split(".")[1], [type(skeleton).__name__]
     if is_main():
-        save_hf_files(tmp, source.model_path, written, source.trust_remote_code)
+        save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template)
     barrier()  # the check reads config.json
     print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
            f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "

@@ -46,8 +46,9 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     return hf_config
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True):
-    """The model's tokenizer, with a pad token (eos when the tokenizer has none) unless pad=False (as saved)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True, chat_template: str | dict = ""):
+    """The model's tokenizer, with a pad token (eos when the tokenizer has none) unless pad=False (as saved), and
+    `chat_template` (data.chat_template's text) in place of its own."""
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -55,11 +56,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True)
         raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
     if pad and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if chat_template:
+        tok.chat_template = chat_template
     return tok
 
 
-def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool) -> None:
-    """config.json, generation_config.json and the tokenizer files of `model_path`, saved as save_pretrained would."""
+def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = ""):
+    """config.json, generation_config.json and the tokenizer files of `model_path` (with `chat_template` in place of
+    its own, if given), saved as save_pretrained would."""
     from transformers import GenerationConfig
     hf_config.save_pretrained(out)
     try:
@@ -67,7 +71,7 @@ def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool
     except OSError:  # the source has none: derive it from the model config, as save_pretrained does
         gen = GenerationConfig.from_model_config(hf_config)
     gen.save_pretrained(out)
-    load_tokenizer(model_path, trust_remote_code, pad=False).save_pretrained(out)
+    load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template).save_pretrained(out)
     # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
     # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped
     tok_config = out / "tokenizer_config.json"

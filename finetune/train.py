@@ -12,7 +12,7 @@ import torch
 from . import checkpoint as ckpt
 from . import faults
 from .config import Config, ConfigError, to_toml
-from .data import IGNORE_INDEX, batch_efficiency, build_samples, pad_collate
+from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, pad_collate, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .evaluate import evaluate, report_eval
@@ -111,9 +111,23 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
 def build_run_samples(cfg: Config, tokenizer, **kwargs):
     """The sample stream `cfg.data` describes (one call for sft, bench and preview-data, so they see the same data)."""
     dc = cfg.data
-    return build_samples(dc.path, tokenizer, fmt=dc.format, split=dc.split, name=dc.name or None,
-                         streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing, seed=cfg.train.seed,
-                         on_unsupported=dc.on_unsupported, num_proc=dc.num_proc, **kwargs)
+    return build_samples([asdict(s) for s in dc.sources] or dc.path, tokenizer, fmt=dc.format, split=dc.split,
+                         name=dc.name or None, streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing,
+                         seed=cfg.train.seed, on_unsupported=dc.on_unsupported, num_proc=dc.num_proc,
+                         chat_template_kwargs=dc.chat_template_kwargs, **kwargs)
+
+
+def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
+    """(the model's tokenizer, with data.chat_template's in place of its own; that template or None). Resuming, the
+    template saved with the checkpoint is used, whatever the file holds now."""
+    path, template = cfg.data.chat_template, None
+    if path:
+        template = ckpt.read_marker(resume_dir).get("chat_template") if resume_dir is not None else None
+        if template and Path(path).exists() and read_chat_template(path) != template:
+            print0(f"note: data.chat_template {cfg.data.chat_template} changed since {resume_dir}; resuming with the "
+                   f"template saved with it")
+        template = template or read_chat_template(path)
+    return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
 
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
@@ -132,9 +146,8 @@ def train(cfg: Config) -> dict:
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
     torch.manual_seed(tc.seed)
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
+    tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
     model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
@@ -147,10 +160,11 @@ def train(cfg: Config) -> dict:
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
     flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)
-    eval_before = evaluate(model, tokenizer, cfg.eval, device) if cfg.eval.path and state.step == 0 else None
+    eval_before = evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs) \
+        if cfg.eval.path and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
-        with open_outputs(cfg, out, state.step) as (logger, saver, bar):
+        with open_outputs(cfg, out, state.step, chat_template) as (logger, saver, bar):
             while state.step < tc.max_steps:
                 step = state.step + 1
                 faults.kill_if("kill_at_step", step)
@@ -182,7 +196,8 @@ def train(cfg: Config) -> dict:
         if cfg.checkpoint.export_hf:  # every rank gathers, writes and checks whole files (plan: the final checkpoint)
             export_hf(str(out), str(out / "hf"), live=model)
         if cfg.eval.path:
-            record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device), eval_before, out)
+            record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs),
+                                         eval_before, out)
     return record
 
 
@@ -197,7 +212,7 @@ def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.Tra
 
 
 @contextmanager
-def open_outputs(cfg: Config, out: Path, start_step: int):
+def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None):
     """The run's outputs once it is accepted (model, checkpoint, data; a refused run rewrites nothing): config.toml,
     and (the metrics logger, the checkpointer, the progress bar or None) closed on exit. Each checkpoint records the
     config: export-hf finds the model (config, tokenizer) it trained through it."""
@@ -209,7 +224,7 @@ def open_outputs(cfg: Config, out: Path, start_step: int):
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
-                              run={"config": run})
+                              run={"config": run, "chat_template": chat_template})
     bar = progress_bar(cfg.train.max_steps, start_step, cfg.log.progress)
     try:
         yield logger, saver, bar
@@ -224,8 +239,9 @@ def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, s
     """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch);
     returns (training FLOPs per token, the device's peak FLOP/s or None) for MFU."""
     tc, dc = cfg.train, cfg.data
-    if samples.num_samples is not None:  # streaming counts fill in as rows go by; reported at the end
-        print0(f"data: {describe_counts(samples.counts)}")
+    for line in samples.summary():  # streaming counts fill in as rows go by; reported at the end
+        print0(f"data: {line}")
+    if samples.num_samples is not None:
         packed = (f"packed into {samples.num_samples} rows of <= {dc.max_seq_len} tokens" if dc.packing else
                   "not packed: each micro-batch pads to its longest sample")
         efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, dims.dp_size,
@@ -288,6 +304,3 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-
-def describe_counts(counts: dict) -> str:
-    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items())

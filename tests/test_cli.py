@@ -15,6 +15,9 @@ CONFIG_ERRORS = [
     (["--model", "/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
     (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
     (["--dataset", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
+    (['data.sources=[{path="a.jsonl", wieght=1}]'], "unknown config key 'data.sources[0].wieght' (did you mean "
+                                                    "'weight'?)"),
+    (['data.sources=[{path="a.jsonl"}]'], "data.path (--dataset) and data.sources are both set"),
 ]
 
 
@@ -36,3 +39,17 @@ def test_a_config_error_from_the_real_command_is_one_line_and_exit_2(tmp_path, l
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {expect}"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_table_valued_keys_from_the_command_line_and_back(tmp_path):
+    from finetune.cli import build_config
+    from finetune.config import load_config, to_toml
+    cfg = build_config(None, ['data.chat_template_kwargs={enable_thinking=false, reasoning_effort="low"}',
+                              "data.chat_template_kwargs.enable_thinking=true", "data.path=",
+                              'data.sources=[{path="a.jsonl", weight=2}, {path="b.jsonl", samples=10, split="test"}]'],
+                       check=False)
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
+    assert [(s.path, s.weight, s.samples, s.split) for s in cfg.data.sources] == [("a.jsonl", 2.0, 0, "train"),
+                                                                                ("b.jsonl", 0.0, 10, "test")]
+    (tmp_path / "config.toml").write_text(to_toml(cfg))  # what a run records reads back as the same config
+    assert load_config(tmp_path / "config.toml") == cfg

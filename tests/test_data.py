@@ -3,18 +3,20 @@
 import itertools
 import json
 
+import datasets
+
 import pytest
 import torch
 
 from finetune.data import (
     DataError,
     build_samples,
-    columns_of,
     detect_format,
     format_preview,
     load_rows,
     pad_collate,
-    to_messages,
+    row_of,
+    to_conversation,
     tokenize_messages,
 )
 
@@ -46,8 +48,8 @@ def trained_spans(tok, sample):
 
 
 def tokenize_ok(tok, messages, max_seq_len=4096):
-    samples, reason = tokenize_messages(tok, messages, max_seq_len, "test row 0")
-    assert reason is None, reason
+    samples, reason, left_out = tokenize_messages(tok, messages, max_seq_len, "test row 0")
+    assert reason is None and not left_out, reason
     assert len(samples) == 1 and not samples[0]["split"]  # these templates keep every turn in one sample
     sample = samples[0]
     # Training sees what inference sees.
@@ -58,6 +60,15 @@ def tokenize_ok(tok, messages, max_seq_len=4096):
 
 def msg(role, content):
     return {"role": role, "content": content}
+
+
+def to_messages(row, fmt, where):
+    return to_conversation(row, fmt, where).messages
+
+
+def rows_of(path, **kw):
+    """The rows load_rows reads, decoded as the trainer decodes them."""
+    return [row_of(item, path, i)[0] for i, item in enumerate(load_rows(str(path), **kw).data)]
 
 
 # ----------------------------------------------------------------------------- labels
@@ -110,7 +121,7 @@ def test_conversation_ending_with_user_keeps_earlier_labels(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_no_assistant(family):
     tok = build_tokenizer(family)
-    assert tokenize_messages(tok, [msg("system", "s"), msg("user", "only a question")], 100) == ([], "no_assistant")
+    assert tokenize_messages(tok, [msg("system", "s"), msg("user", "only a question")], 100) == ([], "no_assistant", [])
 
 
 @pytest.mark.parametrize("family", ["llama3", "chatml"])
@@ -133,7 +144,7 @@ def test_assistant_first_is_context_only(family):
 def test_a_row_of_one_assistant_message_has_nothing_to_train():
     # a template that indexes messages[0] would fail on the empty prefix; no render of it is needed
     assert tokenize_messages(build_tokenizer("chatml_default_system"), [msg("assistant", "hi")], 100,
-                             "test row 0") == ([], "no_assistant")
+                             "test row 0") == ([], "no_assistant", [])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -152,7 +163,7 @@ def test_truncation_keeps_head(family):
     assert trained_spans(tok, sample) == ["4" + eot, head]
     assert answer.startswith(head) and len(head) < len(answer)
     # Cut before the first answer: nothing left to learn.
-    assert tokenize_messages(tok, messages, trained[0]) == ([], "no_labels_after_truncation")
+    assert tokenize_messages(tok, messages, trained[0]) == ([], "no_labels_after_truncation", [])
 
 
 def test_eos_only_after_the_last_message_is_not_trained():
@@ -188,14 +199,11 @@ def test_detect_format():
 
 def test_detect_format_from_streaming_rows(tmp_path):
     rows = load_rows(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "i", "output": "o"}]), streaming=True)
-    assert rows.column_names is None  # a generator-backed IterableDataset has no features
-    assert columns_of(rows) == ["instruction", "output"]
-    assert detect_format(rows) == "alpaca"
-    with pytest.raises(ValueError, match="columns_of"):
-        detect_format(rows.column_names)
+    assert rows.data.column_names is None  # datasets does not know them before reading: the first row tells
+    assert rows.columns == ["instruction", "output"] and detect_format(rows.columns) == "alpaca"
 
 
-def test_to_messages_all_formats():
+def test_to_conversation_all_formats():
     w = "f.jsonl row 0"
     sharegpt = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
                                   {"from": "gpt", "value": "A"}]}
@@ -244,20 +252,22 @@ def test_load_rows_local_files(tmp_path):
     rows = [{"messages": [msg("user", f"q{i}"), msg("assistant", f"a{i}")]} for i in range(3)]
     jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
     (tmp_path / "b.json").write_text(json.dumps(rows), encoding="utf-8")
-    assert load_rows(jsonl)[2] == rows[2]
-    assert len(load_rows(str(tmp_path / "b.json"))) == 3
-    assert len(load_rows(str(tmp_path))) == 6  # directory
-    assert [r["messages"][1]["content"] for r in load_rows(jsonl, streaming=True)] == ["a0", "a1", "a2"]
-    load_rows(jsonl).to_parquet(str(tmp_path / "c.parquet"))
-    assert load_rows(str(tmp_path / "c.parquet"))[1] == rows[1]
-    assert list(load_rows(str(tmp_path / "c.parquet"), streaming=True))[1] == rows[1]
+    assert rows_of(jsonl)[2] == rows[2]
+    assert rows_of(tmp_path / "b.json") == rows
+    assert len(rows_of(tmp_path)) == 6  # directory
+    assert [r["messages"][1]["content"] for r in rows_of(jsonl, streaming=True)] == ["a0", "a1", "a2"]
+    parquet = tmp_path / "p" / "c.parquet"
+    parquet.parent.mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    assert rows_of(parquet)[1] == rows[1] == rows_of(parquet, streaming=True)[1]
+    assert load_rows(str(parquet)).data[1]["__where__"] == f"{parquet} row 1"
 
 
 def test_load_rows_mixed_content_types(tmp_path):
     rows = [{"messages": [msg("user", "plain"), msg("assistant", "x")]},
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}, msg("assistant", "y")]}]
-    ds = load_rows(write_jsonl(tmp_path / "odd.jsonl", rows))
-    assert [to_messages(r, "messages", "r")[0] for r in ds] == [msg("user", "plain"), msg("user", "parts")]
+    got = rows_of(write_jsonl(tmp_path / "odd.jsonl", rows))
+    assert [to_messages(r, "messages", "r")[0] for r in got] == [msg("user", "plain"), msg("user", "parts")]
 
 
 def test_load_rows_errors(tmp_path):
@@ -267,7 +277,7 @@ def test_load_rows_errors(tmp_path):
         load_rows(str(bad))
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match=rf"^{bad}:3: malformed JSON"):
-        list(load_rows(str(bad), streaming=True))
+        list(load_rows(str(bad), streaming=True).data)
     arr = tmp_path / "arr.jsonl"
     arr.write_text('{"messages": []}\n[1, 2]\n', encoding="utf-8")
     with pytest.raises(DataError, match=rf"^{arr}:2: expected a JSON object, got list"):
@@ -531,15 +541,16 @@ def test_added_token_text_inside_an_answer_does_not_end_it():
 def test_tool_calls_bom_and_python_tokenizer(tmp_path):
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
     # a template without tool support renders no call: the row is refused, not trained as an empty answer
-    with pytest.raises(DataError, match=r"^f row 0: message 1: the chat template drops its tool call 'f'"):
+    with pytest.raises(DataError, match=r"^f row 0: message 1: the chat template drops its tool call 'f' "
+                                         r"\(drops_tool_calls\); data.on_unsupported=\"drop\" leaves such turns"):
         tokenize_messages(build_tokenizer("chatml"), to_messages({"messages": [msg("user", "q"), call]}, "messages",
                                                                  "f row 0"), 100, "f row 0")
     path = tmp_path / "bom.jsonl"
     path.write_text("\ufeff" + json.dumps({"messages": [msg("user", "q"), msg("assistant", "a")]}) + "\n",
                     encoding="utf-8")
-    assert load_rows(str(path))[0]["messages"][1]["content"] == "a"
+    assert rows_of(path)[0]["messages"][1]["content"] == "a"
     (tmp_path / "bom.json").write_text("\ufeff" + json.dumps([{"instruction": "i", "output": "o"}]), encoding="utf-8")
-    assert load_rows(str(tmp_path / "bom.json"))[0] == {"instruction": "i", "output": "o"}
+    assert rows_of(tmp_path / "bom.json")[0] == {"instruction": "i", "output": "o"}
 
     class Slow:  # a Python (slow / remote-code) tokenizer returns no offsets
         def __init__(self, fast):
@@ -554,3 +565,126 @@ def test_tool_calls_bom_and_python_tokenizer(tmp_path):
             return {"input_ids": self.fast(text, add_special_tokens=False)["input_ids"]}
     with pytest.raises(DataError, match=r"^r 0: the tokenizer .* gives no character offsets"):
         tokenize_messages(Slow(build_tokenizer("chatml")), [msg("user", "q"), msg("assistant", "a")], 100, "r 0")
+
+
+# ----------------------------------------------------------------------------- dataset dirs, exact rows, mixtures
+
+
+def qa(i, answer=None):
+    return {"messages": [msg("user", f"Question {i}?"), msg("assistant", answer or f"Answer {i}")]}
+
+
+def test_a_dataset_dir_reads_the_split_asked_for(tmp_path):
+    hub = tmp_path / "hub"  # what a hub download gives
+    (hub / "data").mkdir(parents=True)
+    train, test = [qa(i) for i in range(3)], [qa(10 + i) for i in range(2)]
+    for name, rows in (("train", train), ("test", test)):
+        datasets.Dataset.from_list(rows).to_parquet(str(hub / "data" / f"{name}-00000-of-00001.parquet"))
+    (hub / "README.md").write_text("# a card without YAML metadata\n")
+    assert rows_of(hub) == train and rows_of(hub, split="test") == test == rows_of(hub, split="test", streaming=True)
+    with pytest.raises(DataError, match=rf"^{hub}: no split 'validation' \(data.split\); its splits: train, test$"):
+        load_rows(str(hub), split="validation")
+    s = stream(str(hub), split="test", epoch_limit=1)
+    assert s.counts["rows"] == 2 and s.summary()[0] == (f"read {hub} split test: 1 file(s): "
+                                                        f"{hub / 'data' / 'test-00000-of-00001.parquet'}")
+    card = tmp_path / "card"  # splits named in the README's configs
+    (card / "x").mkdir(parents=True)
+    write_jsonl(card / "x" / "one.jsonl", train)
+    write_jsonl(card / "x" / "two.jsonl", test)
+    (card / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: "
+                                    "x/one.jsonl\n  - split: validation\n    path: x/two.jsonl\n---\n# card\n")
+    assert rows_of(card) == train and rows_of(card, split="validation") == test
+    with pytest.raises(DataError, match=r"no split 'test' \(data.split\); its splits: train, validation$"):
+        load_rows(str(card), split="test")
+    flat = tmp_path / "flat"  # no split names: every file is the train split, as before
+    flat.mkdir()
+    write_jsonl(flat / "a.jsonl", train)
+    write_jsonl(flat / "b.jsonl", test)
+    assert rows_of(flat) == train + test
+    with pytest.raises(DataError, match=r"its splits: train$"):
+        load_rows(str(flat), split="test")
+
+
+def test_rows_are_kept_as_written(tmp_path):
+    # Parts in one row used to make the column JSON, and every string in it that looked like JSON came back decoded.
+    texts = ["null", '"hi"', '["a", "b"]', "3", '{"x": 1}', "true", " 7 "]
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}, msg("assistant", "x")]}]
+    rows += [{"messages": [msg("user", t), {"role": "assistant", "content": t, "reasoning_content": t}]}
+             for t in texts]
+    rows.append({"messages": [msg("user", "q"), {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "null", "arguments": '{"q": "null", "n": "3"}'}}]},
+        {"role": "tool", "content": "[1]", "name": "3"}, msg("assistant", "null")], "tools": None})
+    path = write_jsonl(tmp_path / "odd.jsonl", rows)
+    for streaming in (False, True):
+        assert rows_of(path, streaming=streaming) == rows
+    got = [to_conversation(r, "messages", "r").messages for r in rows_of(path)]
+    assert [(m[1]["content"], m[1]["reasoning_content"]) for m in got[1:-1]] == [(t, t) for t in texts]
+    assert got[-1][1]["tool_calls"][0]["function"] == {"name": "null", "arguments": {"q": "null", "n": "3"}}
+    assert got[-1][2] == {"role": "tool", "content": "[1]", "name": "3"} and got[-1][3]["content"] == "null"
+    samples = stream(path, shuffle=False, epoch_limit=1, max_seq_len=512, on_unsupported="drop")
+    trained = [trained_spans(TOK, x) for x in samples][1:]  # (this template drops tool calls, and trims)
+    assert trained == [[t.strip() + "<|eot_id|>"] for t in texts] + [["null<|eot_id|>"]]
+
+
+def mixture_files(tmp_path, sizes=(40, 35, 25)):
+    paths = []
+    for k, n in enumerate(sizes):
+        paths.append(write_jsonl(tmp_path / f"source{k}.jsonl", [qa(i, f"from {k} " + "ok " * (i % 7))
+                                                                  for i in range(n)]))
+    return paths
+
+
+def shares(samples, num_sources):
+    per = [0] * num_sources
+    for x in samples:
+        for src in x["sources"]:
+            per[src["source"]] += 1
+    return [n / sum(per) for n in per]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_mixture_gives_the_asked_shares_and_resumes_exactly(tmp_path, packing):
+    a, b, c = mixture_files(tmp_path)
+    specs = [{"path": a, "weight": 5}, {"path": b, "weight": 3}, {"path": c, "weight": 2}]
+    s = stream(specs, packing=packing, epoch_limit=2)
+    both = list(s)
+    epoch = both[: s.num_samples]
+    assert shares(epoch, 3) == pytest.approx([0.5, 0.3, 0.2], abs=0.01)
+    assert s.shares == [(50, s.shares[0][1]), (30, s.shares[1][1]), (20, s.shares[2][1])]
+    assert s.counts["rows"] == 100 and [c["rows"] for c in s.source_counts] == [40, 35, 25]
+    assert [key(x) for x in both[s.num_samples:]] != [key(x) for x in epoch]  # each epoch reshuffled
+    assert "source 2 " + c + ": 20 samples an epoch (20.0%)" in "\n".join(s.summary())
+    for k in (7, s.num_samples + 3):
+        for world, rank in ((1, 0), (2, 0), (2, 1)):
+            got = list(stream(specs, packing=packing, epoch_limit=2, start_sample=k, rank=rank, world_size=world))
+            assert [key(x) for x in got] == [key(x) for i, x in enumerate(both) if i >= k and i % world == rank]
+    # samples and epochs: exactly that many, the source repeated or a fixed part of it
+    fixed = stream([{"path": a, "samples": 60}, {"path": b, "epochs": 0.4}, {"path": c}], packing=packing,
+                   shuffle=False, epoch_limit=1)
+    assert [n for n, _ in fixed.shares] == [60, 14, 25]
+    assert shares(list(fixed), 3) == pytest.approx([60 / 99, 14 / 99, 25 / 99])
+
+
+def mixture_rank(specs, packing, start):
+    import torch.distributed as dist
+    s = stream(specs, packing=packing, epoch_limit=2, start_sample=start, rank=dist.get_rank(),
+               world_size=dist.get_world_size())
+    return [key(x) for x in s]
+
+
+def test_a_mixture_is_the_same_at_1_and_2_ranks(tmp_path):
+    from helpers import run_ranks
+    specs = [{"path": p, "weight": w} for p, w in zip(mixture_files(tmp_path), (5, 3, 2))]
+    for packing, start in ((True, 0), (False, 9)):
+        one, = run_ranks(mixture_rank, 1, specs, packing, start)
+        two = run_ranks(mixture_rank, 2, specs, packing, start)
+        first = [start + (r - start) % 2 for r in (0, 1)]  # each rank's first global unit from `start` on
+        assert [two[g % 2][(g - first[g % 2]) // 2] for g in range(start, start + len(one))] == one
+        assert len(two[0]) + len(two[1]) == len(one)
+
+
+def test_a_mixture_cannot_stream(tmp_path):
+    a, b, _ = mixture_files(tmp_path)
+    with pytest.raises(DataError, match=r"^data.sources: a mixture needs each source's size .* set "
+                                        r"data.streaming=false$"):
+        stream([{"path": a}, {"path": b}], streaming=True)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from _tokenizers import build_tokenizer
+from _tokenizers import QWEN3_LIKE_TEMPLATE, build_tokenizer
 from finetune.data import DataError, build_samples, to_conversation, tokenize_messages
 from helpers import REPO, sft
 
@@ -114,16 +114,18 @@ def tool(text, name="get_weather"):
     return {"role": "tool", "content": text, "name": name, "tool_call_id": "c1"}
 
 
-def expected(tok, messages, tools, eot, answers=None):
+def expected(tok, messages, tools, eot, answers=None, untrained=(), kwargs=None):
     """Independent renders: {i: (prompt_i, completion_i)}, completion_i cut after its last end-of-turn token;
-    `answers` gives completion_i by hand where the rendering through turn i does not extend prompt_i."""
-    out = {}
+    `answers` gives completion_i by hand where the rendering through turn i does not extend prompt_i; turns in
+    `untrained` have none."""
+    out, kwargs = {}, kwargs or {}
     for i, m in enumerate(messages):
-        if m["role"] == "assistant" and m.get("train", True):
-            prompt = tok.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True, tokenize=False)
-            upto = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
-            if i in (answers or {}):
-                assert not upto.startswith(prompt) and upto.endswith(answers[i])
+        if m["role"] == "assistant" and m.get("train", True) and i not in untrained:
+            prompt = tok.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True, tokenize=False,
+                                             **kwargs)
+            upto = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False, **kwargs)
+            if i in (answers or {}):  # after prompt_i or at the end, when the rendering does not extend it
+                assert upto.startswith(prompt + answers[i]) or upto.endswith(answers[i])
                 out[i] = prompt, answers[i]
                 continue
             assert upto.startswith(prompt)
@@ -136,13 +138,16 @@ def decode(tok, ids):
     return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def check(tok, messages, tools=None, eot=("<|im_end|>",), row=None, render_messages=None, answers=None):
+def check(tok, messages, tools=None, eot=("<|im_end|>",), row=None, render_messages=None, answers=None,
+          untrained=None, kwargs=None):
     """Label the row (`row` defaults to {messages, tools}); every trained run decodes to completion_i and all
-    before it to prompt_i, as rendered here from `render_messages` (default: messages). Returns the samples."""
+    before it to prompt_i, as rendered here from `render_messages` (default: messages) with template `kwargs`;
+    `untrained` {message index: reason}: the turns left untrained, and why. Returns the samples."""
     conv = to_conversation(row or {"messages": messages, "tools": tools}, "messages", "t.jsonl row 0")
-    samples, reason = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
-    assert reason is None
-    want = expected(tok, render_messages or messages, tools, eot, answers)
+    samples, reason, left_out = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools,
+                                                  "drop" if untrained else "error", kwargs)
+    assert reason is None and {int(str(e).split(":")[0][8:]): e.reason for e in left_out} == (untrained or {})
+    want = expected(tok, render_messages or messages, tools, eot, answers, untrained or {}, kwargs)
     got = {}
     for s in samples:
         ids, labels = s["input_ids"], s["labels"]
@@ -160,7 +165,8 @@ def check(tok, messages, tools=None, eot=("<|im_end|>",), row=None, render_messa
         if s["split"]:  # a sample of its own ends where its turn ends
             assert runs[-1][1] == len(ids)
         else:  # the whole row's rendering, tokenized as the library does it
-            ref = tok.apply_chat_template(render_messages or messages, tools=tools, tokenize=True)["input_ids"]
+            ref = tok.apply_chat_template(render_messages or messages, tools=tools, tokenize=True,
+                                          **(kwargs or {}))["input_ids"]
             assert ids == ref
     assert got == want
     return samples
@@ -307,8 +313,12 @@ def test_rows_the_template_cannot_hold(template, messages, tools, reason, says):
     conv = to_conversation({"messages": messages, "tools": tools}, "messages", "data/t.jsonl row 7")
     with pytest.raises(DataError) as err:
         tokenize_messages(tok, conv.messages, 4096, "data/t.jsonl row 7", conv.tools)
-    assert str(err.value) == f'data/t.jsonl row 7: {says} (data.on_unsupported="drop" skips such rows)'
-    assert tokenize_messages(tok, conv.messages, 4096, "r", conv.tools, on_unsupported="drop") == ([], reason)
+    what = "rows" if reason in ("drops_tools", "template_error") else "turns"
+    assert str(err.value) == (f'data/t.jsonl row 7: {says} ({reason}); data.on_unsupported="drop" leaves such '
+                              f'{what} untrained and trains the rest')
+    samples, dropped, left_out = tokenize_messages(tok, conv.messages, 4096, "r", conv.tools, on_unsupported="drop")
+    assert (samples, dropped) == ([], reason)
+    assert [(str(e), e.reason) for e in left_out] == ([] if what == "rows" else [(says, reason)])
 
 
 # ----------------------------------------------------------------------------- data shapes
@@ -411,7 +421,8 @@ def test_cli_refusal_is_one_line_naming_row_and_reason(qwen_tied_dir):
     assert result.exit_code == 2 and result.stdout == ""
     last = result.stderr.splitlines()[-1]  # (above it: the progress bar the CLI turns off outside tests)
     assert last == (f"error: {EXAMPLE}:1: message 8: chat template failed (UndefinedError: 'dict object' has no "
-                    "attribute 'content') (data.on_unsupported=\"drop\" skips such rows)")
+                    "attribute 'content') (template_error); data.on_unsupported=\"drop\" leaves such rows untrained "
+                    "and trains the rest")
 
 
 # ----------------------------------------------------------------------------- found by probing real families
@@ -454,7 +465,7 @@ def test_the_next_roles_token_is_trained_where_the_template_writes_no_end_of_tur
     tok = tok_with(NEXT_ROLE_ENDS_TURN)
     messages = [user("Weather?"), assistant("", calls=[call(city="Paris")]), tool("21"), assistant("Sunny.")]
     conv = to_conversation({"messages": messages}, "messages", "t.jsonl row 0")
-    samples, reason = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
+    samples, reason, _ = tokenize_messages(tok, conv.messages, 4096, "t.jsonl row 0", conv.tools)
     assert reason is None and splits(samples) == [([1, 3], "")]
     ids, labels = samples[0]["input_ids"], samples[0]["labels"]
     runs = [k for k, lab in enumerate(labels) if lab != -100]
@@ -476,3 +487,174 @@ def test_arguments_as_the_tool_use_template_wants_them():
     samples = check(tok, messages, tools=TOOLS)
     trained = decode(tok, [t for t, lab in zip(samples[0]["input_ids"], samples[0]["labels"]) if lab != -100])
     assert '"arguments": {"city": "Paris"}}</tool_call>' in trained and "{'city'" not in trained
+
+
+# ----------------------------------------------------------------------------- one turn left untrained, the rest kept
+
+# DeepSeek-R1 / thinking-model style: the generation prompt opens <think>; an answer without reasoning is rendered
+# without it, so it cannot be trained after that prompt (not_prefix). Tool results as user turns.
+THINK_OPEN = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ m.content or '' }}{%- for c in m.tool_calls or [] %}{{ '<tool_call>' + c.function.name + ' ' +"
+    " (c.function.arguments | tojson) + '</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content +"
+    " '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+# One assistant block kept across a tool result: the block closes only before a user turn or at the end, so a
+# final answer after a tool result continues the block its tool call opened, where the generation prompt after a
+# tool result (the last message) opens a new one.
+ONE_BLOCK = (
+    "{%- for m in messages %}{%- set prev = messages[loop.index0 - 1].role if not loop.first else '' %}"
+    "{%- set next = messages[loop.index0 + 1].role if not loop.last else '' %}"
+    "{%- if m.role == 'user' %}{{ '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{%- if prev != 'tool' %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{ m.content or '' }}{%- for c in m.tool_calls or [] %}{{ '<tool_call>' + c.function.name + ' ' +"
+    " (c.function.arguments | tojson) + '</tool_call>' }}{%- endfor %}"
+    "{%- if next != 'tool' %}{{ '<|im_end|>\\n' }}{%- else %}{{ '\\n' }}{%- endif %}"
+    "{%- elif m.role == 'tool' %}{{ '<tool_response>\\n' + m.content + '\\n</tool_response>\\n' }}"
+    "{%- if loop.last %}{{ '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# The generation prompt opens <think>; each tool call is a block of its own after the message's think block, so a
+# call without reasoning is not written after the opened <think> (not_prefix), one with reasoning is.
+CALL_BLOCK_AFTER_THINK = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}"
+    "{%- if m.reasoning_content or m.content %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ (m.content or '') + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for c in m.tool_calls or [] %}{{ '<|im_start|>assistant\\n<tool_call>' + c.function.name + ' ' +"
+    " (c.function.arguments | tojson) + '</tool_call><|im_end|>\\n' }}{%- endfor %}"
+    "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content +"
+    " '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+THINK_OPEN_ROW = [user("Weather in Paris?"), assistant("", "Use the tool.", [call(city="Paris")]), tool("21"),
+                  assistant("Sunny, 21 degrees."), user("Thanks!"), assistant("Bye!", "Say goodbye.")]
+
+
+@pytest.mark.parametrize("template, messages, untrained, samples_of, answers", [
+    (THINK_OPEN, THINK_OPEN_ROW, {3: "not_prefix"}, [([1, 5], "")], None),
+    # the same question twice: the earlier turn that answers it is never taken for the later turn's place
+    (THINK_OPEN, [user("Continue"), assistant("A1", "R1"), user("Continue"), assistant("A2")], {3: "not_prefix"},
+     [([1], "")], None),
+    # the call's turn ends where the block goes on with the tool result (after </tool_call>)
+    (ONE_BLOCK, [user("Weather?"), assistant("", calls=[call(city="Paris")]), tool("21"), assistant("Sunny, 21."),
+                 user("Thanks!"), assistant("Bye!")], {3: "not_prefix"}, [([1, 5], "")],
+     {1: '<tool_call>get_weather {"city": "Paris"}</tool_call>'}),
+    (CALL_BLOCK_AFTER_THINK, [user("Weather?"), assistant(None, calls=[call(city="Paris")]), tool("21"),
+                              assistant("Sunny.", "It is warm."), user("Rome?"),
+                              assistant(None, "Rome too.", [call(city="Rome")])], {1: "not_prefix"},
+     [([3, 5], "")], None),
+])
+def test_a_turn_the_template_cannot_train_is_left_out_and_the_others_trained(template, messages, untrained,
+                                                                             samples_of, answers):
+    tok = tok_with(template)
+    samples = check(tok, messages, untrained=untrained, answers=answers)
+    assert splits(samples) == samples_of
+    whole = decode(tok, samples[-1]["input_ids"])
+    for i in untrained:  # left untrained, but still context as rendered, ahead of later trained turns
+        text = messages[i]["content"] or messages[i]["tool_calls"][0]["function"]["name"]
+        assert text in whole or text in decode(tok, samples[0]["input_ids"])
+    with pytest.raises(DataError, match=rf"^t.jsonl row 0: message {min(untrained)}: the chat template renders it "
+                                        rf"differently .* \(not_prefix\); data.on_unsupported=\"drop\" leaves such "
+                                        rf"turns untrained and trains the rest$"):
+        check(tok, messages)
+
+
+def test_turns_left_out_are_counted_per_turn_and_per_row(tmp_path):
+    rows = [{"messages": THINK_OPEN_ROW}] * 3 + [
+        {"messages": [user("Hi"), assistant("Hello"), user("Ok"), assistant("Fine")]},  # nothing trainable: dropped
+        {"messages": [user("Hi"), assistant("Hello", "Greet.")]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = tok_with(THINK_OPEN)
+    with pytest.raises(DataError, match=rf"^{path}:1: message 3: .*\(not_prefix\); data.on_unsupported=\"drop\""):
+        build_samples(str(path), tok)
+    s = build_samples(str(path), tok, on_unsupported="drop", shuffle=False, epoch_limit=1)
+    samples = list(s)
+    assert s.counts == {"rows": 5, "kept": 4, "samples": 4, "turns_trained": 7, "dropped_no_assistant": 0,
+                        "dropped_no_labels_after_truncation": 0, "turns_unsupported_not_prefix": 5,
+                        "rows_unsupported_not_prefix": 4, "dropped_not_prefix": 1}
+    assert samples[0]["sources"] == [{"row": 0, "turns": [1, 5], "split": "", "left_out": [
+        "not_prefix message 3: the chat template renders it differently from its generation prompt, so there is no "
+        "answer to train"], "source": 0}]
+    from finetune.data import describe_counts
+    assert "turns left untrained not_prefix 5 (in 4 rows)" in describe_counts(s.counts)
+
+
+# Qwen3-style enable_thinking: with enable_thinking=false the generation prompt holds an empty think block, which
+# the template otherwise writes as part of the last turn's answer.
+ENABLE_THINKING = QWEN3_LIKE_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- if enable_thinking is defined and not "
+    "enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}")
+
+
+def test_template_kwargs_change_what_is_rendered_and_trained():
+    tok = tok_with(ENABLE_THINKING)
+    assert ENABLE_THINKING != QWEN3_LIKE_TEMPLATE
+    messages = [user("Weather?"), assistant("Sunny.")]
+    trained = {}
+    for kwargs in (None, {"enable_thinking": False}):
+        samples = check(tok, messages, kwargs=kwargs)
+        ids, labels = samples[0]["input_ids"], samples[0]["labels"]
+        trained[bool(kwargs)] = decode(tok, [t for t, lab in zip(ids, labels) if lab != -100])
+        context = decode(tok, ids[:next(k for k, lab in enumerate(labels) if lab != -100)])
+        assert context.endswith("assistant\n<think>\n\n</think>\n\n" if kwargs else "assistant\n")
+    assert trained == {False: "<think>\n\n</think>\n\nSunny.<|im_end|>", True: "Sunny.<|im_end|>"}
+    from finetune.data import prompt_text
+    assert prompt_text(tok, messages[:1], None, {"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+
+
+def test_preview_shows_the_turn_left_untrained_and_why(qwen3_model, tmp_path):
+    from helpers import invoke
+    template = tmp_path / "think_open.jinja"
+    template.write_text(THINK_OPEN)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": THINK_OPEN_ROW}) + "\n")
+    shown = invoke("preview-data", "--model", qwen3_model, "--dataset", data, "--num", "1",
+                   f"data.chat_template={template}", "data.on_unsupported=drop", "data.max_seq_len=1024")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "--- sample 0: row 0 turns 1,5"
+    assert lines[1] == ("    left untrained: message 3: the chat template renders it differently from its generation "
+                        "prompt, so there is no answer to train (not_prefix)")
+    assert "[[Use the tool.\n</think>\n\n<tool_call>get_weather" in shown.stdout  # trained, as rendered
+    assert "Sunny, 21 degrees.<|im_end|>\n<|im_start|>user" in shown.stdout  # context, not trained
+    assert "[[Sunny" not in shown.stdout
+    assert "turns left untrained not_prefix 1 (in 1 rows)" in lines[-1]
+
+
+def test_a_chat_template_of_our_own_is_saved_with_the_run_and_exported(qwen3_model, chat_file, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from finetune.checkpoint import read_marker
+    from finetune.export import export_hf
+    from helpers import invoke, sft
+    base = tmp_path / "base"  # a base model: its tokenizer has no chat template
+    shutil.copytree(qwen3_model, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    refused = invoke("preview-data", "--model", base, "--dataset", chat_file)
+    assert refused.exit_code == 2 and refused.stderr.splitlines()[-1] == (
+        f"error: {chat_file}: the tokenizer has no chat template; set data.chat_template to a Jinja file (or a "
+        f"tokenizer dir with one), or use a chat/instruct model's tokenizer")
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHATML)
+    out = tmp_path / "run"
+    sft(base, chat_file, out, "train.max_steps=2", f"data.chat_template={template}")
+    template.write_text("{{ raise_exception('the file changed since') }}")
+    sft(base, chat_file, out, "train.max_steps=3", f"data.chat_template={template}")  # resumes with the saved text
+    assert read_marker(out / "checkpoints" / "step-3")["chat_template"] == CHATML
+    template.unlink()
+    export_hf(str(out), str(tmp_path / "hf"), verify=False)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == CHATML  # inference renders as training did
+    assert not AutoTokenizer.from_pretrained(base).chat_template

@@ -1,8 +1,8 @@
-"""Rows in: local .json/.jsonl/.parquet files or hub datasets -> Conversation(messages, tools) in the OpenAI shape."""
+"""Rows in: local .json/.jsonl/.parquet files (a file, or a dataset dir with splits) or hub datasets ->
+Conversation(messages, tools) in the OpenAI shape."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -20,6 +20,9 @@ _EXTS = (".json", ".jsonl", ".parquet")
 _ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
           "tool": "tool", "observation": "tool", "function": "tool", "function_call": "assistant"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
+# Local JSON rows are kept as the JSON text they were read from (decoded per row: byte for byte what was written,
+# where Arrow would merge their types) beside where they are; local parquet rows get where they are too.
+WHERE, JSON_ROW = "__where__", "__json__"
 
 
 class Conversation(NamedTuple):
@@ -27,18 +30,52 @@ class Conversation(NamedTuple):
     tools: list[dict] | None  # function schemas passed to the chat template
 
 
+class Rows(NamedTuple):
+    data: datasets.Dataset | datasets.IterableDataset  # items: see row_of
+    columns: list[str]  # the rows' keys (streamed local data: the first row's)
+    files: list[str]  # the local files read, in order ([]: hub data)
+
+
 class DataError(FinetuneError):
     """Bad input data; str(e) is ONE line naming the file, the line/row index and what is wrong."""
 
 
-def _local_files(path: str) -> list[str] | None:
+def _split_files(path: str, split: str, name: str | None) -> list[str]:
+    """A dataset dir's files for `split`, resolved as `datasets` resolves a local dataset dir: the README's `configs`
+    (data.name, else its default config), else split names in file or dir names (data/train-00000-of-00001.parquet,
+    test.jsonl, train/), else every file is the train split."""
+    from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
+    from datasets.utils.metadata import MetadataConfigs
+    base, card = path, os.path.join(path, "README.md")
+    try:
+        configs = MetadataConfigs()
+        if os.path.isfile(card) and open(card, encoding="utf-8").read(3) == "---":  # a card with YAML metadata
+            from huggingface_hub import DatasetCard
+            configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+        if configs:
+            chosen = name or configs.get_default_config_name()
+            if chosen not in configs:
+                raise DataError(f"{path}: no dataset config {chosen!r} in its README (data.name); configs: "
+                                f"{', '.join(configs)}")
+            base = os.path.join(path, configs[chosen].get("data_dir", ""))
+            patterns = sanitize_patterns(configs[chosen].get("data_files", "**"))
+        else:
+            patterns = get_data_patterns(path)
+        splits = DataFilesDict.from_patterns(patterns, base_path=base)
+    except (ValueError, FileNotFoundError) as e:  # datasets' EmptyDatasetError is a FileNotFoundError
+        raise DataError(f"{path}: cannot resolve its data files ({one_line(e)})") from e
+    splits = {str(k): [f for f in v if f.endswith(_EXTS)] for k, v in splits.items()}
+    if split not in splits:
+        raise DataError(f"{path}: no split {split!r} (data.split); its splits: {', '.join(splits)}")
+    if not splits[split]:
+        raise DataError(f"{path}: split {split!r} holds no .json, .jsonl or .parquet files")
+    return splits[split]
+
+
+def _local_files(path: str, split: str = "train", name: str | None = None) -> list[str] | None:
     """The data files behind a local path, or None when `path` should be tried as a hub dataset id."""
     if os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                       if f.endswith(_EXTS) and os.path.isfile(f))
-        if not files:
-            raise DataError(f"{path}: directory holds no .json, .jsonl or .parquet files")
-        return files
+        return _split_files(path, split, name)
     if os.path.isfile(path):
         if not path.endswith(_EXTS):
             raise DataError(f"{path}: unsupported file type (expected .json, .jsonl or .parquet)")
@@ -49,12 +86,7 @@ def _local_files(path: str) -> list[str] | None:
 
 
 def _iter_file(file: str):
-    """Yield (location, row) with exact line numbers, so errors point at the offending line."""
-    if file.endswith(".parquet"):
-        for b, batch in enumerate(pq.ParquetFile(file).iter_batches(batch_size=1024)):
-            for i, row in enumerate(batch.to_pylist()):
-                yield f"{file} row {b * 1024 + i}", row
-        return
+    """Yield (location, JSON text, row) with exact line numbers, so errors point at the offending line."""
     with open(file, encoding="utf-8-sig") as f:  # -sig: tolerate a BOM
         head = f.read(4096).lstrip()
         f.seek(0)
@@ -64,7 +96,7 @@ def _iter_file(file: str):
             except json.JSONDecodeError as e:
                 raise DataError(f"{file}:{e.lineno}: malformed JSON ({e.msg})") from e
             for i, row in enumerate(rows):
-                yield f"{file} item {i}", row
+                yield f"{file} item {i}", json.dumps(row, ensure_ascii=False), row
             return
         for n, line in enumerate(f, 1):
             if line.strip():
@@ -75,28 +107,30 @@ def _iter_file(file: str):
                         raise DataError(f"{file}: holds one multi-line JSON object; expected JSON Lines (one row "
                                         f"object per line) or a JSON array of row objects") from e
                     raise DataError(f"{file}:{n}: malformed JSON ({e.msg} at column {e.colno})") from e
-                yield f"{file}:{n}", row
-
-
-def locate(path: str, index: int) -> str:
-    """Where row `index` of local data is ("file:line", "file item N", "file row N"), for error messages: read again
-    only when an error is reported. Hub data: "path row N"."""
-    files = _local_files(path) if os.path.exists(path) else None
-    for k, (where, _) in enumerate(w for file in files or () for w in _iter_file(file)):
-        if k == index:
-            return where
-    return f"{path} row {index}"
+                yield f"{file}:{n}", line, row
 
 
 def _iter_rows(files):
+    """{WHERE, JSON_ROW} of every row of local JSON files, checked to be objects."""
     for file in files:
         try:
-            for where, row in _iter_file(file):
+            for where, text, row in _iter_file(file):
                 if not isinstance(row, dict):
                     raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-                yield row
+                yield {WHERE: where, JSON_ROW: text}, row
         except UnicodeDecodeError:
             raise DataError(_not_utf8(file)) from None
+
+
+def _iter_parquet(files):
+    for file in files:
+        for b, batch in enumerate(pq.ParquetFile(file).iter_batches(batch_size=1024)):
+            for i, row in enumerate(batch.to_pylist()):
+                yield {WHERE: f"{file} row {b * 1024 + i}", **row}
+
+
+def _streamed(files):
+    yield from (_iter_parquet(files) if files[0].endswith(".parquet") else (item for item, _ in _iter_rows(files)))
 
 
 def _not_utf8(file: str) -> str:
@@ -110,62 +144,64 @@ def _not_utf8(file: str) -> str:
     return f"{file}: not UTF-8 text"
 
 
-def _from_list(rows: list[dict], path: str) -> datasets.Dataset:
-    try:
-        # Odd rows (content a string here, a list of parts there) defeat Arrow's type inference: store as JSON.
-        # from_dict over the union of keys: from_list keeps only the first row's columns (a later `tools` is lost).
-        keys = list(dict.fromkeys(k for row in rows for k in row))
-        return datasets.Dataset.from_dict({k: [row.get(k) for row in rows] for k in keys}, on_mixed_types="use_json")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise DataError(f"{path}: rows have inconsistent value types ({one_line(e)})") from e
-
-
-def load_rows(path: str, *, split: str = "train", name: str | None = None, streaming: bool = False):
-    """Rows from a local .json/.jsonl/.parquet file, a directory of such files, or a hub dataset id
-    (optionally "id:split"). Returns a datasets.Dataset (streaming=False) or datasets.IterableDataset."""
-    files = _local_files(path)
+def load_rows(path: str, *, split: str = "train", name: str | None = None, streaming: bool = False) -> Rows:
+    """Rows of a local .json/.jsonl/.parquet file, of a dataset dir's split (see _split_files), or of a hub dataset
+    id (optionally "id:split"), as a datasets.Dataset (streaming=False) or IterableDataset; read items with row_of."""
+    files = _local_files(path, split, name)
     if files is None:
         ref, _, hub_split = path.partition(":")
         try:
-            return datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=streaming)
+            data = datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=streaming)
+            return Rows(data, data.column_names or list(next(iter(data), {})), [])
         except Exception as e:  # noqa: BLE001 - any hub failure is reported as one line
             raise DataError(f"{path}: not a local path, and loading it from the hub failed ({one_line(e)})") from e
+    if len({f.endswith(".parquet") for f in files}) > 1:
+        raise DataError(f"{path}: mixes parquet and JSON files in split {split!r}; convert them to one kind")
     if streaming:
         # A tuple, not a list: datasets would shard list gen_kwargs, and the order must stay the file order.
-        return datasets.IterableDataset.from_generator(_iter_rows, gen_kwargs={"files": tuple(files)})
-    if all(f.endswith(".parquet") for f in files):  # straight to Arrow, no Python round trip
+        data = datasets.IterableDataset.from_generator(_streamed, gen_kwargs={"files": tuple(files)})
+        first = next(iter(data), None)
+        return Rows(data, list(row_of(first, path, 0)[0]) if first else [], files)
+    if files[0].endswith(".parquet"):  # straight to Arrow, no Python round trip
         try:
-            return datasets.Dataset(pa.concat_tables([pq.read_table(f) for f in files]))
+            tables = [pq.read_table(f) for f in files]
+            where = pa.array([f"{f} row {k}" for f, t in zip(files, tables) for k in range(t.num_rows)])
+            table = pa.concat_tables(tables)
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: cannot read parquet ({one_line(e)})") from e
-    return _from_list(list(_iter_rows(files)), path)
+        return Rows(datasets.Dataset(table.append_column(WHERE, where)), table.column_names, files)
+    items, columns = [], {}
+    for item, row in _iter_rows(files):
+        items.append(item)
+        columns.update(dict.fromkeys(row))
+    return Rows(datasets.Dataset.from_dict({WHERE: [x[WHERE] for x in items], JSON_ROW: [x[JSON_ROW] for x in items]}),
+                list(columns), files)
 
 
-def columns_of(rows) -> list[str]:
-    """Column names of a Dataset/IterableDataset; local streaming data only knows them from its first row."""
-    names = rows.column_names
-    return list(names) if names is not None else list(next(iter(rows), {}).keys())
+def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
+    """(the row, where it is: "file:line", "file item N", "file row N"; hub data "source row N") of an item of
+    Rows.data: local JSON rows decoded from the text they were read as."""
+    where = item.get(WHERE) or f"{source} row {index}"
+    if JSON_ROW in item:
+        return json.loads(item[JSON_ROW]), where
+    return {k: v for k, v in item.items() if k != WHERE}, where
 
 
-def detect_format(column_names, fmt: str = "auto") -> str:
-    """'messages' | 'sharegpt' | 'alpaca', detected from the columns when fmt == 'auto'.
-    column_names may also be the rows themselves (see columns_of)."""
-    if column_names is None:
-        raise ValueError("column names unknown (streaming local data): pass the rows or columns_of(rows)")
-    cols = columns_of(column_names) if hasattr(column_names, "column_names") else list(column_names)
-    has_conv = "messages" in cols or "conversations" in cols
-    has_alpaca = "instruction" in cols and "output" in cols
+def detect_format(columns: list[str], fmt: str = "auto") -> str:
+    """'messages' | 'sharegpt' | 'alpaca', detected from the column names (Rows.columns) when fmt == 'auto'."""
+    has_conv = "messages" in columns or "conversations" in columns
+    has_alpaca = "instruction" in columns and "output" in columns
     if fmt == "auto":
-        if "messages" in cols:
+        if "messages" in columns:
             return "messages"
-        if "conversations" in cols:
+        if "conversations" in columns:
             return "sharegpt"
         if has_alpaca:
             return "alpaca"
     elif (fmt in ("messages", "sharegpt") and has_conv) or (fmt == "alpaca" and has_alpaca):
         return fmt
-    raise DataError(f"cannot use format {fmt!r} with columns {cols}; valid formats: messages (column 'messages'), "
-                    f"sharegpt (column 'conversations'), alpaca (columns 'instruction' and 'output')")
+    raise DataError(f"cannot use format {fmt!r} with columns {list(columns)}; valid formats: messages (column "
+                    f"'messages'), sharegpt (column 'conversations'), alpaca (columns 'instruction' and 'output')")
 
 
 def _text(value, where: str, what: str) -> str:
@@ -263,8 +299,3 @@ def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
                 msg["train"] = False
         out.append(msg)
     return Conversation(out, _tools(row.get("tools"), where))
-
-
-def to_messages(row: dict, fmt: str, where: str) -> list[dict]:
-    """The messages of to_conversation (without the row's tools)."""
-    return to_conversation(row, fmt, where).messages

@@ -5,213 +5,65 @@ prompt; completion_i is the rendering of messages[:i+1] minus prompt_i (where th
 history, as GPT-OSS does, what follows its generation prompt for message i), cut right after the end-of-turn token
 that closes it. Turns whose prompt_i + completion_i begin the full rendering share one sample (the rendering of the
 whole row); a turn the full rendering shows differently (reasoning dropped from history, a think block only in the
-last turn, a system prompt moved) gets a sample of its own, prompt_i + completion_i.
+last turn, a system prompt moved) gets a sample of its own, prompt_i + completion_i. A turn that cannot be trained so
+(Unsupported) is left untrained: it stays in the rendering as context of the later turns, which train as before.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
-import weakref
 from collections.abc import Mapping
+from typing import NamedTuple
 
-import numpy as np
-
-from ..errors import one_line
 from .formats import DataError
+from .template import (Template, Unsupported, find_all, prepared, require_chat_template, template_of, try_render,
+                       turn_length)
 
 IGNORE_INDEX = -100
 DROP_REASONS = ("no_assistant", "no_labels_after_truncation")
-_PROBE, _NEXT = "finetuneprobe", "nextturnmarker"  # stand-ins for row text, to find the template's own text
-_TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class Unsupported(DataError):
-    """The template cannot hold this row; `reason` names why (counted under data.on_unsupported = "drop")."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+class Labelled(NamedTuple):
+    samples: list[dict]  # {'input_ids', 'labels', 'turns', 'split'}, in the order of their first trained turn
+    dropped: str | None  # why the row gives no sample (DROP_REASONS or an Unsupported reason), else None
+    left_out: list[Unsupported]  # why each assistant turn left untrained is ("message i: ...", and its reason)
 
 
-class _Template:
-    """What we learn once per tokenizer + template: its control tokens, how it wants tool-call arguments, and the
-    text it writes after a turn (cached by the shape of the message)."""
-
-    def __init__(self, tokenizer):
-        self.text = tokenizer.chat_template
-        # Added tokens mark where a turn ends; whitespace ones (e.g. Gemma's "\n") are ordinary template text.
-        added = tokenizer.added_tokens_decoder  # {id: AddedToken}
-        self.is_added = np.zeros(max(added, default=0) + 1, dtype=bool)  # by token id (ids above: not added)
-        self.is_added[list(added)] = True
-        self.control = [t.content for t in added.values() if t.content.strip()]
-        self.tails: dict[tuple, tuple[str, int | None] | None] = {}
-        self.checked = False  # our rendering + tokenization checked against apply_chat_template(tokenize=True) once
-        # The backend tokenizer directly gives the same ids and offsets without the wrapper's cost; where it does
-        # not (the first row tells), the tokenizer's own __call__.
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        # Arguments go in as an object (most templates `tojson` it), unless the template concatenates a string: then
-        # an object would fail or print as a Python dict, and a string given to `tojson` would be encoded twice.
-        # Learned with and without tools: a template dict's "tool_use" template, or a template's tools branch, may
-        # want them otherwise than its default. Keyed by whether the row has tools.
-        call = {"type": "function", "function": {"name": _PROBE, "arguments": {"a": _PROBE}}}
-        conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        schema = [{"type": "function", "function": {"name": _PROBE, "description": _PROBE,
-                                                    "parameters": {"type": "object", "properties": {}}}}]
-        self.args_as_string = {}
-        for has_tools, tools in ((False, None), (True, schema)):
-            as_dict = _try_render(tokenizer, conv, tools)
-            as_str = _try_render(tokenizer, _args_as_strings(conv), tools)
-            self.args_as_string[has_tools] = (bool(as_str) and (as_dict is None or "{'a': " in as_dict)
-                                              and '{\\"a\\"' not in as_str)
-        self.kwargs = dict(tokenizer.special_tokens_map)
-        # The compiled template called directly on _prepared messages renders as apply_chat_template does (the first
-        # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
-        # row about twice per turn.
-        from ..compat import compile_jinja_template
-        self.compiled = {has: compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has else None))
-                         for has in (False, True)}  # a template dict may have its own "tool_use" template
-
-    def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
-        """The template's text for _prepared messages; a template that raises is Unsupported("template_error")."""
-        try:
-            return self.compiled[bool(tools)].render(messages=messages, tools=tools, documents=None,
-                                                     add_generation_prompt=generation_prompt, **self.kwargs)
-        except Exception as e:  # noqa: BLE001 - template errors are about this row
-            raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
-
-
-def _try_render(tokenizer, messages, tools=None):
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-    except Exception:  # noqa: BLE001 - only a probe
-        return None
-
-
-def _args_as_strings(messages: list[dict]) -> list[dict]:
-    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
-        c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
-        for m in messages]
-
-
-def template_of(tokenizer) -> _Template:
-    t = _TEMPLATES.get(tokenizer)
-    if t is None or t.text != tokenizer.chat_template:
-        t = _TEMPLATES[tokenizer] = _Template(tokenizer)
-    return t
-
-
-def _prepared(messages: list[dict], args_as_string: bool) -> list[dict]:
-    """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning also as `thinking`,
-    which GPT-OSS templates read), made once per row so that each prefix renders without copying."""
-    out = []
-    for m in _args_as_strings(messages) if args_as_string else messages:
-        m = {k: v for k, v in m.items() if v is not None and k != "train"}
-        out.append({"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m)
-    return out
-
-
-def prompt_text(tokenizer, messages: list[dict], tools=None) -> str:
+def prompt_text(tokenizer, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> str:
     """The context the model answers after messages (prompt_i for what follows): rendered as the labels are."""
-    t = template_of(tokenizer)
-    return t.render(_prepared(messages, t.args_as_string[bool(tools)]), tools, True)
+    t = template_of(tokenizer, template_kwargs)
+    return t.render(prepared(messages, t.args_as_string[bool(tools)]), tools, True)
 
 
-def _answer_start(t: _Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
+def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
     """Where message i's answer starts in `upto` when `upto` does not extend `prompt` because the template renders
     the history differently once message i follows (GPT-OSS drops the analysis of tool calls before a final
     answer, Mistral shows the system prompt only in the last user turn): right after the generation prompt that
-    `upto` writes for message i, i.e. the occurrence of it whose preceding text matches the end of `prompt` the
-    longest (at least the previous message). A template without a generation prompt: the place whose preceding text
-    matches the end of `prompt` the longest, covering at least the previous message's text."""
+    `upto` writes for message i (without one: after prompt's last character). That is the place whose preceding text
+    ends as `prompt` does the longest, through the previous message's text at least, and after which `upto` holds
+    nothing of the previous message as rendered (so never an earlier turn that answers the same question); None
+    when no place is."""
     history = t.render(msgs[:i], tools, False)
     if not prompt.startswith(history):
         return None
+    try:
+        before = t.render(msgs[:i - 1], tools, False)
+    except Unsupported:
+        before = ""
+    rendered = (history[len(before):] if history.startswith(before) else history).strip()  # the previous message
     gen, backwards = prompt[len(history):], prompt[::-1]
-    previous = msgs[i - 1].get("content")
-    best, best_len = None, len(gen) if gen else max(len(previous.strip()) if isinstance(previous, str) else 0, 1) - 1
+    text = msgs[i - 1].get("content")
+    text = text.strip() if isinstance(text, str) else ""
+    best, best_len = None, (len(prompt) - prompt.rfind(text) if text and text in prompt else len(gen) + 1) - 1
     key = gen or prompt[-1:]  # no generation prompt: every place where prompt's last character is
-    for p in _find_all(upto, key):
+    for p in find_all(upto, key):
         end = p + len(key)
         n = len(os.path.commonprefix([upto[end - 1::-1], backwards]))  # how far upto[:end] ends as prompt does
-        if n > best_len:
+        if n > best_len and not (rendered and rendered in upto[end:]):
             best, best_len = end, n
     return best
-
-
-def _shape(m: dict) -> tuple:
-    return bool(m.get("content")), bool(m.get("reasoning_content")), len(m.get("tool_calls") or ())
-
-
-def _probe_tail(tokenizer, t: _Template, messages, i, tools) -> tuple[str, int | None, str] | None:
-    """(tail, cut, stop): the text the template writes after the last row text of message i (its content, or the last
-    tool call's arguments), how much of it the model emits (through the end-of-turn token; None: no token), and, for
-    a template that writes no end-of-turn token (GLM-style: the next role's token ends the turn, and is an eos id of
-    the model), that next control token, which the model must emit to stop ("" otherwise)."""
-    m = dict(messages[i])
-    if m.get("content") or not m.get("tool_calls"):
-        m["content"] = _PROBE
-    if m.get("tool_calls"):
-        *calls, last = m["tool_calls"]
-        fn = last["function"]
-        args = {**fn["arguments"], _PROBE: _PROBE} if isinstance(fn["arguments"], dict) else json.dumps(
-            {**json.loads(fn["arguments"]), _PROBE: _PROBE}, ensure_ascii=False)
-        m["tool_calls"] = [*calls, {**last, "function": {**fn, "arguments": args}}]
-    probe = _try_render(tokenizer, messages[:i] + [m], tools)
-    if probe is None or _PROBE not in probe:
-        return None
-    tail = probe[probe.rfind(_PROBE) + len(_PROBE):]
-    hits = sorted((p, -len(c), c) for c in t.control for p in _find_all(tail, c))
-    # What the template writes between this turn and the next one (a tool result after tool calls, else a user)
-    nxt = {"role": "tool" if m.get("tool_calls") else "user", "content": _NEXT}
-    more = _try_render(tokenizer, messages[:i] + [m, nxt], tools)
-    more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)] if more and _NEXT in more else None
-    if not hits:
-        return tail, None, _next_control(t, more, len(tail))
-    # Several control tokens (Phi-3's '<|end|>\n<|endoftext|>', Qwen's '</tool_call><|im_end|>'): the turn ends at
-    # the last one the template also writes when the conversation goes on; text only at the very end of a
-    # conversation (an eos) is not emitted by the model. None in common (GPT-OSS <|return|> vs <|end|>): the first.
-    cut = hits[0][0] + len(hits[0][2])
-    if more is not None:
-        common = len(os.path.commonprefix([tail, more]))
-        inside = [h for h in hits if h[0] + len(h[2]) <= common]
-        cut = max((p + len(c) for p, _, c in inside), default=cut)
-    stop = ""
-    if m.get("tool_calls"):  # tags close a tool call; where plain answers end with the next role's token, so do calls
-        plain = _probe_tail(tokenizer, t, [*messages[:i], {"role": "assistant", "content": "x"}], i, tools)
-        if plain is not None and plain[1] is None and plain[2]:
-            stop = _next_control(t, more, cut)
-    return tail, cut, stop
-
-
-def _next_control(t: _Template, more: str | None, cut: int) -> str:
-    """The control token that opens the next turn right after `cut` (whitespace before it included), or ""."""
-    rest = more[cut:] if more is not None else ""
-    stop = next((c for c in sorted(t.control, key=len, reverse=True) if rest.lstrip().startswith(c)), "")
-    return rest[:rest.find(stop) + len(stop)] if stop else ""
-
-
-def _find_all(text: str, sub: str):
-    p = text.find(sub)
-    while p >= 0:
-        yield p
-        p = text.find(sub, p + 1)
-
-
-def _turn_length(tokenizer, t: _Template, messages, i, tools, completion: str) -> tuple[int, str]:
-    """How much of completion_i is trained: through its end-of-turn token, never the template text after it (the
-    '\n' after <|im_end|>, an eos the template adds at the end of a conversation); and the stop token to add after
-    it where the template writes none in the turn (see _probe_tail)."""
-    key = _shape(messages[i])
-    found = t.tails.get(key, False)
-    if found is False or (found is not None and not completion.endswith(found[0])):
-        found = t.tails[key] = _probe_tail(tokenizer, t, messages, i, tools)
-    if found is not None and completion.endswith(found[0]):
-        tail, cut, stop = found
-        return (len(completion) - len(tail) + cut if cut is not None else len(completion.rstrip())), stop
-    # the template changes what follows the content: its last control token
-    return max((completion.rfind(c) + len(c) for c in t.control if c in completion),
-               default=len(completion.rstrip())), ""
 
 
 def _check_kept(m: dict, i: int, completion: str) -> None:
@@ -231,9 +83,25 @@ def _check_kept(m: dict, i: int, completion: str) -> None:
             raise Unsupported("drops_tool_calls", f"message {i}: the chat template drops its tool call '{name}'")
 
 
-def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: str) -> dict:
-    # Spans: (message index, start, end) of the trained text. The template already holds bos etc.: this is exactly
-    # what apply_chat_template(tokenize=True) feeds the model (checked on the first row).
+def _tokens(tokenizer, t: Template, text: str, where: str, base=None, shared: int = 0) -> tuple[list, tuple, tuple]:
+    """(ids, start offsets, end offsets) of `text`, exactly what apply_chat_template(tokenize=True) feeds the model
+    (checked on the first row). base: the same of a text whose first `shared` characters `text` shares; its tokens
+    before the last added token ending within them are kept and only the rest is encoded (text left of an added
+    token tokenizes on its own; checked once per template against a whole encode)."""
+    if base is not None and t.reuse is not False:
+        ids, starts, ends = base
+        k = bisect.bisect_right(ends, shared)
+        while k and ids[k - 1] not in t.added:
+            k -= 1
+        if k > 1:
+            cut = starts[k - 1]
+            rest_ids, rest_starts, rest_ends = _tokens(tokenizer, t, text[cut:], where)
+            got = (ids[:k - 1] + rest_ids, starts[:k - 1] + tuple(a + cut for a in rest_starts),
+                   ends[:k - 1] + tuple(b + cut for b in rest_ends))
+            if t.reuse is None:
+                t.reuse = list(got[0]) == list(_tokens(tokenizer, t, text, where)[0])
+            if t.reuse:
+                return got
     if t.backend is not None:
         enc = t.backend.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
@@ -242,78 +110,124 @@ def _encode(tokenizer, t: _Template, text: str, spans, max_seq_len: int, where: 
         if "offset_mapping" not in enc:
             raise DataError(f"{where}: the tokenizer ({type(tokenizer).__name__}) gives no character offsets, so "
                             f"labels cannot be placed; use a fast (tokenizers-backed) tokenizer")
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    ids = np.asarray(ids, dtype=np.int64)
-    starts, ends = np.asarray(offsets, dtype=np.int64).reshape(-1, 2).T
-    is_added = t.is_added[np.minimum(ids, len(t.is_added) - 1)] & (ids < len(t.is_added))
-    owner = np.full(len(ids), -1)  # the index of the span each token is trained for (-1: none)
-    for k, (_, a, b) in reversed(list(enumerate(spans))):  # reversed: a token touching two spans belongs to the first
-        # Every token that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a
-        # prompt ending in ' ', an end-of-turn token with rstrip that swallowed the '\n' after it), but never a
-        # template token that only swallowed the answer's leading whitespace (a header with rstrip).
-        owner[(starts < b) & (ends > a) & ((starts >= a) | ~is_added)] = k
-    labels = np.where(owner >= 0, ids, IGNORE_INDEX)
-    kept = np.unique(owner[:max_seq_len])  # turns with a label left after truncation
-    return {"input_ids": ids[:max_seq_len].tolist(), "labels": labels[:max_seq_len].tolist(),
-            "turns": [spans[k][0] for k in kept if k >= 0]}
+        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    starts, ends = zip(*offsets) if offsets else ((), ())
+    return ids, starts, ends
+
+
+def _shared(a: str, b: str) -> int:
+    """The length of the common prefix of a and b (a binary search of startswith: C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a.startswith(b[:mid]) else (lo, mid - 1)
+    return lo
+
+
+def _encode(t: Template, ids: list, starts, ends, spans, max_seq_len: int) -> dict:
+    """The sample whose labels are the tokens of each span (message index, start, end) of trained text: every token
+    that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a prompt ending in ' ', an
+    end-of-turn token with rstrip that swallowed the '\n' after it), never a template token that only swallowed the
+    answer's leading whitespace (a header with rstrip); a token touching two spans is the first's. Offsets grow
+    along the text, so each span is a range of tokens."""
+    labels, turns, done = [IGNORE_INDEX] * len(ids), [], 0
+    for i, a, b in spans:
+        lo, hi = max(bisect.bisect_right(ends, a), done), bisect.bisect_left(starts, b)
+        while lo < hi and starts[lo] < a and ids[lo] in t.added:
+            lo += 1
+        labels[lo:hi] = ids[lo:hi]
+        if lo < min(hi, max_seq_len):  # a label left after truncation
+            turns.append(i)
+        done = max(done, hi)
+    return {"input_ids": list(ids[:max_seq_len]), "labels": labels[:max_seq_len], "turns": turns}
+
+
+def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: str, prompt: str | None):
+    """(prompt_i, completion_i, the stop token ending it where the template writes none) of assistant message i, or
+    Unsupported when the template cannot show it as at inference."""
+    prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
+    upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
+    start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
+    if start is None:
+        raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
+                                        f"generation prompt, so there is no answer to train")
+    length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[start:])
+    completion = upto[start:start + length]
+    if not completion:
+        raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
+    _check_kept(row_message, i, completion + stop)
+    return prompt, completion + stop, stop
+
+
+def _refusal(where: str, e: Unsupported, what: str) -> str:
+    return f'{where}: {e} ({e.reason}); data.on_unsupported="drop" leaves such {what} untrained and trains the rest'
 
 
 def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: str = "", tools=None,
-                      on_unsupported: str = "error") -> tuple[list[dict], str | None]:
-    """Samples ({'input_ids', 'labels', 'turns', 'split'}) of one conversation by the rule in the module docstring,
-    in the order of their first trained turn; or ([], reason) for a row that is dropped. A row the template cannot
-    hold raises DataError (on_unsupported="error") or is dropped with the Unsupported reason ("drop")."""
+                      on_unsupported: str = "error", template_kwargs: dict | None = None) -> Labelled:
+    """The samples of one conversation by the rule in the module docstring, the turns left untrained and why, or why
+    the row gives no sample. A turn (or a row: template_error, drops_tools) the template cannot hold raises DataError
+    (on_unsupported="error") or is left untrained and reported ("drop")."""
     where = where or "conversation"
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{where}: the tokenizer has no chat template; use a chat/instruct model's tokenizer")
+    require_chat_template(tokenizer, where)
     # An assistant message that opens the conversation (a greeting) is context only: no prompt precedes it at inference
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("train", True) and i > 0]
     if not trained:
-        return [], "no_assistant"
-    t = template_of(tokenizer)
-    msgs = _prepared(messages, t.args_as_string[bool(tools)])
+        return Labelled([], "no_assistant", [])
+    t = template_of(tokenizer, template_kwargs)
+    msgs = prepared(messages, t.args_as_string[bool(tools)])
     try:
-        full = t.render(msgs, tools, False)
-        main_text, main, alone = full, [], []
-        for i in trained:
-            prompt = t.render(msgs[:i], tools, True)
-            upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
-            start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
-            if start is None:
-                raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
-                                                f"generation prompt, so there is no answer to train")
-            length, stop = _turn_length(tokenizer, t, msgs, i, tools, upto[start:])
-            completion = upto[start:start + length]
-            if not completion:
-                raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
-            completion += stop
-            _check_kept(messages[i], i, completion)
-            if tools and i == trained[0] and t.render(msgs[:i], None, True) == prompt:
-                raise Unsupported("drops_tools", f"message {i}: the chat template does not show the row's tools")
-            span = (i, len(prompt), len(prompt) + len(completion))
-            if main_text.startswith(prompt + completion):
-                main.append(span)
-            elif stop and i == len(msgs) - 1 and main_text.startswith(prompt + completion[:-len(stop)]):
-                main_text = prompt + completion  # the stop token the last turn's template does not write
-                main.append(span)
-            else:  # "history": the full rendering shows this turn differently; "context": what precedes it differs
-                alone.append((prompt + completion, [span], "history" if full.startswith(prompt) else "context"))
+        full = main_text = t.render(msgs, tools, False)
+        first = t.render(msgs[:trained[0]], tools, True)
+        if tools and t.render(msgs[:trained[0]], None, True) == first:
+            raise Unsupported("drops_tools", f"message {trained[0]}: the chat template does not show the row's tools")
     except Unsupported as e:
-        if e.reason == "template_error" and not str(e).startswith("message"):  # name the first message it fails on
-            k = next((k for k in range(len(msgs)) if _try_render(tokenizer, msgs[: k + 1], tools) is None), None)
-            e = Unsupported(e.reason, f"message {k}: {e}" if k is not None else str(e))
+        if e.reason == "template_error":  # name the first message it fails on
+            k = next((k for k in range(len(msgs)) if try_render(tokenizer, msgs[: k + 1], tools, t.extra) is None), 0)
+            e = Unsupported(e.reason, f"message {k}: {e}")
         if on_unsupported != "drop":
-            raise DataError(f"{where}: {e} (data.on_unsupported=\"drop\" skips such rows)") from e
-        return [], e.reason
+            raise DataError(_refusal(where, e, "rows")) from e
+        return Labelled([], e.reason, [])
+    main, alone, left_out = [], [], []
+    for i in trained:
+        try:
+            prompt, completion, stop = _turn(tokenizer, t, msgs, messages[i], i, tools, full,
+                                             first if i == trained[0] else None)
+        except Unsupported as e:
+            e = e if str(e).startswith("message") else Unsupported(e.reason, f"message {i}: {e}")
+            if on_unsupported != "drop":
+                raise DataError(_refusal(where, e, "turns")) from e
+            left_out.append(e)  # the turn stays in the rendering, as context of the later turns
+            continue
+        span = (i, len(prompt), len(prompt) + len(completion))
+        if main_text.startswith(prompt + completion):
+            main.append(span)
+        elif stop and i == len(msgs) - 1 and main_text.startswith(prompt + completion[:-len(stop)]):
+            main_text = prompt + completion  # the stop token the last turn's template does not write
+            main.append(span)
+        else:  # "history": the full rendering shows this turn differently; "context": what precedes it differs
+            alone.append((prompt + completion, [span], "history" if full.startswith(prompt) else "context"))
     if main and not t.checked:  # once: our rendering and tokenization are what the library itself gives
-        ref = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True)
-        ref = list(ref["input_ids"] if isinstance(ref, Mapping) else ref)
-        if t.backend is not None and t.backend.encode(full, add_special_tokens=False).ids != ref:
-            t.backend = None
-        if t.backend is None and list(tokenizer(full, add_special_tokens=False)["input_ids"]) != ref:
-            raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
-        t.checked = True
-    samples = [{**_encode(tokenizer, t, text, spans, max_seq_len, where), "split": why}
-               for text, spans, why in ([(main_text, main, "")] if main else []) + alone]
+        _check_tokenization(tokenizer, t, msgs, tools, full, where)
+    samples, base = [], None
+    for text, spans, why in ([(main_text, main, "")] if main else []) + alone:
+        tokens = _tokens(tokenizer, t, text, where, base, _shared(main_text, text) if base else 0)
+        base = base or tokens  # the whole row's: the samples of turns split out share much of its text
+        samples.append({**_encode(t, *tokens, spans, max_seq_len), "split": why})
     samples = sorted((s for s in samples if s["turns"]), key=lambda s: s["turns"][0])
-    return (samples, None) if samples else ([], "no_labels_after_truncation")
+    reason = None if samples else left_out[0].reason if not main and not alone else "no_labels_after_truncation"
+    return Labelled(samples, reason, left_out)
+
+
+def _check_tokenization(tokenizer, t: Template, msgs, tools, full: str, where: str) -> None:
+    ref = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True, **t.extra)
+    ref = list(ref["input_ids"] if isinstance(ref, Mapping) else ref)
+    if t.backend is not None and t.backend.encode(full, add_special_tokens=False).ids != ref:
+        t.backend = None
+    ids, starts, ends = _tokens(tokenizer, t, full, where)
+    if list(ids) != ref:
+        raise DataError(f"{where}: tokenizing the rendered text differs from apply_chat_template(tokenize=True)")
+    if list(starts) != sorted(starts) or list(ends) != sorted(ends):
+        raise DataError(f"{where}: the tokenizer's character offsets do not grow along the text; labels cannot be "
+                        f"placed")
+    t.checked = True

@@ -1,22 +1,54 @@
-"""Samples in a world-size-independent order: tokenize rows (one row may give several samples), shuffle, shard, pack."""
+"""Samples in a world-size-independent order: tokenize rows (one row may give several samples) of one source or a
+weighted mixture of sources, shuffle, shard, pack."""
 
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
+from typing import NamedTuple
 
 import datasets
 import numpy as np
 import torch
 
-from .formats import DataError, columns_of, detect_format, load_rows, locate, to_conversation
+from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
+from .template import require_chat_template
 
-_META = ("row", "turns", "split")  # where a sample comes from: row index, trained message indices, why split out
-
-
+_META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _count for left_out)
 PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
+
+
+class Source(NamedTuple):
+    spec: dict  # path, split, name, format, and how much of it an epoch takes: weight | samples | epochs
+    rows: Rows
+    fmt: str
+
+
+def open_sources(data: str | list[dict], *, fmt: str = "auto", split: str = "train", name: str | None = None,
+                 streaming: bool = False) -> list[Source]:
+    """The rows of `data` (a path: fmt, split and name apply; or a list of source dicts, see build_samples), their
+    format checked."""
+    specs = [{"path": data, "split": split, "name": name, "format": fmt}] if isinstance(data, str) else data
+    if streaming and len(specs) > 1:
+        raise DataError("data.sources: a mixture needs each source's size before it starts, so it cannot stream; set "
+                        "data.streaming=false")
+    sources = []
+    for spec in specs:
+        rows = load_rows(spec["path"], split=spec.get("split") or "train", name=spec.get("name") or None,
+                         streaming=streaming)
+        sources.append(Source(spec, rows, detect_format(rows.columns, spec.get("format") or "auto")))
+    return sources
+
+
+def mixture_sizes(specs: list[dict], sizes: list[int]) -> list[int]:
+    """Samples each source gives an epoch, from its size (usable samples): `samples`; else `epochs` x its size; the
+    sources with a `weight` share the samples they hold together, in proportion to their weights. A source with none
+    of the three: epochs=1."""
+    pooled = sum(m for spec, m in zip(specs, sizes) if spec.get("weight"))
+    weights = sum(spec.get("weight") or 0 for spec in specs)
+    return [spec["samples"] if spec.get("samples") else round(pooled * spec["weight"] / weights) if spec.get("weight")
+            else round((spec.get("epochs") or 1) * m) for spec, m in zip(specs, sizes)]
 
 
 def _best_fit_packs(items, max_len: int, window: int = PACK_WINDOW):
@@ -39,10 +71,21 @@ def _best_fit_packs(items, max_len: int, window: int = PACK_WINDOW):
             yield [chunk[j][0] for j in row]
 
 
-def _count(counts: dict, samples: list[dict], reason: str | None) -> None:
+def _new_counts() -> dict:
+    return dict(rows=0, kept=0, samples=0, turns_trained=0, **{f"dropped_{r}": 0 for r in DROP_REASONS})
+
+
+def _count(counts: dict, samples: list[dict], dropped: str | None, left_out: list[str]) -> None:
+    """Count one row: its samples, or why it is dropped; left_out: "<reason> message <i>: <why>" of each turn left
+    untrained (counted by reason per turn and per row)."""
     counts["rows"] += 1
-    if reason:
-        counts[f"dropped_{reason}"] = counts.get(f"dropped_{reason}", 0) + 1
+    reasons = [x.split(" ", 1)[0] for x in left_out]
+    for r in reasons:
+        counts[f"turns_unsupported_{r}"] = counts.get(f"turns_unsupported_{r}", 0) + 1
+    for r in dict.fromkeys(reasons):
+        counts[f"rows_unsupported_{r}"] = counts.get(f"rows_unsupported_{r}", 0) + 1
+    if dropped:
+        counts[f"dropped_{dropped}"] = counts.get(f"dropped_{dropped}", 0) + 1
         return
     counts["kept"] += 1
     counts["samples"] += len(samples)
@@ -52,68 +95,134 @@ def _count(counts: dict, samples: list[dict], reason: str | None) -> None:
             counts[f"turns_split_{s['split']}"] = counts.get(f"turns_split_{s['split']}", 0) + 1
 
 
-def _new_counts() -> dict:
-    return dict(rows=0, kept=0, samples=0, turns_trained=0, **{f"dropped_{r}": 0 for r in DROP_REASONS})
+def describe_counts(counts: dict) -> str:
+    """One line: rows kept and dropped (by reason), samples, turns trained, split out and left untrained (by reason:
+    turns, and the rows they are in)."""
+    parts = []
+    for k, v in counts.items():
+        if k.startswith("dropped_"):
+            parts.append(f"dropped {k[8:]} {v}")
+        elif k.startswith("turns_unsupported_"):
+            parts.append(f"turns left untrained {k[18:]} {v} (in {counts['rows_unsupported_' + k[18:]]} rows)")
+        elif not k.startswith("rows_unsupported_"):
+            parts.append(f"{k.replace('_', ' ')} {v}")
+    return ", ".join(parts)
+
+
+def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs):
+    def tokenize(item: dict, idx: int):
+        row, where = row_of(item, source.spec["path"], idx)
+        conv = to_conversation(row, source.fmt, where)
+        return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported,
+                                 template_kwargs)
+    return tokenize
 
 
 class SampleStream(torch.utils.data.IterableDataset):
     """This rank's samples, forever (or epoch_limit epochs). Global sample g (world-size independent, counted
-    across epochs) goes to rank g % world_size; iteration starts at global sample start_sample. A row's samples
-    follow each other in row order before shuffling. Iterate it in the training process (DataLoader num_workers=0):
-    counts for streaming data are filled in as it goes. `tokenize(row, idx)` returns (samples, drop reason)."""
+    across epochs) goes to rank g % world_size; iteration starts at global sample start_sample. An epoch is the
+    samples mixture_sizes gives each source (one source: all its samples), interleaved evenly in file order
+    (a row's samples follow each other), packed, then shuffled. Iterate it in the training process (DataLoader
+    num_workers=0): counts for streaming data are filled in as it goes. `tokenizers[k](item, idx)` labels a row of
+    sources[k] (a labels.Labelled)."""
 
-    def __init__(self, rows, tokenize, *, streaming, shuffle, packing, max_seq_len, seed, rank, world_size,
-                 start_sample, epoch_limit, source, num_proc=1, pack_window=PACK_WINDOW):
+    def __init__(self, sources: list[Source], tokenizers, *, streaming, shuffle, packing, max_seq_len, seed, rank,
+                 world_size, start_sample, epoch_limit, num_proc=1, pack_window=PACK_WINDOW):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.streaming, self.shuffle, self.packing, self.max_seq_len = streaming, shuffle, packing, max_seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.start_sample, self.epoch_limit, self.source = start_sample, epoch_limit, source
-        self.pack_window = pack_window
-        self._rows, self._tokenize = rows, tokenize
+        self.start_sample, self.epoch_limit, self.pack_window = start_sample, epoch_limit, pack_window
+        self.sources, self._tokenizers = sources, tokenizers
         self.counts = _new_counts()
+        self.source_counts = [_new_counts() for _ in sources]
+        self.shares: list[tuple[int, int]] = []  # samples and real tokens of each source in an epoch
         self.num_samples: int | None = None
         if streaming:
             return
         ints = getattr(datasets, "List", datasets.Sequence)(datasets.Value("int32"))  # List is datasets>=4
-        features = datasets.Features({"input_ids": ints, "labels": ints, "length": datasets.Value("int32"),
-                                      "drop": datasets.Value("string"), "row": datasets.Value("int64"),
-                                      "turns": ints, "split": datasets.Value("string")})
+        features = datasets.Features({
+            "input_ids": ints, "labels": ints, "length": datasets.Value("int32"), "drop": datasets.Value("string"),
+            "row": datasets.Value("int64"), "turns": ints, "split": datasets.Value("string"),
+            "left_out": getattr(datasets, "List", datasets.Sequence)(datasets.Value("string")),
+            "source": datasets.Value("int32")})
 
-        def tokenize_batch(batch, indices):  # one output per sample, or one placeholder naming why a row is dropped
-            out = {k: [] for k in features}
+        def tokenize_batch(batch, indices, k):  # one output per sample, or one placeholder naming why a row is dropped
+            out = {name: [] for name in features}
             for j, idx in enumerate(indices):
-                samples, reason = tokenize({k: v[j] for k, v in batch.items()}, idx)
-                for s in samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]:
-                    entry = {**s, "length": len(s["input_ids"]), "drop": reason or "", "row": idx}
-                    for k in features:
-                        out[k].append(entry[k])
+                labelled = tokenizers[k]({c: v[j] for c, v in batch.items()}, idx)
+                left_out = [f"{e.reason} {e}" for e in labelled.left_out]
+                for n, s in enumerate(labelled.samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]):
+                    entry = {**s, "length": len(s["input_ids"]), "drop": labelled.dropped or "", "row": idx,
+                             "left_out": [] if n else left_out, "source": k}
+                    for name in features:
+                        out[name].append(entry[name])
             return out
 
         # Tokenize once; every epoch then only reorders sample indices.
-        self._tok = rows.map(tokenize_batch, batched=True, batch_size=64, with_indices=True,
-                             remove_columns=rows.column_names, features=features, keep_in_memory=True,
-                             load_from_cache_file=False, num_proc=num_proc if num_proc > 1 else None,
-                             desc="Tokenizing")
-        drops, turns, splits, row_ids = (self._tok[k] for k in ("drop", "turns", "split", "row"))
-        kept = [i for i, d in enumerate(drops) if not d]
-        reasons = collections.Counter(d for d in drops if d)
-        kept_rows = len({row_ids[i] for i in kept})
-        self.counts.update(rows=kept_rows + sum(reasons.values()), kept=kept_rows, samples=len(kept),
-                           turns_trained=sum(len(turns[i]) for i in kept),
-                           **{f"turns_split_{k}": v for k, v in sorted(collections.Counter(
-                               splits[i] for i in kept if splits[i]).items())},
-                           **{f"dropped_{r}": n for r, n in reasons.items()})
-        lengths = np.asarray(self._tok["length"], dtype=np.int64)
-        if packing:  # pack once in file order, then shuffle the packs each epoch: a constant epoch length
-            self._units = list(_best_fit_packs(((i, int(lengths[i])) for i in kept), max_seq_len, pack_window))
-            self._unit_lengths = np.asarray([lengths[u].sum() for u in self._units], dtype=np.int64)
-        else:
-            self._units = np.asarray(kept, dtype=np.int64)
-            self._unit_lengths = lengths[self._units]
+        parts = [src.rows.data.map(tokenize_batch, batched=True, batch_size=64, with_indices=True, fn_kwargs={"k": k},
+                                   remove_columns=src.rows.data.column_names, features=features, keep_in_memory=True,
+                                   load_from_cache_file=False, num_proc=num_proc if num_proc > 1 else None,
+                                   desc="Tokenizing") for k, src in enumerate(sources)]
+        self._tok = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        self._units, self._unit_lengths = self._epoch_units()
         self.num_samples = len(self._units)
-        if not self.num_samples:
-            raise DataError(f"{source}: no usable samples ({self.counts})")
+
+    def _epoch_units(self):
+        """Count the tokenized rows, choose each source's samples of an epoch and interleave them; pack them (in that
+        order) or not: (units, their real token counts)."""
+        cols = {k: self._tok[k] for k in ("drop", "row", "turns", "split", "left_out", "source")}
+        lengths = np.asarray(self._tok["length"], dtype=np.int64)
+        kept = [[] for _ in self.sources]
+        entries = zip(range(len(lengths)), *cols.values())
+        for (k, _), group in itertools.groupby(entries, key=lambda e: (e[6], e[2])):  # (source, row)
+            group = list(group)
+            _count(self.source_counts[k], [{"turns": e[3], "split": e[4]} for e in group], group[0][1],
+                   group[0][5])
+            if not group[0][1]:
+                kept[k] += [e[0] for e in group]
+        for counts in self.source_counts:
+            for key, v in counts.items():
+                self.counts[key] = self.counts.get(key, 0) + v
+        for src, counts, ids in zip(self.sources, self.source_counts, kept):
+            if not ids:
+                raise DataError(f"{src.spec['path']}: no usable samples ({describe_counts(counts)})")
+        chosen = []
+        for k, (ids, n) in enumerate(zip(kept, mixture_sizes([s.spec for s in self.sources], list(map(len, kept))))):
+            reps, rest = divmod(n, len(ids))  # the source n // len times, then a fixed part of it, in file order
+            part = np.sort(np.random.default_rng([self.seed, k]).choice(len(ids), rest, replace=False))
+            chosen.append(np.concatenate([np.tile(ids, reps), np.asarray(ids)[part]]).astype(np.int64))
+            self.shares.append((n, int(lengths[chosen[-1]].sum())))
+        # interleaved evenly: the j-th of a source's n samples at (j + 0.5) / n of the epoch
+        at = np.concatenate([(np.arange(len(c)) + 0.5) / len(c) for c in chosen if len(c)])
+        order = np.concatenate(chosen)[np.argsort(at, kind="stable")]
+        if not len(order):
+            raise DataError(f"{self.describe_source()}: an epoch of this mixture holds no sample")
+        if not self.packing:
+            return order, lengths[order]
+        units = list(_best_fit_packs(((int(i), int(lengths[i])) for i in order), self.max_seq_len, self.pack_window))
+        return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
+
+    def describe_source(self) -> str:
+        return ", ".join(src.spec["path"] for src in self.sources)
+
+    def summary(self) -> list[str]:
+        """Start-up lines: the files read, what became of the rows, and a mixture's share of each source."""
+        lines = []
+        for src in self.sources:
+            path, files = src.spec["path"], src.rows.files
+            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+            lines.append(f"read {path}" if files == [path] else f"read {path} split "
+                         f"{src.spec.get('split') or 'train'}: {len(files)} file(s): {shown}" if files
+                         else f"read {path} split {src.spec.get('split') or 'train'} from the hub")
+        if self.num_samples is not None or self.counts["rows"]:  # streaming: counted as rows are read
+            lines.append(("streamed so far: " if self.num_samples is None else "") + describe_counts(self.counts))
+        total_samples, total_tokens = (sum(x) for x in zip(*self.shares)) if self.shares else (0, 0)
+        if len(self.sources) > 1 and total_samples:
+            lines += [f"source {k} {src.spec['path']}: {n} samples an epoch ({n / total_samples:.1%}), "
+                      f"{t / max(total_tokens, 1):.1%} of tokens; {describe_counts(counts)}"
+                      for k, (src, (n, t), counts) in enumerate(zip(self.sources, self.shares, self.source_counts))]
+        return lines
 
     def _assemble(self, samples: list[dict]) -> dict:
         unit = {k: [t for s in samples for t in s[k]] for k in ("input_ids", "labels")}
@@ -146,12 +255,13 @@ class SampleStream(torch.utils.data.IterableDataset):
             self.counts = _new_counts()
 
         def kept():
-            for idx, row in enumerate(self._rows):
-                samples, reason = self._tokenize(row, idx)
+            for idx, item in enumerate(self.sources[0].rows.data):
+                labelled = self._tokenizers[0](item, idx)
+                left_out = [f"{e.reason} {e}" for e in labelled.left_out]
                 if first_pass:
-                    _count(self.counts, samples, reason)
-                for s in samples:
-                    yield {**s, "row": idx}, len(s["input_ids"])
+                    _count(self.counts, labelled.samples, labelled.dropped, left_out)
+                for n, s in enumerate(labelled.samples):
+                    yield {**s, "row": idx, "left_out": [] if n else left_out, "source": 0}, len(s["input_ids"])
 
         units = (_best_fit_packs(kept(), self.max_seq_len, self.pack_window) if self.packing
                  else ([s] for s, _ in kept()))
@@ -161,7 +271,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             if g >= self.start_sample and g % self.world_size == self.rank:
                 yield self._assemble(unit)
         if not n:
-            raise DataError(f"{self.source}: no usable samples ({self.counts})")
+            raise DataError(f"{self.describe_source()}: no usable samples ({describe_counts(self.counts)})")
         if first_pass:
             self.num_samples = n
         return n
@@ -178,29 +288,21 @@ class SampleStream(torch.utils.data.IterableDataset):
             g0, epoch = g0 + n, epoch + 1
 
 
-def build_samples(path, tokenizer, *, fmt="auto", split="train", name=None, streaming=False, max_seq_len=2048,
-                  packing=False, shuffle=True, seed=0, rank=0, world_size=1, start_sample=0,
-                  epoch_limit=None, on_unsupported="error", num_proc=1, pack_window=PACK_WINDOW) -> SampleStream:
+def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, streaming=False,
+                  max_seq_len=2048, packing=False, shuffle=True, seed=0, rank=0, world_size=1, start_sample=0,
+                  epoch_limit=None, on_unsupported="error", num_proc=1, pack_window=PACK_WINDOW,
+                  chat_template_kwargs=None) -> SampleStream:
     """This rank's tokenized (optionally packed) samples; see SampleStream for the order contract.
+    `data`: a path (hub id, file or dataset dir; fmt, split and name apply), or a mixture: dicts with a path and
+    optionally split, name, format and one of weight, samples, epochs (see mixture_sizes; no streaming).
     Non-streaming data is tokenized up front (num_proc workers) and shuffled per epoch (seed + epoch) when shuffle;
     streaming data is read lazily in file order (never shuffled), so it matches non-streaming with shuffle=False.
-    Rows the chat template cannot hold stop with a DataError (on_unsupported="error") or are dropped and counted."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{path}: the tokenizer has no chat template; use a chat/instruct model's tokenizer")
-    rows = load_rows(path, split=split, name=name, streaming=streaming)
-    fmt = detect_format(columns_of(rows), fmt)
-
-    def tokenize(row: dict, idx: int):
-        where = f"{path} row {idx}"
-        try:
-            conv = to_conversation(row, fmt, where)
-            return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported)
-        except DataError as e:  # name the row's file and line (a directory holds several files)
-            if not str(e).startswith(where):
-                raise
-            raise DataError(locate(path, idx) + str(e)[len(where):]) from e
-
-    return SampleStream(rows, tokenize, streaming=streaming, shuffle=shuffle and not streaming, packing=packing,
+    A turn the chat template cannot hold stops with a DataError (on_unsupported="error") or is left untrained and
+    counted ("drop"); chat_template_kwargs go to every render (data.chat_template_kwargs)."""
+    require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
+    sources = open_sources(data, fmt=fmt, split=split, name=name, streaming=streaming)
+    tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs) for src in sources]
+    return SampleStream(sources, tokenizers, streaming=streaming, shuffle=shuffle and not streaming, packing=packing,
                         max_seq_len=max_seq_len, seed=seed, rank=rank, world_size=world_size,
-                        start_sample=start_sample, epoch_limit=epoch_limit, source=path, num_proc=num_proc,
+                        start_sample=start_sample, epoch_limit=epoch_limit, num_proc=num_proc,
                         pack_window=pack_window)

@@ -1,0 +1,195 @@
+"""What finetune learns once per tokenizer, chat template and template arguments: how to render (the compiled
+template on prepared messages), how it wants tool-call arguments, and the text it writes after a turn (probes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from pathlib import Path
+
+from ..errors import one_line
+from .formats import DataError
+
+_PROBE, _NEXT = "finetuneprobe", "nextturnmarker"  # stand-ins for row text, to find the template's own text
+_TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Unsupported(DataError):
+    """The template cannot hold this turn (or row); `reason` names why (counted under data.on_unsupported="drop")."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def require_chat_template(tokenizer, where: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: the tokenizer has no chat template; set data.chat_template to a Jinja file (or a "
+                        f"tokenizer dir with one), or use a chat/instruct model's tokenizer")
+
+
+def read_chat_template(path: str) -> str | dict:
+    """The chat template of data.chat_template: a Jinja file's text, or a tokenizer dir's template."""
+    try:
+        if not Path(path).is_dir():
+            return Path(path).expanduser().read_text(encoding="utf-8")
+        from transformers import AutoTokenizer
+        template = AutoTokenizer.from_pretrained(path).chat_template
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.chat_template: cannot read {path} ({one_line(e)})") from e
+    if not template:
+        raise DataError(f"data.chat_template: the tokenizer in {path} has no chat template")
+    return template
+
+
+class Template:
+    """What we learn once per tokenizer + template: its control tokens, how it wants tool-call arguments, and the
+    text it writes after a turn (cached by the shape of the message)."""
+
+    def __init__(self, tokenizer, extra: dict):
+        self.text, self.extra = tokenizer.chat_template, extra  # extra: data.chat_template_kwargs
+        # Added tokens mark where a turn ends; whitespace ones (e.g. Gemma's "\n") are ordinary template text.
+        added = tokenizer.added_tokens_decoder  # {id: AddedToken}
+        self.added = set(added)
+        self.control = [t.content for t in added.values() if t.content.strip()]
+        self.tails: dict[tuple, tuple[str, int | None] | None] = {}
+        self.checked = False  # our rendering + tokenization checked against apply_chat_template(tokenize=True) once
+        self.reuse: bool | None = None  # whether _tokens' reuse of a shared prefix's tokens holds (checked once)
+        # The backend tokenizer directly gives the same ids and offsets without the wrapper's cost; where it does
+        # not (the first row tells), the tokenizer's own __call__.
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        # Arguments go in as an object (most templates `tojson` it), unless the template concatenates a string: then
+        # an object would fail or print as a Python dict, and a string given to `tojson` would be encoded twice.
+        # Learned with and without tools: a template dict's "tool_use" template, or a template's tools branch, may
+        # want them otherwise than its default. Keyed by whether the row has tools.
+        call = {"type": "function", "function": {"name": _PROBE, "arguments": {"a": _PROBE}}}
+        conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        schema = [{"type": "function", "function": {"name": _PROBE, "description": _PROBE,
+                                                    "parameters": {"type": "object", "properties": {}}}}]
+        self.args_as_string = {}
+        for has_tools, tools in ((False, None), (True, schema)):
+            as_dict = try_render(tokenizer, conv, tools, extra)
+            as_str = try_render(tokenizer, _args_as_strings(conv), tools, extra)
+            self.args_as_string[has_tools] = (bool(as_str) and (as_dict is None or "{'a': " in as_dict)
+                                              and '{\\"a\\"' not in as_str)
+        self.kwargs = {**tokenizer.special_tokens_map, **extra}  # as apply_chat_template passes them
+        # The compiled template called directly on prepared messages renders as apply_chat_template does (the first
+        # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
+        # row about twice per turn.
+        from ..compat import compile_jinja_template
+        self.compiled = {has: compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has else None))
+                         for has in (False, True)}  # a template dict may have its own "tool_use" template
+
+    def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
+        """The template's text for prepared messages; a template that raises is Unsupported("template_error")."""
+        try:
+            return self.compiled[bool(tools)].render(messages=messages, tools=tools, documents=None,
+                                                     add_generation_prompt=generation_prompt, **self.kwargs)
+        except Exception as e:  # noqa: BLE001 - template errors are about this row
+            raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
+
+
+def try_render(tokenizer, messages, tools, extra: dict):
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra)
+    except Exception:  # noqa: BLE001 - only a probe
+        return None
+
+
+def _args_as_strings(messages: list[dict]) -> list[dict]:
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in messages]
+
+
+def template_of(tokenizer, extra: dict | None = None) -> Template:
+    t = _TEMPLATES.get(tokenizer)
+    if t is None or t.text != tokenizer.chat_template or t.extra != (extra or {}):
+        t = _TEMPLATES[tokenizer] = Template(tokenizer, dict(extra or {}))
+    return t
+
+
+def prepared(messages: list[dict], args_as_string: bool) -> list[dict]:
+    """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning also as `thinking`,
+    which GPT-OSS templates read), made once per row so that each prefix renders without copying."""
+    out = []
+    for m in _args_as_strings(messages) if args_as_string else messages:
+        m = {k: v for k, v in m.items() if v is not None and k != "train"}
+        out.append({"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m)
+    return out
+
+
+def _shape(m: dict) -> tuple:
+    return bool(m.get("content")), bool(m.get("reasoning_content")), len(m.get("tool_calls") or ())
+
+
+def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | None, str] | None:
+    """(tail, cut, stop): the text the template writes after the last row text of message i (its content, or the last
+    tool call's arguments), how much of it the model emits (through the end-of-turn token; None: no token), and, for
+    a template that writes no end-of-turn token (GLM-style: the next role's token ends the turn, and is an eos id of
+    the model), that next control token, which the model must emit to stop ("" otherwise)."""
+    m = dict(messages[i])
+    if m.get("content") or not m.get("tool_calls"):
+        m["content"] = _PROBE
+    if m.get("tool_calls"):
+        *calls, last = m["tool_calls"]
+        fn = last["function"]
+        args = {**fn["arguments"], _PROBE: _PROBE} if isinstance(fn["arguments"], dict) else json.dumps(
+            {**json.loads(fn["arguments"]), _PROBE: _PROBE}, ensure_ascii=False)
+        m["tool_calls"] = [*calls, {**last, "function": {**fn, "arguments": args}}]
+    probe = try_render(tokenizer, messages[:i] + [m], tools, t.extra)
+    if probe is None or _PROBE not in probe:
+        return None
+    tail = probe[probe.rfind(_PROBE) + len(_PROBE):]
+    hits = sorted((p, -len(c), c) for c in t.control for p in find_all(tail, c))
+    # What the template writes between this turn and the next one (a tool result after tool calls, else a user)
+    nxt = {"role": "tool" if m.get("tool_calls") else "user", "content": _NEXT}
+    more = try_render(tokenizer, messages[:i] + [m, nxt], tools, t.extra)
+    more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)] if more and _NEXT in more else None
+    if not hits:
+        return tail, None, _next_control(t, more, len(tail))
+    # Several control tokens (Phi-3's '<|end|>\n<|endoftext|>', Qwen's '</tool_call><|im_end|>'): the turn ends at
+    # the last one the template also writes when the conversation goes on; text only at the very end of a
+    # conversation (an eos) is not emitted by the model. None in common (GPT-OSS <|return|> vs <|end|>): the first.
+    cut = hits[0][0] + len(hits[0][2])
+    if more is not None:
+        common = len(os.path.commonprefix([tail, more]))
+        inside = [h for h in hits if h[0] + len(h[2]) <= common]
+        cut = max((p + len(c) for p, _, c in inside), default=cut)
+    stop = ""
+    if m.get("tool_calls"):  # tags close a tool call; where plain answers end with the next role's token, so do calls
+        plain = _probe_tail(tokenizer, t, [*messages[:i], {"role": "assistant", "content": "x"}], i, tools)
+        if plain is not None and plain[1] is None and plain[2]:
+            stop = _next_control(t, more, cut)
+    return tail, cut, stop
+
+
+def _next_control(t: Template, more: str | None, cut: int) -> str:
+    """The control token that opens the next turn right after `cut` (whitespace before it included), or ""."""
+    rest = more[cut:] if more is not None else ""
+    stop = next((c for c in sorted(t.control, key=len, reverse=True) if rest.lstrip().startswith(c)), "")
+    return rest[:rest.find(stop) + len(stop)] if stop else ""
+
+
+def find_all(text: str, sub: str):
+    p = text.find(sub)
+    while p >= 0:
+        yield p
+        p = text.find(sub, p + 1)
+
+
+def turn_length(tokenizer, t: Template, messages, i, tools, completion: str) -> tuple[int, str]:
+    """How much of completion_i is trained: through its end-of-turn token, never the template text after it (the
+    '\n' after <|im_end|>, an eos the template adds at the end of a conversation); and the stop token to add after
+    it where the template writes none in the turn (see _probe_tail)."""
+    key = _shape(messages[i])
+    found = t.tails.get(key, False)
+    if found is False or (found is not None and not completion.endswith(found[0])):
+        found = t.tails[key] = _probe_tail(tokenizer, t, messages, i, tools)
+    if found is not None and completion.endswith(found[0]):
+        tail, cut, stop = found
+        return (len(completion) - len(tail) + cut if cut is not None else len(completion.rstrip())), stop
+    # the template changes what follows the content: its last control token
+    return max((completion.rfind(c) + len(c) for c in t.control if c in completion),
+               default=len(completion.rstrip())), ""
