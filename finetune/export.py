@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import MARKER, CheckpointError, arch_diffs, damage, latest_complete, read_marker, step_dirs
-from .config import ConfigError
+from .config import ConfigError, export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, print0, world_size
 from .hfio import DTYPES as ST_TORCH, INDEX
 from .lock import hold_lock, release_lock, remove_stale_partials
@@ -33,7 +33,6 @@ from .outdir import check_output_dir, publish_dir
 from .prepare import save_hf_files
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 ST_DTYPES = {v: k for k, v in ST_TORCH.items()}  # torch dtype -> safetensors' name
 
 
@@ -49,21 +48,7 @@ class Source:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
-    return DTYPES[name]
-
-
-def parse_shard_size(text: str) -> int:
-    """Bytes from '5GB', '500MB', '100KB' (decimal units, as Hugging Face) or a plain number of bytes."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-    try:
-        size = int(text) if text.strip().isdigit() else parse_size_to_int(text)
-    except ValueError:
-        size = 0
-    if size <= 0:
-        raise ConfigError(f"--max-shard-size must be a positive size like 5GB, 500MB or 100KB, got {text!r}")
-    return size
+    return getattr(torch, export_dtype_name(name))
 
 
 def find_source(path: str) -> Source:

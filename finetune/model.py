@@ -52,7 +52,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
         raise ModelError(f"model path '{path}' does not exist")
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers' validation errors have several types; all are about the file
         raise ModelError(f"cannot load model '{path}': {one_line(e)}") from e
     if is_prepared(path):
         check_manifest(path, hf_config)
@@ -64,7 +64,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True)
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a malformed tokenizer file raises KeyError, Exception, ...
         raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
     if pad and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from .config import ConfigError
+from .errors import os_error_line
 
 
 def check_output_dir(out: Path, marker: str, kind: str) -> None:
@@ -29,3 +31,29 @@ def publish_dir(new: Path, out: Path) -> None:
     new.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def check_writable(path: Path, what: str) -> None:
+    """New files can be made in `path` (or, where it does not exist yet, in its nearest existing parent, where it
+    will be made): checked at start-up by making one, so a read-only, full or forbidden place is one line now, not
+    an OSError after the model and data are loaded. (Not os.access: root passes it where a write still fails.)"""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".finetune-write-check-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {os_error_line(e, where)}") from None
+
+
+def keep_beside(path: Path) -> Path | None:
+    """Rename an earlier run's `path` (file or dir) to the first free `<path>.N`, N = 1, 2, ..., so that a fresh
+    run overwrites and deletes nothing; returns the new name (None: nothing was there)."""
+    if not path.exists():
+        return None
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.rename(path.with_name(f"{path.name}.{n}"))

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from . import __version__, outdir
 from .checkpoint import arch_of
 from .distributed import barrier, init_distributed, is_main, print0, world_size
+from .errors import one_line
 from .model import MANIFEST, ModelError, build_model, load_hf_config, load_tokenizer
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
@@ -70,15 +71,22 @@ def build_manifest(model, model_path: str, hf_config, keys: list[str], trust_rem
     }
 
 
+def load_generation_config(model_path: str, hf_config):
+    """The source's generation_config.json, or (it has none) one derived from the model config, as save_pretrained
+    does; a file that is there but unreadable or invalid is an error, never replaced."""
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except Exception as e:  # noqa: BLE001 - OSError (missing file, bad JSON), ValueError (bad values), ...
+        if (source_dir(model_path)[0] / "generation_config.json").exists():
+            raise ModelError(f"cannot load the generation config of '{model_path}': {one_line(e)}") from e
+    return GenerationConfig.from_model_config(hf_config)
+
+
 def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool) -> None:
     """config.json, generation_config.json and the tokenizer files of `model_path`, saved as save_pretrained would."""
-    from transformers import GenerationConfig
     hf_config.save_pretrained(out)
-    try:
-        gen = GenerationConfig.from_pretrained(model_path)
-    except OSError:  # the source has none: derive it from the model config, as save_pretrained does
-        gen = GenerationConfig.from_model_config(hf_config)
-    gen.save_pretrained(out)
+    load_generation_config(model_path, hf_config).save_pretrained(out)
     load_tokenizer(model_path, trust_remote_code, pad=False).save_pretrained(out)
     # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
     # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped

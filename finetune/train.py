@@ -11,7 +11,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import faults
-from .config import Config, ConfigError, to_toml
+from .config import Config, ConfigError, resume_note, to_toml
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, pad_collate
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
@@ -144,10 +144,8 @@ def train(cfg: Config) -> dict:
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, hf_config=model.config)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
-        packed = ckpt.read_marker(resume_dir).get("config", {}).get("data", {}).get("packing", dc.packing)
-        if packed != dc.packing:  # allowed, but the data position counted the other kind of unit
-            print0(f"note: the checkpoint's run had data.packing={str(packed).lower()}: its data position counted "
-                   f"{'packed rows' if packed else 'samples'}, this run counts {'rows' if dc.packing else 'samples'}")
+        if note := resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg, state.samples_seen):
+            print0(note)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen)
@@ -175,6 +173,7 @@ def train(cfg: Config) -> dict:
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=state.step)
     if is_main():  # only now, with the run accepted (model, checkpoint, data): a refused run rewrites nothing
         (out / "config.toml").write_text(to_toml(cfg))
+        ckpt.keep_earlier_run(out / "checkpoints", cfg.checkpoint.resume)
     run = asdict(cfg)  # each checkpoint names the model (config, tokenizer) it trained: export-hf reads that
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
