@@ -94,7 +94,7 @@ class MetricsLogger:
             try:
                 self.file.write(json.dumps(strict, allow_nan=False) + "\n")
                 self.file.flush()
-            except OSError as e:  # a full disk: write() names no file; the one-line error (launch.guarded) will
+            except OSError as e:  # a full disk: write() names no file; the one-line error (launch.guarded) names it
                 e.filename = e.filename or self.file.name
                 raise
         if self.wandb:

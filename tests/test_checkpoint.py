@@ -16,6 +16,7 @@ import torch
 
 from finetune import checkpoint as ckpt
 from finetune.checkpoint import CheckpointError, is_complete, step_dirs
+from finetune.errors import FinetuneError
 from finetune.train import NonFiniteError
 from helpers import BASE, REPO, RankError, losses, read_metrics, run_ranks, sft, sft_cli, sft_config
 
@@ -268,9 +269,9 @@ def test_a_resume_with_changed_optimizer_and_schedule_settings_uses_them(llama_d
         torch.testing.assert_close(deltas[1][k], 2 * delta, rtol=1e-3, atol=1e-6, msg=k)  # fp32 rounding
 
 
-def train_with_full_disk(cfg, step: int, rank: int) -> str:
+def train_with_full_disk(cfg, step: int, rank: int) -> tuple[str, int]:
     """train(cfg) on a disk that fills up during step `step`'s checkpoint save: rank `rank`'s DCP file write raises
-    ENOSPC, as write() on a full disk does. Returns the SaveError's message (on every rank)."""
+    ENOSPC, as write() on a full disk does. Returns the error's one line and exit code (on every rank)."""
     import errno
 
     import torch.distributed as dist
@@ -287,8 +288,8 @@ def train_with_full_disk(cfg, step: int, rank: int) -> str:
     fs._write_item = full_disk
     try:
         train(cfg)
-    except ckpt.SaveError as e:
-        return str(e)
+    except FinetuneError as e:
+        return str(e), e.exit_code
     raise AssertionError("the save did not fail")
 
 
@@ -300,8 +301,8 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(l
                      "checkpoint.interval=2", f"checkpoint.async={str(mode == 'async').lower()}")
     messages = run_ranks(train_with_full_disk, nproc, cfg, 4, rank)
     cps = out / "checkpoints"
-    assert messages == [f"cannot save checkpoint {cps / 'step-4'}: No space left on device (ENOSPC); removed it "
-                        f"(the newest complete checkpoint: step-2)"] * nproc  # every rank stops, saying the same
+    assert messages == [(f"cannot save checkpoint {cps / 'step-4'}: No space left on device (ENOSPC); removed it "
+                         f"(the newest complete checkpoint: step-2)", 1)] * nproc  # every rank stops, saying so
     assert [p.name for p in cps.iterdir()] == ["step-2"] and ckpt.damage(cps / "step-2") is None
     if nproc == 1:  # and the run resumes from the older checkpoint
         sft(llama_dir, chat_file, out, "train.max_steps=4", "train.micro_batch_size=2", "checkpoint.interval=2")
