@@ -183,12 +183,11 @@ def test_no_resume_starts_fresh_and_keeps_the_earlier_checkpoints_beside(llama_d
     assert preflight(sft_config(llama_dir, chat_file, out, "train.max_steps=2", "checkpoint.resume=false")) is None
     assert steps(out) == [2]  # the pre-flight check moved nothing
     capsys.readouterr()
-    for n in (1, 2):
-        sft(llama_dir, chat_file, out, "train.max_steps=2", "lora.rank=4", "checkpoint.resume=false")
-        assert (f"checkpoint.resume=false: starting fresh; the checkpoints already in {out / 'checkpoints'} were "
-                f"moved to {out / f'checkpoints.{n}'}") in capsys.readouterr().out
-        assert [r["step"] for r in read_metrics(out)] == [1, 2] and (out / f"metrics.jsonl.{n}").is_file()
-        assert steps(out) == [2] and ckpt.read_marker(out / "checkpoints" / "step-2")["lora"]["rank"] == 4
+    sft(llama_dir, chat_file, out, "train.max_steps=2", "lora.rank=4", "checkpoint.resume=false")
+    assert (f"checkpoint.resume=false: starting fresh; the checkpoints already in {out / 'checkpoints'} were moved "
+            f"to {out / 'checkpoints.1'}") in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and (out / "metrics.jsonl.1").is_file()
+    assert steps(out) == [2] and ckpt.read_marker(out / "checkpoints" / "step-2")["lora"]["rank"] == 4
     kept = out / "checkpoints.1" / "step-2"  # the first run's, untouched
     assert ckpt.damage(kept) is None and ckpt.read_marker(kept) == before
 
