@@ -46,9 +46,11 @@ class CheckpointError(FinetuneError, ValueError):
 
 
 class SaveError(FinetuneError):
-    """A checkpoint could not be written (disk full, quota, read-only): the run failed (exit 1)."""
+    """A checkpoint could not be written (disk full, quota, read-only): the run failed (exit 1). Rank 0 always
+    raises it (DCP gathers every rank's failure; the marker is rank 0's)."""
 
     exit_code = 1
+    on_rank0 = True
 
 
 class TrainState(Stateful):

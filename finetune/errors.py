@@ -10,6 +10,7 @@ class FinetuneError(Exception):
     """Bad input; str(e) is one line that names the key, file, row or checkpoint and what is wrong."""
 
     exit_code = 2
+    on_rank0 = False  # True: rank 0 raises it whenever another rank does, and alone prints it
 
 
 def one_line(e: BaseException) -> str:

@@ -19,7 +19,8 @@ def guarded(fn: Callable, debug: bool, *args):
     except FinetuneError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not e.on_rank0 or os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(e.exit_code)
     except OSError as e:
         if debug or e.errno not in STORAGE_ERRNOS:

@@ -146,3 +146,17 @@ def test_each_command_describes_its_own_output_dir(command, text, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # one help line per option
     [line] = [line for line in invoke(command, "--help").stdout.splitlines() if "--output-dir" in line]
     assert text in line
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_a_failed_save_is_printed_by_rank_0_alone(rank, printed, monkeypatch, capsys):
+    """Every rank stops on a failed save (DCP gathers the failures): one `error:` line, not one per rank."""
+    from finetune.checkpoint import SaveError
+    from finetune.launch import guarded
+
+    def fail():
+        raise SaveError("cannot save checkpoint x")
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit_:
+        guarded(fail, False)
+    assert exit_.value.code == 1 and capsys.readouterr().err == ("error: cannot save checkpoint x\n" if printed else "")
