@@ -174,16 +174,15 @@ def test_no_resume_starts_fresh_and_keeps_the_earlier_checkpoints_beside(llama_d
     """--no-resume (checkpoint.resume=false) does what its help and the LoRA/full mismatch error say: a fresh run.
     The earlier run's checkpoints move to checkpoints.N once the run is accepted (not at the pre-flight check, so a
     refused run moves nothing), as metrics.jsonl goes to metrics.jsonl.N."""
-    from finetune.cli import preflight
     out = tmp_path / "run"
     sft(llama_dir, chat_file, out, "train.max_steps=2")
     before = ckpt.read_marker(out / "checkpoints" / "step-2")
     with pytest.raises(CheckpointError, match=r"start a new one \(--no-resume"):  # the advice that is followed
         sft(llama_dir, chat_file, out, "train.max_steps=4", "lora.rank=4")
-    assert preflight(sft_config(llama_dir, chat_file, out, "train.max_steps=2", "checkpoint.resume=false")) is None
-    assert steps(out) == [2]  # the pre-flight check moved nothing
+    assert ckpt.find_resume(out, resume=False, resume_from="") is None  # what the pre-flight check asks: no refusal
+    assert steps(out) == [2]  # and nothing moved yet
     capsys.readouterr()
-    sft(llama_dir, chat_file, out, "train.max_steps=2", "lora.rank=4", "checkpoint.resume=false")
+    sft(llama_dir, chat_file, out, "train.max_steps=2", "lora.rank=4", "checkpoint.resume=false")  # the advice
     assert (f"checkpoint.resume=false: starting fresh; the checkpoints already in {out / 'checkpoints'} were moved "
             f"to {out / 'checkpoints.1'}") in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(out)] == [1, 2] and (out / "metrics.jsonl.1").is_file()
