@@ -17,27 +17,39 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import faults
-from .errors import FinetuneError
+from . import faults, outdir
+from .errors import FinetuneError, one_line, os_error_line
 from .distributed import barrier, is_main, print0, world_size
+from .optim import reapply_settings, settings
 from .weights import arch_diffs, arch_of, clean_fqn
 
 MARKER = "finetune_complete.json"
 TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # a LoRA checkpoint holds no frozen base weight
 # on load the frozen keys are absent by design (check_compatible has compared the trainable ones)
 TRAINABLE_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
+FULL_BYTES = 2**26  # free space under which a failed save is reported as a full disk
 
 
 class CheckpointError(FinetuneError, ValueError):
     """A checkpoint cannot be used for this run; the message is one line saying why."""
+
+
+class SaveError(FinetuneError):
+    """A checkpoint could not be written (disk full, quota, read-only): the run failed (exit 1). Rank 0 always
+    raises it (DCP gathers every rank's failure; the marker is rank 0's)."""
+
+    exit_code = 1
+    on_rank0 = True
 
 
 class TrainState(Stateful):
@@ -139,16 +151,23 @@ def latest_complete(root: Path, report: bool = True) -> Path | None:
 
 
 def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool = True) -> Path | None:
-    """The checkpoint this run starts from: --resume-from, else the newest intact one (unless --no-resume).
+    """The checkpoint this run starts from: --resume-from, else the newest intact one (none with --no-resume).
     `report` prints the step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
     if resume_from:
         check_intact(Path(resume_from), "checkpoint.resume_from")
         return Path(resume_from)
-    latest = latest_complete(Path(output_dir) / "checkpoints", report=resume and report)
-    if latest is not None and not resume:
-        raise CheckpointError(f"{output_dir} already holds checkpoints (newest: {latest.name}); a fresh run there "
-                              f"would overwrite them: resume, pick another --output-dir, or remove them")
-    return latest
+    if not resume:  # a fresh run: the checkpoints already there are kept beside once it starts (keep_earlier_run)
+        return None
+    return latest_complete(Path(output_dir) / "checkpoints", report=report)
+
+
+def keep_earlier_run(root: Path, resume: bool) -> None:
+    """A run that does not resume (checkpoint.resume=false, --no-resume) starts an empty checkpoints dir: rank 0
+    moves the one already there, with an earlier run's checkpoints, to `checkpoints.N` beside it (as metrics.jsonl
+    goes to metrics.jsonl.N), where retention never deletes them. Called once the run is accepted."""
+    if not resume and is_main() and step_dirs(root):
+        print0(f"checkpoint.resume=false: starting fresh; the checkpoints already in {root} were moved to "
+               f"{outdir.keep_beside(root)}")
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
@@ -211,10 +230,12 @@ def check_compatible(path: Path, model, want: set[str], hf_config) -> None:
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
     sd = train_state_dict(model, optimizer, scheduler, state)
     check_compatible(path, model, set(sd["model"]), hf_config)
+    run_settings = settings(optimizer)  # the checkpoint gives the state; the run's config, its settings
     dcp.load(sd, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                    options=TRAINABLE_LOAD)
     scheduler.load_state_dict(sd["scheduler"])
+    reapply_settings(optimizer, scheduler, run_settings)
 
 
 class Checkpointer:
@@ -248,13 +269,16 @@ class Checkpointer:
                 try:
                     if f.exception() is None:
                         self._finish(path, marker)
+                except Exception as e:  # noqa: BLE001 - raised by wait(), in the loop's thread
+                    done.error = e
                 finally:
                     done.set()
             fut.add_done_callback(on_done)
-            self.pending = (fut, done)
+            self.pending = (fut, done, path)
         else:
-            dcp.save(sd, checkpoint_id=str(path))
-            self._finish(path, marker)
+            with removed_if_failed(path):
+                dcp.save(sd, checkpoint_id=str(path))
+                self._finish(path, marker)
         return path
 
     def _finish(self, path: Path, marker: dict) -> None:
@@ -268,9 +292,12 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight (if any) is written; raises its error."""
         if self.pending is not None:
-            (fut, done), self.pending = self.pending, None
-            fut.result()
-            done.wait()
+            (fut, done, path), self.pending = self.pending, None
+            with removed_if_failed(path):
+                fut.result()
+                done.wait()
+                if getattr(done, "error", None):
+                    raise done.error
         barrier()
 
     def close(self) -> None:
@@ -279,6 +306,37 @@ class Checkpointer:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+@contextmanager
+def removed_if_failed(path: Path):
+    """A save that fails (a full disk, a quota, a read-only mount) stops the run with one line naming the step dir
+    and the cause, and leaves no half-written dir to fill the disk: rank 0 removes it; the older checkpoints stay.
+    Every rank gets the failure of any rank (DCP gathers them into one CheckpointException), so all stop together."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        cause = save_failure(path, [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException)
+                             else [e])
+        if is_main():
+            shutil.rmtree(path, ignore_errors=True)
+        latest = latest_complete(path.parent, report=False)
+        raise SaveError(f"cannot save checkpoint {path}: {cause}; removed it (the newest complete checkpoint: "
+                        f"{latest.name if latest else 'none'})") from e
+
+
+def save_failure(path: Path, causes: list[BaseException]) -> str:
+    """The cause of a failed save in a few words: an OS error of any rank (also one chained inside another error),
+    else the first error, with the free space where it is little: torch.save's zip writer reports a disk that
+    fills up under it as "unexpected pos N vs M", without the OSError."""
+    for cause in causes:
+        while cause is not None:
+            if isinstance(cause, OSError) and cause.errno:
+                return os_error_line(cause)
+            cause = cause.__cause__ or cause.__context__
+    free = shutil.disk_usage(path.parent).free
+    return (f"no space left on the disk? ({free} bytes free; the error: {one_line(causes[0])})" if free < FULL_BYTES
+            else one_line(causes[0]))
 
 
 def prune(root: Path, keep: int) -> None:

@@ -13,9 +13,11 @@ from typing import List, NoReturn, Optional
 
 import typer
 
-from .config import Config, ConfigError, check_parallel, load_config, parse_value
+from .config import (Config, ConfigError, check_parallel, export_dtype_name, load_config, parse_shard_size,
+                     parse_value)
 from .launch import guarded, launch, set_threads
 from .lock import RUN_LOCK, hold_run_lock, release_lock
+from .outdir import check_writable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
@@ -131,7 +133,8 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         nnodes: int = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)"),
         rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet "
                                           "(c10d rendezvous; on the first node); needed with --nnodes > 1"),
-        no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist"),
+        no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist (they "
+                                       "are kept beside, as checkpoints.N)"),
         resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint dir"),
         debug: bool = DEBUG):
     """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
@@ -149,6 +152,7 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         lock = Path(cfg.output_dir) / RUN_LOCK
         if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
             return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
+        check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
             print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
         # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
@@ -171,7 +175,7 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
             return
         from .checkpoint import latest_complete
         root = Path(cfg.output_dir) / "checkpoints"
-        before = latest_complete(root, report=False)
+        before = latest_complete(root, report=False) if cfg.checkpoint.resume else None  # else moved aside
         from .train import train
         launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before,
                nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
@@ -217,19 +221,23 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
 
 @app.command("prepare-checkpoint")
 def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Optional[str] = MODEL,
-                       output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC, debug: bool = DEBUG):
+                       output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="the prepared "
+                                                                "checkpoint dir to write (replaces an earlier one)"),
+                       nproc_per_node: int = NPROC, debug: bool = DEBUG):
     """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
     def prepare():
-        from .model import load_hf_config, load_tokenizer
-        from .prepare import check_prepare_target
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
         if not model or not output_dir:
             raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
-        check_prepare_target(Path(cfg.output_dir), cfg.model.path)
-        load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before any rank starts
-        load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         out = Path(cfg.output_dir).resolve()
+        check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
+        from .model import load_generation_config, load_hf_config, load_tokenizer
+        from .prepare import check_prepare_target
+        check_prepare_target(Path(cfg.output_dir), cfg.model.path)
+        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before
+        load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # any rank starts
+        load_generation_config(cfg.model.path, hf_config)
         lock = out.parent / f".{out.name}.lock"  # beside it: `out` is replaced
         hold_run_lock(lock, f"--output-dir {out}")
         return cfg, lock
@@ -245,7 +253,8 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
 @app.command("export-hf")
 def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
                                                        help="output dir, step dir or prepared dir"),
-              output_dir: Optional[str] = OUTPUT,
+              output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="the Hugging Face model "
+                                                       "dir to write (replaces an earlier export)"),
               dtype: str = typer.Option("bfloat16", "--dtype",
                                         help="dtype of the exported weights: bfloat16 | float32"),
               max_shard_size: str = typer.Option("5GB", "--max-shard-size",
@@ -263,6 +272,10 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
         if not checkpoint or not output_dir:
             raise ConfigError("export-hf needs --checkpoint DIR and --output-dir HF_DIR")
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
+        export_dtype_name(dtype)  # before the import of torch and transformers (seconds)
+        parse_shard_size(max_shard_size)
+        out = Path(output_dir).resolve()
+        check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
     guarded(check, debug)
     from .export import export_hf as export  # VerifyError: exit 1, nothing written
     launch(export, (checkpoint, output_dir, dtype, max_shard_size, verify, adapter), nproc_per_node, debug)

@@ -35,12 +35,6 @@ def fake_world_parts():
     return FakeStore(), FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def parse_size(text: str) -> int:
-    """'5GB' -> 5 * 10**9, as huggingface_hub sizes shards (huggingface_hub 2.4 serialization._base)."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-    return parse_size_to_int(text)
-
-
 def apply_liger_kernels(model, **switches) -> None:
     """Liger's kernels for the model's architecture, into this instance (liger-kernel 0.8.5; ImportError without)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance

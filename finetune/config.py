@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import tomllib
 import types
 from dataclasses import dataclass, field, fields
@@ -177,6 +179,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     ok = isinstance(value, bool) if typ is bool else isinstance(value, typ) and not isinstance(value, bool)
     if not ok:
         raise ConfigError(f"{key} must be {typ.__name__}, got {value!r}")
+    if typ is float and not math.isfinite(value):  # TOML has inf and nan; no setting means them
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     return value
 
 
@@ -328,6 +332,52 @@ def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int) -> int:
         raise ConfigError(f"parallel.dp_replicate x parallel.dp_shard = {dp_replicate} x {dp_shard} = "
                           f"{dp_replicate * dp_shard}, but {num_ranks} ranks were launched")
     return dp_shard
+
+
+# A key changed since the checkpoint a run resumes takes effect from the resumed step (the optimizer settings and
+# the schedule too: optim.reapply_settings), except: a DATA_KEY changes what the checkpoint's data position (samples
+# seen) points at, which is announced; lora.* and the architecture are refused (checkpoint.check_compatible); and
+# where the run starts from is not compared. resume_note lists what changed, in one line.
+DATA_KEYS = ("model.path", "data.path", "data.split", "data.name", "data.format", "data.streaming",
+             "data.max_seq_len", "data.packing", "train.seed")
+NOT_COMPARED = ("output_dir", "model.arch", "checkpoint.resume", "checkpoint.resume_from")
+
+
+def resume_note(saved: dict, cfg: Config, samples_seen: int) -> str | None:
+    """The one line a resumed run prints about the keys whose value differs from its checkpoint's run (`saved`: the
+    config its marker records); None when none does."""
+    def value(key, v):  # the same local path, however written
+        return str(Path(v).resolve()) if key in PATH_KEYS and v and Path(v).exists() else v
+    before, now = _flatten(saved), _flatten(dataclasses.asdict(cfg))
+    changed = [k for k in now if k in before and k not in NOT_COMPARED and not k.startswith("lora.")
+               and value(k, before[k]) != value(k, now[k])]
+    if not changed:
+        return None
+
+    def listed(keys):
+        return ", ".join(f"{k.rstrip('_')} {before[k]!r} -> {now[k]!r}" for k in keys)
+    effect, data = [k for k in changed if k not in DATA_KEYS], [k for k in changed if k in DATA_KEYS]
+    return "note: changed since the checkpoint: " + "; ".join(
+        ([f"{listed(effect)} (in effect from here)"] if effect else []) +
+        ([f"{listed(data)} (the data position, {samples_seen} samples, was counted under the checkpoint's values: "
+          f"what comes next is not what its run would have read)"] if data else []))
+
+
+def export_dtype_name(name: str) -> str:
+    """export-hf --dtype: the torch dtype's name. Here, not in export.py, so that the CLI checks it before torch."""
+    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+    if name not in names:
+        raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
+    return names[name]
+
+
+def parse_shard_size(text: str) -> int:
+    """Bytes from '5GB', '500MB', '100KB' (decimal units, as Hugging Face sizes shards) or a plain number of bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]B)?\s*", text.upper())
+    size = int(m[1]) * 10 ** (3 * "KMGT".index(m[2][0]) + 3) if m and m[2] else int(m[1]) if m else 0
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size must be a positive size like 5GB, 500MB or 100KB, got {text!r}")
+    return size
 
 
 def to_toml(cfg: Config) -> str:

@@ -20,8 +20,7 @@ from typing import Callable
 import torch
 
 from .checkpoint import CheckpointError, read_marker, resolve_checkpoint
-from .compat import parse_size
-from .config import ConfigError
+from .config import ConfigError, export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
 from .load import MANIFEST, is_prepared
@@ -32,7 +31,6 @@ from .outdir import check_output_dir, staging
 from .weights import INDEX, arch_diffs, open_dcp, open_live, open_safetensors, out_dtype_of, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -47,20 +45,7 @@ class Source:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    if name not in EXPORT_DTYPES:
-        raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
-    return EXPORT_DTYPES[name]
-
-
-def parse_shard_size(text: str) -> int:
-    """Bytes from '5GB', '500MB', '100KB' (decimal units, as Hugging Face) or a plain number of bytes."""
-    try:
-        size = int(text) if text.strip().isdigit() else parse_size(text)
-    except ValueError:
-        size = 0
-    if size <= 0:
-        raise ConfigError(f"--max-shard-size must be a positive size like 5GB, 500MB or 100KB, got {text!r}")
-    return size
+    return getattr(torch, export_dtype_name(name))
 
 
 def find_source(path: str) -> Source:
@@ -186,7 +171,7 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
                 load, dtype_name: str, shard_bytes: int, verify: bool, live: bool) -> dict:
     """The merged/full HF model dir, written and verified; returns what the export marker records."""
     from .verify import verify_export
-    t0, dtype = time.perf_counter(), EXPORT_DTYPES[dtype_name]
+    t0, dtype = time.perf_counter(), parse_dtype(dtype_name)
     num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in kept.values())
     largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
     shards = save_weights(tmp, skeleton, kept, disk, load, dtype, shard_bytes, live)

@@ -8,19 +8,25 @@ import signal
 import sys
 from typing import Callable
 
-from .errors import FinetuneError
+from .errors import STORAGE_ERRNOS, FinetuneError, os_error_line
 
 
 def guarded(fn: Callable, debug: bool, *args):
-    """Run fn; our errors become `error: <one line>` on stderr and their exit code (2: bad input, 1: a failed run);
-    with --debug, the traceback instead."""
+    """Run fn; our errors become `error: <one line>` on stderr and their exit code (2: bad input, 1: a failed run),
+    and so do OS errors about a file (disk full, read-only, no permission: exit 1); with --debug, the traceback."""
     try:
         return fn(*args)
     except FinetuneError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not e.on_rank0 or os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(e.exit_code)
+    except OSError as e:
+        if debug or e.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"error: {os_error_line(e)}{'' if e.filename else ' (--debug shows where)'}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def set_threads(nproc: int) -> None:

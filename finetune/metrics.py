@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from .compat import storage_key
 from .distributed import is_main, print0
+from .outdir import keep_beside
 
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
@@ -107,11 +109,8 @@ class MetricsLogger:
         if not is_main():
             return
         path = Path(output_dir) / "metrics.jsonl"
-        if path.exists() and start_step == 0:  # an earlier fresh run: keep it beside, never overwrite
-            n = 1
-            while path.with_suffix(f".jsonl.{n}").exists():
-                n += 1
-            path.rename(path.with_suffix(f".jsonl.{n}"))
+        if start_step == 0:  # an earlier fresh run: keep it beside, never overwrite
+            keep_beside(path)
         elif path.exists():
             repair_metrics(path, start_step)
         self.file = open(path, "a")
@@ -122,9 +121,14 @@ class MetricsLogger:
             self.wandb = wandb.init(project=project, dir=str(output_dir), config=config)
 
     def log(self, record: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+        if self.file:  # strict JSON: a non-finite value (a skipped step's loss) is null, not NaN
+            strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+            try:
+                self.file.write(json.dumps(strict, allow_nan=False) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk: write() names no file; the one-line error (launch.guarded) names it
+                e.filename = e.filename or self.file.name
+                raise
         if self.wandb:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 

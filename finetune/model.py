@@ -39,7 +39,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
         raise ModelError(f"model path '{path}' does not exist")
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers' validation errors have several types; all are about the file
         raise ModelError(f"cannot load model '{path}': {one_line(e)}") from e
     if is_prepared(path):
         check_manifest(path, hf_config)
@@ -52,7 +52,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True,
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a malformed tokenizer file raises KeyError, Exception, ...
         raise ModelError(f"cannot load the tokenizer of '{path}': {one_line(e)}") from e
     if pad and tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -61,16 +61,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True,
     return tok
 
 
+def load_generation_config(model_path: str, hf_config):
+    """The source's generation_config.json, or (it has none) one derived from the model config, as save_pretrained
+    does; a file that is there but unreadable or invalid is an error, never replaced."""
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except Exception as e:  # noqa: BLE001 - OSError (missing file, bad JSON), ValueError (bad values), ...
+        there = (Path(model_path) / "generation_config.json").exists() if Path(model_path).is_dir() else \
+            not isinstance(e, OSError)  # a hub id: a missing file is an OSError (so is one that cannot be fetched)
+        if there:
+            raise ModelError(f"cannot load the generation config of '{model_path}': {one_line(e)}") from e
+    return GenerationConfig.from_model_config(hf_config)
+
+
 def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = ""):
     """config.json, generation_config.json and the tokenizer files of `model_path` (with `chat_template` in place of
     its own, if given), saved as save_pretrained would."""
-    from transformers import GenerationConfig
     hf_config.save_pretrained(out)
-    try:
-        gen = GenerationConfig.from_pretrained(model_path)
-    except OSError:  # the source has none: derive it from the model config, as save_pretrained does
-        gen = GenerationConfig.from_model_config(hf_config)
-    gen.save_pretrained(out)
+    load_generation_config(model_path, hf_config).save_pretrained(out)
     load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template).save_pretrained(out)
     # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
     # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped

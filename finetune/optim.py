@@ -45,3 +45,20 @@ def build_scheduler(optimizer, *, warmup_steps: int, max_steps: int, min_lr_rati
     """LambdaLR over lr_at, so the schedule state is checkpointed with the optimizer."""
     fn = partial(lr_at, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's hyperparameters (lr, initial_lr, betas, eps, weight_decay, ...), without its params."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def reapply_settings(optimizer: torch.optim.Optimizer, scheduler, run_settings: list[dict]) -> None:
+    """After a checkpoint load, which restores the optimizer state (moments, step counts) and with it the saved
+    run's hyperparameters: this run's again (`run_settings`: settings() of the fresh optimizer), and the lr this
+    run's schedule gives at the restored step, so that a changed lr, beta, eps, weight decay or schedule takes
+    effect on resume. (The schedule function itself is this run's: LambdaLR does not save a partial's arguments.)"""
+    for group, own in zip(optimizer.param_groups, run_settings, strict=True):
+        group.update(own)
+    scheduler.base_lrs = [own["initial_lr"] for own in run_settings]
+    scheduler.last_epoch -= 1  # step() recomputes the restored step's lr (and get_last_lr()) from base_lrs
+    scheduler.step()

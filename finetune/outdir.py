@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from .config import ConfigError
-from .distributed import barrier, broadcast, is_main
+from .errors import os_error_line
 from .lock import hold_lock, release_lock, remove_stale_partials
 
 
@@ -40,6 +41,7 @@ def staging(out: Path):
     into; once the block has ended on every rank, rank 0 moves it into place. Rank 0 holds the lock `.<name>.lock`
     beside `out` meanwhile (unless this command's launcher holds it) and first removes the temp dirs that runs
     killed -9 left. On an error the temp dir is removed and nothing is published."""
+    from .distributed import barrier, broadcast, is_main  # here: the CLI checks paths with this module before torch
     if not is_main():
         yield broadcast(None)
         barrier()
@@ -58,3 +60,29 @@ def staging(out: Path):
         shutil.rmtree(tmp, ignore_errors=True)
         if own_lock:
             release_lock(lock)
+
+
+def check_writable(path: Path, what: str) -> None:
+    """New files can be made in `path` (or, where it does not exist yet, in its nearest existing parent, where it
+    will be made): checked at start-up by making one, so a read-only, full or forbidden place is one line now, not
+    an OSError after the model and data are loaded. (Not os.access: root passes it where a write still fails.)"""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".finetune-write-check-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {os_error_line(e, where)}") from None
+
+
+def keep_beside(path: Path) -> Path | None:
+    """Rename an earlier run's `path` (file or dir) to the first free `<path>.N`, N = 1, 2, ..., so that a fresh
+    run overwrites and deletes nothing; returns the new name (None: nothing was there)."""
+    if not path.exists():
+        return None
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.rename(path.with_name(f"{path.name}.{n}"))

@@ -21,6 +21,7 @@ import torch
 
 from .compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
 from .config import Config, ConfigError
+from .errors import one_line
 
 SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
 GIB = 2**30
@@ -46,8 +47,8 @@ def load_arch(cfg: Config, model_dir: str | None):
     try:
         fields = json.loads(Path(cfg.model.arch).read_text())
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"model.arch '{cfg.model.arch}' is not a readable HF config.json ({e})") from e
+    except Exception as e:  # noqa: BLE001 - the file, its JSON, or transformers' validation of the values
+        raise ConfigError(f"model.arch '{cfg.model.arch}' is not a readable HF config.json ({one_line(e)})") from e
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import faults
-from .config import Config, ConfigError, to_toml
+from .config import Config, ConfigError, resume_note, to_toml
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, pad_collate, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
@@ -205,10 +205,8 @@ def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.Tra
     """Load the checkpoint at `path` into the run; say where it continues, and what differs from the run saved."""
     ckpt.load_checkpoint(path, model, optimizer, scheduler, state, hf_config=model.config)
     print0(f"resumed from {path} at step {state.step} ({state.samples_seen} samples seen)")
-    packed = ckpt.read_marker(path).get("config", {}).get("data", {}).get("packing", cfg.data.packing)
-    if packed != cfg.data.packing:  # allowed, but the data position counted the other kind of unit
-        print0(f"note: the checkpoint's run had data.packing={str(packed).lower()}: its data position counted "
-               f"{'packed rows' if packed else 'samples'}, this run counts {'rows' if cfg.data.packing else 'samples'}")
+    if note := resume_note(ckpt.read_marker(path).get("config", {}), cfg, state.samples_seen):
+        print0(note)
 
 
 @contextmanager
@@ -219,6 +217,7 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
+        ckpt.keep_earlier_run(out / "checkpoints", cfg.checkpoint.resume)
     logger = MetricsLogger(out, cfg.log.wandb, cfg.log.wandb_project, asdict(cfg), start_step=start_step)
     run = asdict(cfg)
     if Path(cfg.model.path).exists():

@@ -3,16 +3,22 @@ non-finite loss. CPU, gloo, fp32, constant lr (helpers.BASE) so a 4-step run and
 In-process ranks (run_ranks) except where the launcher, a signal or an exit code is the point."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 
+from finetune import checkpoint as ckpt
 from finetune.checkpoint import CheckpointError, is_complete, step_dirs
+from finetune.errors import FinetuneError
 from finetune.train import NonFiniteError
-from helpers import BASE, REPO, RankError, invoke, losses, read_metrics, run_ranks, sft, sft_cli, sft_config
+from helpers import BASE, REPO, RankError, losses, read_metrics, run_ranks, sft, sft_cli, sft_config
 
 TWO_RANKS = ("train.max_steps=8", "train.micro_batch_size=2")  # the reference run, shared with test_train
 
@@ -160,15 +166,145 @@ def test_nan_skip_policy_counts_skips(llama_dir, chat_file, tmp_path, capsys):
     assert "step 2: non-finite loss/grad norm, update skipped (1 skipped so far)" in printed
     assert "2 skipped" not in printed  # the parameters were not touched: the next steps are finite again
     assert len(read_metrics(out)) == 4 and steps(out) == [4]
+    strict = [json.loads(line, parse_constant=pytest.fail) for line in (out / "metrics.jsonl").open()]  # no NaN
+    assert strict[1]["loss"] is None and all(r["loss"] > 0 for r in strict[:1] + strict[2:])
 
 
-def test_no_resume_refuses_to_overwrite_checkpoints(llama_dir, chat_file, tmp_path):
+def test_no_resume_starts_fresh_and_keeps_the_earlier_checkpoints_beside(llama_dir, chat_file, tmp_path, capsys):
+    """--no-resume (checkpoint.resume=false) does what its help and the LoRA/full mismatch error say: a fresh run.
+    The earlier run's checkpoints move to checkpoints.N once the run is accepted (not at the pre-flight check, so a
+    refused run moves nothing), as metrics.jsonl goes to metrics.jsonl.N."""
     out = tmp_path / "run"
     sft(llama_dir, chat_file, out, "train.max_steps=2")
-    result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", out, *BASE,
-                    "train.max_steps=2", "--no-resume")
-    assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
-    assert steps(out) == [2]
+    before = ckpt.read_marker(out / "checkpoints" / "step-2")
+    with pytest.raises(CheckpointError, match=r"start a new one \(--no-resume"):  # the advice that is followed
+        sft(llama_dir, chat_file, out, "train.max_steps=4", "lora.rank=4")
+    assert ckpt.find_resume(out, resume=False, resume_from="") is None  # what the pre-flight check asks: no refusal
+    assert steps(out) == [2]  # and nothing moved yet
+    capsys.readouterr()
+    sft(llama_dir, chat_file, out, "train.max_steps=2", "lora.rank=4", "checkpoint.resume=false")  # the advice
+    assert (f"checkpoint.resume=false: starting fresh; the checkpoints already in {out / 'checkpoints'} were moved "
+            f"to {out / 'checkpoints.1'}") in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and (out / "metrics.jsonl.1").is_file()
+    assert steps(out) == [2] and ckpt.read_marker(out / "checkpoints" / "step-2")["lora"]["rank"] == 4
+    kept = out / "checkpoints.1" / "step-2"  # the first run's, untouched
+    assert ckpt.damage(kept) is None and ckpt.read_marker(kept) == before
+
+
+def model_tensors(step_dir) -> dict:
+    """The model tensors a DCP checkpoint holds, read in this process."""
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.startswith("model.")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    return sd
+
+
+def loaded_settings(cfg, step_dir, step: int) -> tuple[list[dict], list[dict]]:
+    """(each param group's settings after load_checkpoint(step_dir) into the optimizer and scheduler `cfg` builds,
+    the settings of a fresh such optimizer whose scheduler took `step` steps)."""
+    from finetune.distributed import init_distributed
+    from finetune.optim import build_scheduler, settings
+    from finetune.train import build_model_and_optimizer
+    device, dims = init_distributed()
+    tc = cfg.train
+    found = []
+    for load in (True, False):
+        model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
+        scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
+                                    min_lr_ratio=tc.min_lr_ratio)
+        if load:
+            ckpt.load_checkpoint(step_dir, model, optimizer, scheduler, ckpt.TrainState(), model.config)
+        else:
+            with warnings.catch_warnings():  # stepped without optimizer steps, on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(step):
+                    scheduler.step()
+        assert scheduler.get_last_lr() == [g["lr"] for g in optimizer.param_groups]
+        found.append(settings(optimizer))
+    return found[0], found[1]
+
+
+NEW = {"lr": 1e-3, "warmup_steps": 3, "min_lr_ratio": 0.5, "max_steps": 5, "weight_decay": 0.1, "beta1": 0.8,
+       "beta2": 0.9, "eps": 1e-6, "max_grad_norm": 0.5}  # every optimizer and schedule key, changed on resume
+
+
+def test_a_resume_with_changed_optimizer_and_schedule_settings_uses_them(llama_dir, chat_file, tmp_path, capsys):
+    """The checkpoint gives the state (weights, moments, step, data position); the run's config its settings, the
+    schedule evaluated at the resumed step with the new values. One line lists what changed; config.toml records
+    what is used."""
+    import tomllib
+    from finetune.optim import lr_at
+    out = tmp_path / "run"
+    sft(llama_dir, chat_file, out, "train.max_steps=2", "train.micro_batch_size=2")  # lr 3e-3, constant (BASE)
+    for name in ("new", "lr", "lr2"):
+        shutil.copytree(out, tmp_path / name)
+    capsys.readouterr()
+    new = [f"train.{k}={v}" for k, v in NEW.items()]
+    records = sft(llama_dir, chat_file, tmp_path / "new", *new, "train.micro_batch_size=2")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records[2:]:  # the new schedule at the resumed steps, of the new peak lr
+        assert r["lr"] == pytest.approx(NEW["lr"] * lr_at(r["step"] - 1, warmup_steps=3, max_steps=5,
+                                                           min_lr_ratio=0.5), rel=1e-12)
+    [note] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: changed since")]
+    old = {"lr": 3e-3, "warmup_steps": 0, "min_lr_ratio": 1.0, "max_steps": 2, "weight_decay": 0.01,  # BASE over
+           "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "max_grad_norm": 1.0}  # configs/tiny.toml
+    assert all(f"train.{k} {old[k]!r} -> {v!r}" in note for k, v in NEW.items()) and "data" not in note, note
+    assert tomllib.loads((tmp_path / "new" / "config.toml").read_text())["train"].items() >= NEW.items()
+    cfg = sft_config(llama_dir, chat_file, tmp_path / "new", *new, "train.micro_batch_size=2")
+    loaded, fresh = run_ranks(loaded_settings, 1, cfg, out / "checkpoints" / "step-2", 2)[0]
+    assert loaded == fresh  # every setting of every param group: lr, initial_lr, betas, eps, weight_decay, ...
+    assert fresh[0]["betas"] == (0.8, 0.9) and fresh[0]["weight_decay"] == 0.1 and fresh[1]["weight_decay"] == 0
+    # a changed lr changes the update: AdamW's step (no weight decay) is proportional to the lr
+    deltas = []
+    for name, lr in (("lr", 1e-3), ("lr2", 2e-3)):
+        sft(llama_dir, chat_file, tmp_path / name, "train.max_steps=3", "train.micro_batch_size=2", f"train.lr={lr}")
+        start, end = (model_tensors(tmp_path / name / "checkpoints" / f"step-{s}") for s in (2, 3))
+        deltas.append({k: end[k] - start[k] for k in start})
+    for k, delta in deltas[0].items():
+        torch.testing.assert_close(deltas[1][k], 2 * delta, rtol=1e-3, atol=1e-6, msg=k)  # fp32 rounding
+
+
+def train_with_full_disk(cfg, step: int, rank: int) -> tuple[str, int]:
+    """train(cfg) on a disk that fills up during step `step`'s checkpoint save: rank `rank`'s DCP file write raises
+    ENOSPC, as write() on a full disk does. Returns the error's one line and exit code (on every rank)."""
+    import errno
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from finetune.train import train
+    write_item = fs._write_item
+
+    def full_disk(transforms, stream, *args, **kwargs):
+        if f"step-{step}" in stream.name and dist.get_rank() == rank:
+            stream.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_item(transforms, stream, *args, **kwargs)
+    fs._write_item = full_disk
+    try:
+        train(cfg)
+    except FinetuneError as e:
+        return str(e), e.exit_code
+    raise AssertionError("the save did not fail")
+
+
+@pytest.mark.parametrize("nproc, mode, rank", [(1, "sync", 0), (2, "sync", 1), (2, "async", 0)])
+def test_a_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(llama_dir, chat_file, tmp_path,
+                                                                              nproc, mode, rank):
+    out = tmp_path / "run"
+    cfg = sft_config(llama_dir, chat_file, out, "train.max_steps=4", "train.micro_batch_size=2",
+                     "checkpoint.interval=2", f"checkpoint.async={str(mode == 'async').lower()}")
+    messages = run_ranks(train_with_full_disk, nproc, cfg, 4, rank)
+    cps = out / "checkpoints"
+    assert messages == [(f"cannot save checkpoint {cps / 'step-4'}: No space left on device (ENOSPC); removed it "
+                         f"(the newest complete checkpoint: step-2)", 1)] * nproc  # every rank stops, saying so
+    assert [p.name for p in cps.iterdir()] == ["step-2"] and ckpt.damage(cps / "step-2") is None
+    if nproc == 1:  # and the run resumes from the older checkpoint
+        sft(llama_dir, chat_file, out, "train.max_steps=4", "train.micro_batch_size=2", "checkpoint.interval=2")
+        assert steps(out) == [2, 4] and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
 def test_checkpoint_of_another_architecture_is_refused(llama_dir, qwen_tied_dir, chat_file, tmp_path):

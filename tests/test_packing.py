@@ -152,5 +152,5 @@ def test_padding_fraction_of_each_step(llama_dir, chat_file, tmp_path, reference
     if not packing:  # resuming an unpacked run packed (the default) says that the data position changes meaning
         capsys.readouterr()
         sft(llama_dir, chat_file, tmp_path / "run", *SEQ, "train.max_steps=4", "train.micro_batch_size=2")
-        assert ("note: the checkpoint's run had data.packing=false: its data position counted samples, this run "
-                "counts rows") in capsys.readouterr().out
+        assert ("data.packing False -> True (the data position, 12 samples, was counted under the checkpoint's "
+                "values") in capsys.readouterr().out
