@@ -247,6 +247,8 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
               "padding_fraction": 1 - values[NUM_INPUT_TOKENS] / values[NUM_COMPUTED_TOKENS],
               "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
               "tokens_seen": state.tokens_seen}
+    if device.type == "cuda":
+        record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
     if peak:
         record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())  # metrics.MFU_CONVENTION
     return record

@@ -14,14 +14,13 @@ def test_attention_implementation_is_resolved_per_model_class_and_device(monkeyp
     from finetune.config import ConfigError
     assert resolve(T.LlamaConfig(), "sdpa") == "sdpa" and resolve(T.LlamaConfig(), "eager") == "eager"
     assert resolve(T.Gemma2Config(), "sdpa") == "eager"  # Gemma2 has no sdpa path
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve(T.LlamaConfig(), "auto") == "sdpa" and resolve(T.Gemma2Config(), "auto") == "eager"
-    for name, what in (("flash_attention_2", "a CUDA device and the flash_attn package"), ("varlen", "a CUDA device;")):
-        with pytest.raises(ConfigError, match=f"model.attn_implementation={name} needs {what}"):
-            resolve(T.LlamaConfig(), name)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve(T.LlamaConfig(), "auto") == "varlen"
+    assert resolve(T.LlamaConfig(), "auto") == "varlen" and resolve(T.LlamaConfig(), "varlen") == "varlen"
     assert resolve(T.Gemma2Config(), "auto") == "eager"  # attention logit soft-capping: not in the varlen kernel
+    assert resolve(T.RwkvConfig(), "auto") == "eager"  # its layers take no attention kwargs (nor sdpa)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="model.attn_implementation=flash_attention_2 needs a CUDA device and the "
+                                          "flash_attn package"):
+        resolve(T.LlamaConfig(), "flash_attention_2")
 
 
 @pytest.mark.parametrize("config, why", [
@@ -68,8 +67,8 @@ def test_a_sequence_convolution_is_refused_and_attention_models_pass():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.attn_implementation=varlen", "error: model.attn_implementation=varlen needs a CUDA device; use sdpa "
-                                         "otherwise"),
+    ("model.attn_implementation=flash_attention_3", "error: model.attn_implementation=flash_attention_3 needs a CUDA "
+     "device and the flash_attn_interface package (uv sync --extra gpu); use sdpa otherwise"),
     ("model.liger=maybe", "error: model.liger must be true, false or \"auto\", got 'maybe'"),
 ])
 def test_refused_attention_settings_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path, override, message):
