@@ -340,12 +340,12 @@ def main() -> None:
     # TRL: a wheel on PYTHONPATH where it is installed (the GPU machine), else uv's one-off environment
     import importlib.util
     trl = [sys.executable] if importlib.util.find_spec("trl") else ["uv", "run", "--with", "trl", "python"]
-    rows, samples = f"train.micro_batch_size={profile['rows']}", f"train.micro_batch_size={profile['samples']}"
+    packed, padded = f"train.micro_batch_size={profile['rows']}", f"train.micro_batch_size={profile['samples']}"
     peers = {
-        "defaults": ("finetune defaults (packed)", lambda j: run_finetune(j, env, [rows])),
-        "unpacked": ("finetune unpacked", lambda j: run_finetune(j, env, [samples, "data.packing=false"])),
+        "defaults": ("finetune defaults (packed)", lambda j: run_finetune(j, env, [packed])),
+        "unpacked": ("finetune unpacked", lambda j: run_finetune(j, env, [padded, "data.packing=false"])),
         "baseline": (f"finetune at {args.baseline}",
-                     lambda j: run_finetune(j, env, [rows], Path(args.baseline or "."))),
+                     lambda j: run_finetune(j, env, [packed], Path(args.baseline or "."))),
         "hf": ("HF Trainer (padding)", lambda j: run_peer({**j, "system": "hf"}, env, [sys.executable])),
         "trl": ("TRL SFTTrainer (packing)", lambda j: run_peer({**j, "system": "trl"}, env, trl)),
     }

@@ -67,16 +67,16 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False) -> torch.Tensor:
     """varlen_attn's contract (causal: window_size (left, 0)) with one sdpa call per segment: the CPU kernel (torch's
     is CUDA-only). No mask across samples, and the causal kernel skips the upper triangle."""
-    outs, bounds = [], cu_seq_q.tolist()
-    for a, b in zip(bounds, bounds[1:]):
-        q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))
+    lengths, outs = cu_seq_q.diff().tolist(), []
+    # split, not slices: its backward is one concatenation, a slice's a zero-filled tensor of all the tokens each
+    for q, k, v in zip(*(x.transpose(0, 1).split(lengths, dim=1) for x in (query, key, value))):
         mask = None
-        if 0 <= window_size[0] < b - a - 1:  # sliding window: the last window_size[0] + 1 positions
-            i = torch.arange(b - a, device=query.device)
+        if 0 <= window_size[0] < q.shape[1] - 1:  # sliding window: the last window_size[0] + 1 positions
+            i = torch.arange(q.shape[1], device=query.device)
             mask = (i[:, None] >= i) & (i[:, None] - i <= window_size[0])
         outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa).transpose(0, 1))
-    return torch.cat(outs)
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa))
+    return torch.cat(outs, dim=1).transpose(0, 1)
 
 
 def varlen_kernel():

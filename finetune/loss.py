@@ -59,4 +59,5 @@ def token_loss_sum(model, batch: dict) -> torch.Tensor:
         handle.remove()
     if fused:
         return out.loss
-    return torch.nn.functional.cross_entropy(out.logits[0].float(), targets, reduction="sum")
+    # flatten (a view), not [0]: a select's backward zero-fills a tensor of all the logits
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets, reduction="sum")

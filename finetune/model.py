@@ -307,7 +307,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     attn = model.config._attn_implementation
     kernels = "fused loss only (compiled blocks)" if liger and compile else "on" if liger else "off"
-    print0(f"model: attention {attn}, Liger {kernels}, regional compile {'on' if compile else 'off'} "
+    print0(f"kernels: attention {attn}, Liger {kernels}, regional compile {'on' if compile else 'off'} "
            f"({'auto on ' if asked else ''}{device.type})")
     if packing:
         check_packing(model, find_layers(model), attn)

@@ -55,7 +55,7 @@ def test_varlen_and_flex_train_packed_rows_as_the_samples_unpacked(llama_dir, ch
 
 def test_the_auto_defaults_learn_on_cuda(llama_dir, chat_file, tmp_path):
     got, stdout = run(llama_dir, chat_file, tmp_path / "a", "train.max_steps=30", "train.lr=1e-2")
-    assert "model: attention varlen, Liger fused loss only (compiled blocks), regional compile on (auto on cuda)" in \
+    assert "kernels: attention varlen, Liger fused loss only (compiled blocks), regional compile on (auto on cuda)" in \
         stdout, stdout
     assert len(got) == 30 and all(x == x for x in got)
     assert sum(got[-5:]) / 5 < 0.8 * sum(got[:5]) / 5, got
