@@ -13,8 +13,9 @@
 #   peers    benchmarks/compare_peers.py on CUDA, ONE alternating round (finetune defaults, TRL, HF Trainer) added to
 #            the rounds in outputs/peers/compare_peers.json when there is one (a machine starts bare: bring back
 #            $OUT/peers/compare_peers.json into outputs/peers/ and carry outputs/peers), written to $OUT/peers/
-#   points   benchmarks/gpu_points.py lora8b full: 8B LoRA and the largest full fine-tune plan says fits, vs plan
-# The issue-22 "Done when" in three or four calls: `env tests bench`, `peers`, `peers`, `points`.
+#   lora8b   benchmarks/gpu_points.py lora8b: an 8B-class model with LoRA, against plan's memory figure
+#   full     benchmarks/gpu_points.py full: the largest full fine-tune plan says fits one GPU, against plan
+# The issue-22 "Done when" in five calls: `env tests`, `bench`, `peers`, `peers` (+ `lora8b`, `full` for the points).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu}; mkdir -p "$OUT"
 WHEELS="transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 trl==1.16.0"
@@ -64,7 +65,7 @@ peers)
   python3 benchmarks/compare_peers.py --only peers --device cuda --rounds 1 --steps ${STEPS:-8} --warmup 3 \
     --systems defaults,trl,hf --append --output-dir /tmp/peers 2>&1 | tee -a $OUT/peers.log | tail -12
   mkdir -p $OUT/peers && cp /tmp/peers/compare_peers.json $OUT/peers/;;
-points)
-  python3 benchmarks/gpu_points.py lora8b full --output-dir /tmp/points 2>&1 | tee $OUT/points.log | grep -v "^step"
-  cp /tmp/points/gpu_points.json $OUT/ 2>/dev/null;;
+lora8b|full)
+  python3 benchmarks/gpu_points.py $s --output-dir /tmp/points 2>&1 | tee $OUT/$s.log | grep -v "^step"
+  cp /tmp/points/gpu_points.json $OUT/$s.json 2>/dev/null;;
 esac; done

@@ -61,14 +61,18 @@ def test_the_auto_defaults_learn_on_cuda(llama_dir, chat_file, tmp_path):
     assert sum(got[-5:]) / 5 < 0.8 * sum(got[:5]) / 5, got
 
 
+@pytest.fixture(scope="module")
+def plain(llama_dir, chat_file, tmp_path_factory):
+    return run(llama_dir, chat_file, tmp_path_factory.mktemp("plain"), *PLAIN)[0]
+
+
 @pytest.mark.parametrize("extra", [["model.liger=true"], ["model.compile=true", "ac.ratio=1"],
                                    ["model.attn_implementation=varlen"],
                                    ["model.attn_implementation=varlen", "model.liger=true", "model.compile=true",
                                     "ac.ratio=0.5"]],
                          ids=["liger", "compile_ac", "varlen", "varlen_liger_compile_ac"])
-def test_kernels_and_compile_match_the_plain_path(llama_dir, chat_file, tmp_path, extra):
+def test_kernels_and_compile_match_the_plain_path(llama_dir, chat_file, tmp_path, plain, extra):
     pytest.importorskip("liger_kernel") if "model.liger=true" in extra else None
-    plain = run(llama_dir, chat_file, tmp_path / "plain", *PLAIN)[0]
     other = run(llama_dir, chat_file, tmp_path / "x", *PLAIN, *extra)[0]
     # bf16 compute: fused kernels and compiled blocks round differently, step by step
     assert other == pytest.approx(plain, rel=2e-2), (plain, other)
