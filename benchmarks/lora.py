@@ -40,6 +40,7 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model, load_tokenizer
     from finetune.optim import build_optimizer, build_scheduler
+    from finetune.loss import token_loss_sum
     from finetune.train import clip_grad_norm, next_micro_batches
     cfg = load_config(None, {"model.path": model_dir, "data.path": data, "output_dir": out, "lora.rank": lora_rank,
                              "train.mixed_precision": "bf16", "data.max_seq_len": seq_len})
@@ -57,9 +58,9 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
         batch = next_micro_batches(samples, micro, 1, tok.pad_token_id, seq_len)[0][0]
         dist.barrier()
         t0 = time.perf_counter()
-        num_tokens = torch.tensor(float((batch["shift_labels"] != -100).sum()))
+        num_tokens = torch.tensor(float((batch["label_targets"] != -100).sum()))
         dist.all_reduce(num_tokens)
-        model(**batch, num_items_in_batch=num_tokens, use_cache=False).loss.backward()
+        (token_loss_sum(model, batch) / num_tokens).backward()
         grad_bytes = sum(p.grad.to_local().nbytes for p in model.parameters() if p.grad is not None)
         clip_grad_norm(model, 1.0)
         optimizer.step()

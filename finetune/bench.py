@@ -18,7 +18,7 @@ import torch
 
 from .config import Config, ConfigError, load_config, to_toml
 from .errors import one_line
-from .metrics import count_saved
+from .metrics import MFU_CONVENTION, count_saved
 
 
 def device_name() -> str:
@@ -42,10 +42,10 @@ def default_budget_mb() -> float:
 # ----------------------------------------------------------------------------------------------- one point
 
 def saved_for_backward_mb(model, batch: dict) -> float:
-    """MB that one forward keeps for backward (count_saved)."""
-    one = torch.ones((), device=batch["input_ids"].device)  # the summed loss, as in train_step (same memory)
+    """MB that one forward keeps for backward (count_saved), the loss as train_step computes it."""
+    from .loss import token_loss_sum
     with count_saved(model) as storages:
-        loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
+        loss = token_loss_sum(model, batch)
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
     storages.clear()
     loss.backward()  # completes FSDP's backward state before the process ends
@@ -56,7 +56,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
     from .distributed import init_distributed
     from .metrics import flops_per_token, peak_flops, peak_mem_mb
-    from .model import ac_layer_ids
+    from .model import ac_layer_ids, resolve_auto
     from .train import (LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
                         train_step)
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
@@ -67,7 +67,8 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     samples = iter(build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size))
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
                                      dc.max_seq_len) for _ in range(warmup + steps)]
-    steps_data = [([{k: v.to(device) for k, v in b.items()} for b in mbs], n) for mbs, n in steps_data]
+    steps_data = [([{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in mbs], n)
+                  for mbs, n in steps_data]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times, results = [], []
     for micro_batches, num_input_tokens in steps_data:
@@ -82,7 +83,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * dc.max_seq_len
     peak = peak_flops(device)
-    flops_tok = flops_per_token(num_params, num_layers, model.config.hidden_size, dc.max_seq_len)
+    flops_tok = flops_per_token(model, dc.max_seq_len)
     result = {"ac_ratio": cfg.ac.ratio, "ac_mode": cfg.ac.mode, "ac_blocks": ac_layer_ids(num_layers, cfg.ac.ratio),
               "num_layers": num_layers, "num_params": num_params, "micro_batch_size": tc.micro_batch_size,
               "grad_accum_steps": tc.grad_accum_steps, "seq_len": dc.max_seq_len, "step_time_s": step_time,
@@ -94,7 +95,8 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
               "losses": [r[LOSS] for r in torch.stack(results).tolist()]}
     # torch's compiler (2.11 seen on an H100) cannot trace these counting hooks inside a compiled checkpointed
     # block: there the forward is counted uncompiled, an upper bound (compiled blocks save less), marked "(eager)"
-    result["saved_eager"] = cfg.model.compile and bool(result["ac_blocks"])
+    result["saved_eager"] = resolve_auto(cfg.model.liger, cfg.model.compile, device.type == "cuda")[1] and bool(
+        result["ac_blocks"])
     with torch.compiler.set_stance("force_eager" if result["saved_eager"] else "default"):
         result["saved_mb"] = saved_for_backward_mb(model, steps_data[0][0][0])
     return result
@@ -210,9 +212,9 @@ def format_table(rows: list[dict], meta: dict) -> str:
     base = min(r["ac_ratio"] for r in rows)
     lines = [f"AC sweep: {meta['model']} on {meta['device']}; seq {meta['seq_len']}, global batch "
              f"{meta['global_batch']}, {meta['mixed_precision']}, ac.mode={meta['ac_mode']}, median of "
-             f"{meta['steps']} steps after {meta['warmup']} warm-up", "",
-             f"| ac.ratio | blocks | micro x accum | step time (s) | tokens/s | MFU | {mem} | saved for backward (MB) "
-             f"| overhead vs ratio {base:g} |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{meta['steps']} steps after {meta['warmup']} warm-up; one device; {MFU_CONVENTION}", "",
+             f"| ac.ratio | blocks | micro x accum | step time (s) | tokens/s per device | MFU | {mem} "
+             f"| saved for backward (MB) | overhead vs ratio {base:g} |", "|---:" * 9 + "|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['ac_ratio']:g} | | x{r['grad_accum_steps']} | failed: {r['error']} | | | | | |")

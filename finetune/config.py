@@ -30,9 +30,11 @@ class ConfigError(FinetuneError, ValueError):
 class ModelConfig:
     path: str = ""  # HF hub id, HF model dir, or a prepared checkpoint dir
     arch: str = ""  # an HF config.json of the model, for `finetune plan` when model.path is not at hand (offline)
-    attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flash_attention_2"
-    liger: bool = False  # patch in Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra)
-    compile: bool = False  # torch.compile each decoder block (regional compile)
+    # auto: varlen on CUDA where the model allows (else sdpa), sdpa on CPU; or sdpa | eager | varlen (torch's
+    # FlashAttention varlen kernel, CUDA) | flash_attention_2 | flash_attention_3 | flex_attention
+    attn_implementation: str = "auto"
+    liger: bool | str = "auto"  # Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra); auto: on CUDA
+    compile: bool | str = "auto"  # torch.compile each decoder block (regional compile); auto: on CUDA
     trust_remote_code: bool = False  # passed to from_pretrained
 
 
@@ -270,7 +272,7 @@ def resolve_path(value: str, base: Path) -> str:
 def validate(cfg: Config) -> None:
     """Range checks that types cannot express; each error names the key and the allowed range."""
     t, d = cfg.train, cfg.data
-    attn = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+    attn = ("auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3", "flex_attention")
     checks = [
         ("train.max_steps", t.max_steps > 0, "> 0"),
         ("train.micro_batch_size", t.micro_batch_size > 0, "> 0"),
@@ -297,6 +299,8 @@ def validate(cfg: Config) -> None:
         ("eval.num_samples", cfg.eval.num_samples >= 0, ">= 0"),
         ("eval.max_new_tokens", cfg.eval.max_new_tokens > 0, "> 0"),
         ("model.attn_implementation", cfg.model.attn_implementation in attn, f"one of {', '.join(attn)}"),
+        ("model.liger", cfg.model.liger in (True, False, "auto"), "true, false or \"auto\""),
+        ("model.compile", cfg.model.compile in (True, False, "auto"), "true, false or \"auto\""),
     ]
     for key, ok, rule in checks:
         if not ok:

@@ -26,9 +26,21 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus attention scores (12 * L * d * T; PaLM appendix B)."""
-    return 6 * num_params + 12 * num_layers * hidden * seq_len
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token as torchtitan counts them (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the
+    parameters without the input embedding (a lookup; a tied lm_head still counts once: its matmul runs), L layers,
+    H attention heads of Q dims, T = seq_len (causal attention counted in full, as torchtitan does)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
+    num_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())
+    config = model.config.get_text_config()
+    head_dims = config.num_attention_heads * (getattr(config, "head_dim", None) or
+                                              config.hidden_size // config.num_attention_heads)
+    return 6 * num_params + 12 * config.num_hidden_layers * head_dims * seq_len
+
+
+MFU_CONVENTION = ("MFU: torchtitan's convention, 6N + 12*L*H*Q*T FLOPs per token (N without the input embedding, "
+                  "T = seq len) over the dense bf16 peak")
 
 
 def peak_mem_mb(device: torch.device) -> float:
@@ -151,8 +163,9 @@ def progress_bar(total: int, initial: int, enabled: bool):
 def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
     """Advance the bar; every log_interval steps, one console line (through the bar when it is shown)."""
     line = (f"step {record['step']:>5}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
-            f"mem {record['peak_mem_mb']:.0f} MB")
+            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s "
+            f"({record['tokens_per_s_per_gpu']:.0f}/device" + (f", MFU {record['mfu']:.1%}" if "mfu" in record else "")
+            + f") | mem {record['peak_mem_mb']:.0f} MB")
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.4f}")

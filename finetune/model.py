@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from .attention import check_packing, resolve_attn_implementation
 from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
 from .distributed import print0
 from .errors import ModelError, one_line
@@ -90,26 +91,6 @@ def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool
             tok_config.write_text(json.dumps(entries, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def resolve_attn_implementation(hf_config, requested: str | None) -> str:
-    """`requested` (None: sdpa), except sdpa for a model class without an sdpa path (Gemma2: attention logit
-    soft-capping), which gets eager: transformers would refuse to build it."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    if requested in ("flash_attention_2", "flash_attention_3"):
-        import importlib.util
-        package = "flash_attn" if requested == "flash_attention_2" else "flash_attn_interface"
-        if not torch.cuda.is_available() or importlib.util.find_spec(package) is None:
-            raise ModelError(f"model.attn_implementation={requested} needs a CUDA device and the {package} package "
-                             f"(uv sync --extra gpu); use sdpa otherwise")
-    if requested not in (None, "sdpa"):
-        return requested
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)  # None: remote code, not in the auto mapping
-    if not getattr(cls, "_supports_sdpa", True):
-        if requested is not None:
-            print0(f"{cls.__name__} has no sdpa attention in transformers; using eager (set model.attn_implementation)")
-        return "eager"
-    return "sdpa"
-
-
 def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_remote_code: bool = False) -> nn.Module:
     """The model with parameters on the meta device (fp32) and real buffers (rotary tables etc.) on CPU, on a copy
     of hf_config (from_config would set the caller's dtype and attention)."""
@@ -146,10 +127,20 @@ def clean_child(mod: nn.Module) -> nn.Module:
     return mod
 
 
-def apply_kernels(model: nn.Module, liger: bool) -> None:
+def resolve_auto(liger: bool | str, compile: bool | str, cuda: bool) -> tuple[bool, bool]:
+    """model.liger / model.compile "auto": both on CUDA (Liger where liger-kernel is installed), both off on CPU."""
+    import importlib.util
+    if liger == "auto":
+        liger = cuda and importlib.util.find_spec("liger_kernel") is not None
+    return liger, cuda if compile == "auto" else compile
+
+
+def apply_kernels(model: nn.Module, liger: bool, compile: bool = False) -> None:
     """Swap in Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy). CUDA, or on CPU under
     Triton's interpreter (TRITON_INTERPRET=1, for tests) only RoPE and the fused linear cross-entropy: the
-    interpreter cannot run the others."""
+    interpreter cannot run the others. With regional compile only the fused linear cross-entropy (outside the
+    blocks): Liger dispatches RoPE through a torch.compiler.disable'd function, which splits every compiled block's
+    graph (3 breaks a Llama block), and inductor fuses norms, SwiGLU and RoPE itself."""
     if not liger:
         return
     interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
@@ -159,6 +150,8 @@ def apply_kernels(model: nn.Module, liger: bool) -> None:
     # RoPE and fused linear cross-entropy are on by default; the interpreter gets no others (each arch's apply
     # function takes the switches it has)
     off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm"), False) if interpret else {}
+    if compile:  # outside the compiled blocks only (apply_kernels' docstring)
+        off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm", "rope"), False)
     try:
         apply_liger_kernels(model, **off)
     except ImportError as e:
@@ -258,7 +251,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lor
     (None without LoRA). With `lora` (rank, alpha, dropout, target_modules, modules_to_save) the frozen base is
     kept in bf16 (fp32 when mixed_precision is fp32). kernels=False leaves Liger's kernels out but keeps the FSDP
     layout they need (plan's fake model: the kernels cannot run on fake tensors)."""
-    apply_kernels(model, liger and kernels)
+    apply_kernels(model, liger and kernels, compile)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     settings = apply_lora(model, find_layers(model), **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
     apply_ac(model, ac_ratio, ac_mode)
@@ -268,15 +261,25 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lor
 
 
 def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_precision: str = "bf16",
-                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False, liger: bool = False,
+                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool | str = False, liger: bool | str = False,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False, lora: dict | None = None,
-                seed: int = 0) -> nn.Module:
+                seed: int = 0, packing: bool = False) -> nn.Module:
     """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
     bf16 (fp32 when mixed_precision is fp32). `model.lora` holds the LoRA settings its checkpoints record (None
-    without LoRA): set here only, read by checkpoint.py."""
+    without LoRA): set here only, read by checkpoint.py. "auto" for the attention, Liger and compile picks by
+    device (one line says what); `packing`: refuse attention that cannot keep packed samples apart
+    (attention.check_packing)."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
+    asked = "auto" in (attn_implementation, liger, compile)
+    liger, compile = resolve_auto(liger, compile, device.type == "cuda")
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
+    attn = model.config._attn_implementation
+    kernels = "fused loss only (compiled blocks)" if liger and compile else "on" if liger else "off"
+    print0(f"kernels: attention {attn}, Liger {kernels}, regional compile {'on' if compile else 'off'} "
+           f"({'auto on ' if asked else ''}{device.type})")
+    if packing:
+        check_packing(model, find_layers(model), attn)
     model.lora = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
                              ac_mode=ac_mode, compile=compile, liger=liger)
     _materialize(model, device)

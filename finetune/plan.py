@@ -66,7 +66,7 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0):
         dist.destroy_process_group()
 
 
-def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float):
+def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, liger: bool):
     """build_model's parallelize (LoRA -> AC -> FSDP; no kernels or compile) on the meta device (fully_shard is slow
     on fake tensors), then fake storage."""
     from .model import build_skeleton, parallelize
@@ -75,7 +75,7 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float):
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
     model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
     parallelize(model, mesh, mixed_precision=cfg.train.mixed_precision, lora=asdict(cfg.lora), ac_ratio=ac_ratio,
-                ac_mode=cfg.ac.mode, liger=cfg.model.liger, kernels=False)
+                ac_mode=cfg.ac.mode, liger=liger, kernels=False)
     with fake_mode:
         model.to_empty(device="cpu")
     return model
@@ -101,10 +101,15 @@ class LivePeak(TorchDispatchMode):
 
 def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     """One fake forward: bytes saved for backward up to the end of the last decoder block, and the peak of the head
-    (final norm, lm_head, loss) from there through its backward to the last block's output gradient."""
+    (final norm, lm_head, loss) from there through its backward to the last block's output gradient. The loss is
+    train_step's (loss.token_loss_sum) with a target at every position: an upper bound, as only label tokens reach
+    lm_head."""
+    from .loss import token_loss_sum
     from .metrics import count_saved
     from .model import find_layers
     ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+    index = torch.arange(ids.numel()).view_as(ids)[:, :-1].flatten()  # every position but a row's last
+    batch = {"input_ids": ids, "label_index": index, "label_targets": torch.zeros_like(index)}
     head, marks = LivePeak(), {}
 
     def after_last_block(module, args, output):
@@ -115,7 +120,7 @@ def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     handle = find_layers(model)[-1].register_forward_hook(after_last_block)
     try:
         with count_saved(model) as saved:
-            loss = model(input_ids=ids, labels=ids, num_items_in_batch=torch.ones(()), use_cache=False).loss
+            loss = token_loss_sum(model, batch)
         marks["saved"] = sum(s.nbytes() for s in saved.values())  # what bench reports: the head's part too
         saved.clear()
         torch.autograd.grad(loss, marks["hidden"])  # the head's backward only
@@ -168,11 +173,13 @@ def sharded_bytes(params: list, world_size: int) -> int:
 def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float],
              micro_batch_sizes: list[int]) -> dict:
     """Measure everything on fake tensors; which (ratio, micro-batch) points fit; the smallest world that would."""
+    from .model import resolve_auto
     world = nnodes * nproc
+    liger = resolve_auto(cfg.model.liger, False, cuda=True)[0]  # as build_model does on the planned GPUs
     runs = {}
     with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard) as (dims, fake_mode):
         for ratio in sorted({0.0, *ratios}):
-            model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio)
+            model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio, liger)
             with fake_mode:
                 for mbs in micro_batch_sizes:
                     runs[ratio, mbs] = measure_micro_batch(model, mbs, cfg.data.max_seq_len)
@@ -202,7 +209,7 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
             "nproc_per_node": nproc, "world_size": world, "parallel": str(dims),
             "parallel_config": asdict(cfg.parallel), "gpu_memory": gpu_bytes,
             "safety": SAFETY, "seq_len": cfg.data.max_seq_len,
-            "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode, "liger": cfg.model.liger,
+            "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode, "liger": liger,
             "state": measured["state"], "in_flight": measured["in_flight"], "points": points, "best": best,
             "smallest_world_size": smallest}
 

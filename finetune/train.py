@@ -17,8 +17,9 @@ from .distributed import all_reduce, init_distributed, is_main, print0, world_si
 from .errors import FinetuneError
 from .evaluate import evaluate, report_eval
 from .export import export_hf
+from .loss import label_targets, token_loss_sum
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
-from .model import build_model, find_layers, load_tokenizer
+from .model import build_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 
 
@@ -28,23 +29,15 @@ class NonFiniteError(FinetuneError):
     exit_code = 1
 
 
-def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-    """Targets for each position (label of the next token); no target across a packed-sample boundary."""
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    shifted[:, :-1] = labels[:, 1:]
-    if position_ids is not None:
-        shifted[:, :-1][position_ids[:, 1:] == 0] = IGNORE_INDEX
-    return shifted
-
-
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None):
-    """This rank's micro-batches for one optimizer step, with shifted targets; and their number of real tokens."""
+    """This rank's micro-batches for one optimizer step (model inputs, sample boundaries, label targets: see
+    collate.pad_collate and loss.label_targets); and their number of real tokens."""
     batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
         items = [next(samples) for _ in range(micro_batch_size)]
         num_input_tokens += sum(len(x["input_ids"]) for x in items)
         batch = pad_collate(items, pad_id=pad_id, pad_to=pad_to)
-        batch["shift_labels"] = shift_labels(batch["labels"], batch.get("position_ids"))
+        batch.update(label_targets(batch.pop("labels"), batch["position_ids"]))
         batches.append(batch)
     return batches, num_input_tokens
 
@@ -79,22 +72,21 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     whether the update was skipped).
     `skip_nonfinite` (nan_policy "skip") reads loss and grad norm on the host to skip a non-finite update."""
     device = next(model.parameters()).device
-    one = torch.ones((), device=device)  # num_items_in_batch: HF losses return the sum over label tokens
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    num_tokens = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in micro_batches)
+    num_tokens = sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         model.set_requires_gradient_sync(last)
         model.set_is_last_backward(last)
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
-        loss = model(**batch, num_items_in_batch=one, use_cache=False).loss
+        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        loss = token_loss_sum(model, batch)
         loss.backward()
         loss_sum += loss.detach().double()
     # host-to-device copies with non_blocking: no wait for the GPU here (a blocking copy would be a sync)
     num_computed = sum(b["input_ids"].numel() for b in micro_batches)
-    counts = torch.tensor([num_input_tokens, float(stop), num_computed], dtype=torch.float64).to(device,
-                                                                                               non_blocking=True)
-    stats = torch.cat([torch.stack([num_tokens.to(device, torch.float64, non_blocking=True), loss_sum]), counts])
+    counts = torch.tensor([num_tokens, num_input_tokens, float(stop), num_computed], dtype=torch.float64)
+    counts = counts.to(device, non_blocking=True)
+    stats = torch.cat([counts[:1], loss_sum[None], counts[1:]])
     all_reduce(stats)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, (1 / stats[0].clamp(min=1)).float())
@@ -136,7 +128,8 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
     model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
                         ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
                         attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed)
+                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed,
+                        packing=cfg.data.packing)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
 
 
@@ -250,7 +243,7 @@ def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, s
         print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
                f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
     num_params = sum(p.numel() for p in model.parameters())
-    flops_tok = flops_per_token(num_params, len(find_layers(model)), model.config.hidden_size, dc.max_seq_len)
+    flops_tok = flops_per_token(model, dc.max_seq_len)
     print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
            f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
            + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
@@ -289,11 +282,14 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
     tokens_per_s = values[NUM_INPUT_TOKENS] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
     record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
               "num_tokens": int(values[NUM_TOKENS]), "tokens_per_s": tokens_per_s,
+              "tokens_per_s_per_gpu": tokens_per_s / world_size(),
               "padding_fraction": 1 - values[NUM_INPUT_TOKENS] / values[NUM_COMPUTED_TOKENS],
               "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
               "tokens_seen": state.tokens_seen}
+    if device.type == "cuda":
+        record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
     if peak:
-        record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())
+        record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())  # metrics.MFU_CONVENTION
     return record
 
 

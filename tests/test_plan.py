@@ -21,6 +21,7 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
     the sharded parameters, gradients and AdamW state after one optimizer step (keys as the planner's)."""
     from finetune.bench import saved_for_backward_mb
     from finetune.distributed import init_distributed
+    from finetune.loss import label_targets
     from finetune.model import build_model
     from finetune.optim import build_optimizer
     device, dims = init_distributed()
@@ -32,7 +33,8 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
         lora = dict(rank=lora_rank, alpha=16.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
         model = build_model(path, device, dims.mesh, mixed_precision=mixed_precision, ac_ratio=ratio, lora=lora)
         ids = torch.randint(model.config.vocab_size, (micro_batch_size, seq_len))
-        saved[ratio] = saved_for_backward_mb(model, {"input_ids": ids, "labels": ids}) * 2**20  # and backward
+        batch = {"input_ids": ids, **label_targets(ids, None)}  # a target at every position but a row's last
+        saved[ratio] = saved_for_backward_mb(model, batch) * 2**20  # and backward
     optimizer = build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
     optimizer.step()
     state = {}

@@ -3,7 +3,6 @@ same losses; tied embeddings of another architecture train; targets never cross 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import read_metrics, sft
 
@@ -36,12 +35,3 @@ def test_tied_embedding_model_of_another_architecture_trains_on_two_ranks(qwen_t
                                  "train.micro_batch_size=4", nproc=2)]
     assert len(ls) == 8 and all(x == x for x in ls)
     assert sum(ls[-2:]) < sum(ls[:2])
-
-
-def test_shift_labels_masks_packed_boundaries():
-    from finetune.train import shift_labels
-    labels = torch.tensor([[-100, 5, 6, -100, 8, 9]])
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    assert shift_labels(labels, pos).tolist() == [[5, 6, -100, 8, 9, -100]]
-    labels = torch.tensor([[1, 5, 6, 7, 8, 9]])
-    assert shift_labels(labels, pos).tolist() == [[5, 6, -100, 8, 9, -100]]

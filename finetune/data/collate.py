@@ -10,25 +10,38 @@ import torch
 from .labels import IGNORE_INDEX
 
 
-def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample (or pad_to). Packed samples (with position_ids) get no attention_mask:
-    transformers then builds the block-diagonal causal mask from the position_ids restarts (call the model with
-    use_cache=False: a cache disables that detection)."""
+def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> dict:
+    """Right-pad to the longest sample (or pad_to), with each row's samples' boundaries (sample_boundaries).
+    Packed samples (with position_ids) get no attention_mask: the boundaries, or for sdpa/eager the block-diagonal
+    causal mask transformers builds from the position_ids restarts (call the model with use_cache=False: a cache
+    disables that detection), keep each sample to itself."""
     longest = max(len(s["input_ids"]) for s in samples)
     width = longest if pad_to is None else pad_to
     if width < longest:
         raise ValueError(f"pad_to={pad_to} is shorter than the longest sample ({longest} tokens)")
     fills = {"input_ids": pad_id, "labels": IGNORE_INDEX, "position_ids": 0, "attention_mask": 0}
     batch = {k: torch.full((len(samples), width), fill, dtype=torch.long) for k, fill in fills.items()}
+    lengths = []
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
         for k in ("input_ids", "labels"):
             batch[k][i, :n] = torch.as_tensor(s[k])
         batch["position_ids"][i, :n] = torch.as_tensor(s["position_ids"]) if "position_ids" in s else torch.arange(n)
         batch["attention_mask"][i, :n] = 1
+        starts = np.flatnonzero(np.asarray(s.get("position_ids", [0])) == 0).tolist()
+        lengths += np.diff(starts + [n]).tolist() + [width - n] * (width > n)
     if any("position_ids" in s for s in samples):
         del batch["attention_mask"]
-    return batch
+    return {**batch, **sample_boundaries(lengths)}
+
+
+def sample_boundaries(lengths: list[int]) -> dict:
+    """The attention kwargs that keep each sample of a batch to itself, from the lengths of the segments of the
+    flattened (batch x seq) tokens in order (each row's samples, then its padding as one segment): cumulative
+    offsets `cu_seq_lens_q`/`_k` (int32) and the longest `max_length_q`/`_k` (a Python int), as flash-attention's
+    varlen kernels take them. Computed once per micro-batch on the host (see finetune.attention)."""
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
 
 
 def batch_efficiency(lengths, micro_batch_size: int, num_ranks: int, pad_to: int | None = None) -> float:

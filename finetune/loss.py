@@ -1,0 +1,63 @@
+"""Token loss only where labels are: lm_head and the cross-entropy see the positions that have a target, never the
+B x S x vocab logits.
+
+Contract. The collate hands each micro-batch, computed on the host: `label_index` (N,) int64, the positions of the
+flattened B x S tokens that have a target, and `label_targets` (N,) the token each must predict (the next token's
+label; none across a packed-sample boundary; N >= 1: a micro-batch without labels keeps one ignored position).
+`token_loss_sum(model, batch)` runs the causal LM's own forward on the rest of the batch (so FSDP's root hooks
+gather the root unit: final norm, tied embeddings) with the decoder's last hidden states gathered at label_index
+before lm_head, and returns the SUM over the N targets of the fp32 cross-entropy, a 0-dim tensor. What a model does
+to its logits after lm_head (soft-capping, logit scales) applies to the kept rows as it would to all. A model
+patched with Liger's fused linear cross-entropy computes it on the kept rows, without materialising their logits.
+Peak memory of the loss grows with N, not with B x S. (DPO-style losses can reuse the gather with per-sample sums.)
+"""
+from __future__ import annotations
+
+import torch
+
+from .data import IGNORE_INDEX
+
+LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss reads; the model gets the rest
+
+
+def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """(host) The positions with a target and their targets: the next position's label, none where a packed sample
+    starts (position_ids restart at 0). Positions are indices into the flattened (batch x seq) tokens."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if position_ids is not None:
+        shifted[:, :-1][position_ids[:, 1:] == 0] = IGNORE_INDEX
+    flat = shifted.flatten()
+    index = torch.nonzero(flat != IGNORE_INDEX).flatten()
+    if index.numel() == 0:  # keep one ignored position: every rank still runs forward and backward
+        index = torch.zeros(1, dtype=torch.long)
+    return {"label_index": index, "label_targets": flat[index]}
+
+
+def is_fused(model) -> bool:
+    """Whether Liger's forward (fused linear cross-entropy) replaced the model's: it takes the targets itself."""
+    return getattr(getattr(model, "forward", None), "__module__", "").startswith("liger_kernel")
+
+
+def token_loss_sum(model, batch: dict) -> torch.Tensor:
+    """Sum of the cross-entropy over the batch's label targets (see the module docstring)."""
+    index, targets = batch["label_index"], batch["label_targets"]
+
+    def keep_labelled(module, args, output):  # the decoder's output, before the final projection
+        output["last_hidden_state"] = output[0].flatten(0, 1).index_select(0, index).unsqueeze(0)
+        return output
+
+    inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
+    fused = is_fused(model)
+    if fused:  # Liger reads shift_labels as given (num_items_in_batch: a sum, not a mean)
+        one = torch.ones((), device=targets.device)
+        inputs.update(labels=targets[None], shift_labels=targets[None], num_items_in_batch=one)
+    handle = model.get_decoder().register_forward_hook(keep_labelled)
+    try:
+        out = model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    if fused:
+        return out.loss
+    # flatten (a view), not [0]: a select's backward zero-fills a tensor of all the logits
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets, reduction="sum")
