@@ -45,7 +45,7 @@ def train_with_nan_at(cfg, step: int):
         def poison(module, inputs, output):
             calls.append(1)
             if (len(calls) - 1) // cfg.train.grad_accum_steps + 1 == step:
-                output.loss = output.loss * float("nan")
+                output.logits = output.logits * float("nan")  # the loss is computed from them (loss.py)
             return output
         model.register_forward_hook(poison)
         return model
