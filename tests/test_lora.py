@@ -237,7 +237,9 @@ def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
         load_config(None, {**base, "lora.target_modules": 3})
     cases = [(dict(target_modules=["q_proj", "qkv"]), "lora.target_modules: 'qkv' matches no module of"),
              (dict(target_modules=[]), "lora.target_modules must be"),
-             (dict(modules_to_save=["lm_heads"]), "lora.modules_to_save: 'lm_heads' matches no module of")]
+             (dict(modules_to_save=["lm_heads"]), "lora.modules_to_save: 'lm_heads' matches no module of"),
+             (dict(target_modules=["q_proj", "embed_tokens"]), r"lora.target_modules: 'embed_tokens' names "
+              r"model.embed_tokens \(Embedding\), not a Linear layer: .*\(lora.modules_to_save=\['embed_tokens'\]")]
     for kwargs, expect in cases:
         skeleton = build_skeleton(load_hf_config(str(llama_dir)))
         settings = {**dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[]), **kwargs}
