@@ -251,7 +251,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         if gathered:
             load = open_live(live)[1]
         label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
-    with staging(out) as tmp:
+    with staging(out, EXPORT_MARKER) as tmp:
         if adapter:
             record = save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
         else:
