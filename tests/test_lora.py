@@ -161,6 +161,32 @@ def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_t
     assert not (tmp_path / "other").exists()
 
 
+def test_a_base_with_other_weights_at_the_recorded_path_is_refused_by_export_and_resume(llama_dir, chat_file,
+                                                                                          tmp_path, capsys):
+    from conftest import make_model_dir
+    from finetune.checkpoint import CheckpointError
+    from finetune.export import export_hf
+    base, run = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(llama_dir, base)
+    sft(base, chat_file, run, "train.max_steps=3")
+    make_model_dir(base, "llama3", "llama", tied=False, seed=1)  # re-downloaded: same architecture, other weights
+    refused = rf"checkpoint {run}/checkpoints/step-3 trained its LoRA adapters on the base '{base}', and '{base}' " \
+              rf"holds other weights now \(fingerprint sha256:\w+ then, sha256:\w+ now\)"
+    for adapter in (False, True):
+        with pytest.raises(CheckpointError, match=refused):
+            export_hf(str(run), str(tmp_path / "hf"), adapter=adapter)
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(CheckpointError, match=refused):
+        sft(base, chat_file, run, "train.max_steps=6")
+    marker_path = run / "checkpoints" / "step-3" / "finetune_complete.json"
+    marker = json.loads(marker_path.read_text())
+    del marker["lora"]["base_fingerprint"]  # a checkpoint saved before finetune recorded it: a note, not checked
+    marker_path.write_text(json.dumps(marker))
+    capsys.readouterr()
+    export_hf(str(run), str(tmp_path / "hf"), adapter=True)
+    assert "records no fingerprint of its LoRA base (saved by an older finetune)" in capsys.readouterr().out
+
+
 def train_on_prepared_base(llama_dir, tmp_path):
     """On one rank (run_ranks), bf16 mixed precision, base weights from a prepared checkpoint: a few large optimizer
     steps, the checks below, then a checkpoint; returns (prepared dir, step dir)."""
