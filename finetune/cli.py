@@ -103,11 +103,13 @@ def check_flag(flag: str, ok: bool, rule: str, value) -> None:
 
 def preflight(cfg: Config) -> str | None:
     """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
-    (intact, same architecture), readable data and eval set. Returns why there is nothing to do, if so."""
+    (intact, same architecture, a LoRA one on its base), readable data and eval set. Returns why there is nothing
+    to do, if so."""
     from dataclasses import asdict
 
-    from .checkpoint import check_arch, find_resume, read_marker
+    from .checkpoint import check_arch, check_base, find_resume, read_marker
     from .data import open_sources, require_chat_template
+    from .load import base_fingerprint
     from .model import load_hf_config
     from .train import run_tokenizer
     hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
@@ -115,6 +117,10 @@ def preflight(cfg: Config) -> str | None:
     require_chat_template(run_tokenizer(cfg, resume)[0], f"model {cfg.model.path}")
     if resume is not None:
         check_arch(resume, hf_config)
+        lora = read_marker(resume).get("lora")
+        # the LoRA base now, not after loading it (a hub id: by the ranks, once downloaded)
+        if lora and cfg.lora.rank and "base_fingerprint" in lora and Path(cfg.model.path).is_dir():
+            check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
     dc = cfg.data
     open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split, name=dc.name or None,
                  streaming=dc.streaming)

@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import CheckpointError, read_marker, resolve_checkpoint
+from .checkpoint import CheckpointError, check_base, read_marker, resolve_checkpoint
 from .config import ConfigError, export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
-from .load import MANIFEST, is_prepared
+from .load import MANIFEST, base_fingerprint, is_prepared
 from .lora import merge_lora_tensor, peft_config, peft_key
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
@@ -233,6 +233,8 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     if diffs:
         raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
                          f"{'; '.join(diffs)}")
+    if source.lora:
+        check_base(source.weights, source.lora, base_fingerprint(source.model_path), source.model_path)
     if adapter and world_size() > 1:
         raise ConfigError("--adapter writes one small file: use one process (no --nproc-per-node)")
     stored, load = open_dcp(source.weights)  # the checkpoint's tensors, opened once
@@ -251,7 +253,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         if gathered:
             load = open_live(live)[1]
         label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
-    with staging(out) as tmp:
+    with staging(out, EXPORT_MARKER) as tmp:
         if adapter:
             record = save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
         else:

@@ -20,14 +20,22 @@ from torch import nn
 from .compat import local_shape_and_offset
 from .distributed import is_main, print0
 from .errors import ModelError
-from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key, local_dir, open_dir, read_rows,
-                      read_tensor, tied_groups)
+from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, fingerprint, hf_key, local_dir,
+                      open_dir, read_rows, read_tensor, tied_groups)
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
 
 def is_prepared(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
+
+
+def base_fingerprint(path: str) -> str:
+    """weights.fingerprint of the model at `path`; a prepared checkpoint's is its source's (recorded when it was
+    prepared), so a base and its prepared copy have the same one."""
+    if is_prepared(path):
+        return json.loads((Path(path) / MANIFEST).read_text())["source"]["fingerprint"]
+    return fingerprint(local_dir(path))
 
 
 def check_manifest(path: str, hf_config) -> None:

@@ -1,5 +1,6 @@
 """Ownership of output dirs: an exclusive OS lock (flock) held for a whole run and released however the process ends
-(kill -9 included, unlike a pid file), and removal of what interrupted exports left behind. Imports no torch."""
+(kill -9 included, unlike a pid file; its file is removed on a normal release), and removal of what interrupted
+exports left behind. Imports no torch."""
 from __future__ import annotations
 
 import fcntl
@@ -27,26 +28,43 @@ def hold_lock(path: Path, what: str) -> None:
     if str(path) in _held:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise LockError(f"{what} is in use by {holder}; wait for it to finish or pick another directory") from None
-    except OSError as e:  # a filesystem without locks (some NFS set-ups): run, but say it is unprotected
-        print(f"note: cannot lock {path} ({e.strerror}); nothing stops a second run into {what}", flush=True)
-        os.close(fd)
-        return
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise LockError(f"{what} is in use by {holder}; wait for it to finish or pick another directory") from None
+        except OSError as e:  # a filesystem without locks (some NFS set-ups): run, but say it is unprotected
+            print(f"note: cannot lock {path} ({e.strerror}); nothing stops a second run into {what}", flush=True)
+            os.close(fd)
+            return
+        if same_file(fd, path):
+            break
+        os.close(fd)  # its holder removed it on release after we opened it: the lock is a new file now
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} ({shlex.join(['finetune', *sys.argv[1:]])})".encode())
     _held[str(path)] = fd
 
 
 def release_lock(path: Path) -> None:
-    fd = _held.pop(str(Path(path).resolve()), None)
+    """Release the lock and remove its file (still holding it: whoever opened that file meanwhile finds it gone once
+    they get the lock, and takes it again on a new one), so no `.<name>.lock` files pile up."""
+    key = str(Path(path).resolve())
+    fd = _held.pop(key, None)
     if fd is not None:
+        if same_file(fd, key):
+            os.unlink(key)
         os.close(fd)
+
+
+def same_file(fd: int, path: str | Path) -> bool:
+    """The open file `fd` is the one at `path` (not one removed from there since it was opened)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def hold_run_lock(lock_path: Path, what: str) -> None:
@@ -63,9 +81,10 @@ def is_free(path: Path) -> bool:
     """Nobody holds the lock at `path` (this process's own locks count as held)."""
     if str(Path(path).resolve()) in _held:
         return False
-    if not Path(path).exists():
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # also one its holder removed just now, on release
         return True
-    fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True

@@ -15,7 +15,7 @@ from .weights import is_adapter
 
 def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:
     """"all-linear": a regex naming every Linear inside the decoder blocks (peft's own "all-linear" is every Linear
-    but the output layer); a list of names: checked to match at least one module each."""
+    but the output layer); a list of names: checked to match at least one module each, and Linear layers only."""
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
@@ -25,6 +25,12 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> 
         raise ConfigError(f"lora.target_modules must be \"all-linear\" or a non-empty list of module names, "
                          f"got {target_modules!r}")
     check_names_match(model, "target_modules", target_modules)
+    other = next(((t, n, m) for t in target_modules for n, m in model.named_modules()
+                  if (n == t or n.endswith("." + t)) and not isinstance(m, nn.Linear)), None)
+    if other:  # peft's embedding adapters (lora_embedding_A/B) have no load, merge or adapter-export path here
+        raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), not a "
+                          f"Linear layer: LoRA here adapts Linear layers only; to train it in full, name it in "
+                          f"lora.modules_to_save instead (lora.modules_to_save=['{other[0]}'])")
     return list(target_modules)
 
 

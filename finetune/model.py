@@ -29,7 +29,7 @@ from .attention import check_packing, resolve_attn_implementation
 from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
 from .distributed import print0
 from .errors import ModelError, one_line
-from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_weights
+from .load import base_fingerprint, check_manifest, is_prepared, load_hf_weights, load_prepared_weights
 from .lora import apply_lora, init_lora_weights
 
 
@@ -267,9 +267,9 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
     bf16 (fp32 when mixed_precision is fp32). `model.lora` holds the LoRA settings its checkpoints record (None
-    without LoRA): set here only, read by checkpoint.py. "auto" for the attention, Liger and compile picks by
-    device (one line says what); `packing`: refuse attention that cannot keep packed samples apart
-    (attention.check_packing)."""
+    without LoRA) and the base weights' fingerprint: set here only, read by checkpoint.py. "auto" for the
+    attention, Liger and compile picks by device (one line says what); `packing`: refuse attention that cannot keep
+    packed samples apart (attention.check_packing)."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     asked = "auto" in (attn_implementation, liger, compile)
     liger, compile = resolve_auto(liger, compile, device.type == "cuda")
@@ -289,6 +289,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
         load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code)
     if model.lora:
         init_lora_weights(model, seed)
+        model.lora["base_fingerprint"] = base_fingerprint(path)  # which base weights the adapters belong to
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
         assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype

@@ -2,6 +2,7 @@
 into a sibling temp dir and publish it by rename, so the output is the old one or the new one, never half."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -22,12 +23,25 @@ def check_output_dir(out: Path, marker: str, kind: str) -> None:
                           f"pick another directory")
 
 
-def publish_dir(new: Path, out: Path) -> None:
-    """Move the finished `new` to `out`; an empty or earlier `out` is replaced (the old one removed only after)."""
+def publish_dir(new: Path, out: Path, marker: str) -> None:
+    """Move the finished `new` to `out`, its `marker` (JSON) listing the names in it as ours ("files"). An empty or
+    earlier `out` is replaced (the old one removed only after), but what the user added there (a README, an extra/
+    dir: names the earlier marker does not list) is moved into the new one first, and named. (An earlier dir whose
+    marker lists no names, by an older finetune, is ours whole.)"""
+    ours = sorted(p.name for p in new.iterdir())
+    (new / marker).write_text(json.dumps({**json.loads((new / marker).read_text()), "files": ours}, indent=2) + "\n")
     old = None
     if out.is_dir() and any(out.iterdir()):
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
+        before = json.loads((old / marker).read_text()).get("files")
+        theirs = [p.name for p in sorted(old.iterdir()) if before is not None and p.name not in before]
+        kept, replaced = [n for n in theirs if n not in ours], [n for n in theirs if n in ours]
+        for name in kept:
+            (old / name).rename(new / name)
+        if theirs:
+            print(f"{out}: kept what was added there since it was written ({', '.join(kept) or 'nothing'})"
+                  + (f"; replaced by this one's own: {', '.join(replaced)}" if replaced else ""), flush=True)
     elif out.is_dir():
         out.rmdir()
     new.rename(out)
@@ -36,11 +50,11 @@ def publish_dir(new: Path, out: Path) -> None:
 
 
 @contextmanager
-def staging(out: Path):
+def staging(out: Path, marker: str):
     """Run on every rank: yields the sibling temp dir `.<name>.partial-<pid>` (rank 0's) that all of them write `out`
-    into; once the block has ended on every rank, rank 0 moves it into place. Rank 0 holds the lock `.<name>.lock`
-    beside `out` meanwhile (unless this command's launcher holds it) and first removes the temp dirs that runs
-    killed -9 left. On an error the temp dir is removed and nothing is published."""
+    into, `marker` last; once the block has ended on every rank, rank 0 moves it into place (publish_dir). Rank 0
+    holds the lock `.<name>.lock` beside `out` meanwhile (unless this command's launcher holds it) and first removes
+    the temp dirs that runs killed -9 left. On an error the temp dir is removed and nothing is published."""
     from .distributed import barrier, broadcast, is_main  # here: the CLI checks paths with this module before torch
     if not is_main():
         yield broadcast(None)
@@ -55,7 +69,7 @@ def staging(out: Path):
         tmp.mkdir(parents=True)
         yield broadcast(tmp)
         barrier()  # every rank's files are written (and checked)
-        publish_dir(tmp, out)
+        publish_dir(tmp, out, marker)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if own_lock:

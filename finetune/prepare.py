@@ -61,7 +61,7 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
                         trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
     directory = local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
-    with staging(out) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
+    with staging(out, MANIFEST) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
         sd = get_model_state_dict(model)
         dcp.save({"model": sd}, checkpoint_id=str(tmp / "weights"))
         if is_main():

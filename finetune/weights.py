@@ -5,7 +5,8 @@
 - safetensors: a u64 header length, a JSON header ({name: dtype, shape, data_offsets}) and the raw little-endian
   data, each tensor row-major, so a run of dim-0 rows is one contiguous byte range (`read_rows`: one pread, no mmap).
 - Sources, each {name: metadata} plus name -> one full tensor: a DCP dir, an HF dir's safetensors, the live model.
-- The architecture fingerprint a checkpoint or prepared dir records, and how a config differs from it.
+- The architecture fingerprint a checkpoint or prepared dir records, and how a config differs from it; the weights'
+  fingerprint (`fingerprint`) a LoRA checkpoint records of its base.
 Imports nothing of ours but errors.
 """
 from __future__ import annotations
@@ -133,13 +134,20 @@ def local_dir(path: str) -> Path:
     return Path(snapshot_download(path, allow_patterns=patterns, local_files_only=True))
 
 
-def fingerprint(directory: Path) -> str:
-    """sha256 of config.json and the weight files' names and sizes (hashing the weights themselves takes minutes)."""
+def fingerprint(directory: Path, num_reads: int = 64) -> str:
+    """sha256 of the weight files' names and sizes and of `num_reads` reads of 4 KiB spread over each file: another
+    model of the same architecture (a fine-tune, another download or seed at the same path) has the same names and
+    sizes but other bytes there. ~256 KiB read per file (<1 s for a 70B model) where hashing every byte of the
+    weights takes minutes; only a change confined to bytes between the reads (one tensor of many) goes unseen."""
     h = hashlib.sha256()
-    h.update((directory / "config.json").read_bytes())
     for f in sorted(directory.rglob("*")):
         if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name in (".metadata", INDEX)):
-            h.update(f"{f.relative_to(directory)}:{f.stat().st_size}\n".encode())
+            size = f.stat().st_size
+            h.update(f"{f.relative_to(directory)}:{size}\n".encode())
+            with open(f, "rb") as file:
+                for i in range(num_reads):
+                    file.seek(size * i // num_reads)
+                    h.update(file.read(4096))
     return "sha256:" + h.hexdigest()
 
 

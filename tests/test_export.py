@@ -181,6 +181,22 @@ def test_bad_export_input_is_one_line_and_writes_nothing(case, expect, llama_run
     assert (not out.exists()) if case != "occupied" else [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
+def test_a_re_export_keeps_what_the_user_added_and_replaces_our_own_files(llama_run, tmp_path):
+    out = tmp_path / "hf"
+    export(llama_run, out, max_shard_size="100KB")  # sharded: model-0000i-of-0000N.safetensors + index
+    assert (out / "model.safetensors.index.json").is_file()
+    (out / "README.md").write_text("# my model card")
+    (out / "extra").mkdir()
+    (out / "extra" / "notes.txt").write_text("mine")
+    (out / "config.json").write_text("{}")  # ours: replaced
+    printed = export(llama_run, out)  # one model.safetensors now: the earlier shards and index were ours too
+    assert f"{out}: kept what was added there since it was written (README.md, extra)" in printed
+    assert (out / "README.md").read_text() == "# my model card" and (out / "extra" / "notes.txt").read_text() == "mine"
+    assert not list(out.glob("model-*")) and not (out / "model.safetensors.index.json").exists()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no lock file, temp or old dir left beside it
+
+
 def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
     from finetune.checkpoint import CheckpointError
     from finetune.config import ConfigError

@@ -2,6 +2,7 @@
 bytes, interrupted exports, Ctrl-C. Library functions are tested in-process; the CLI only where it is the point."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -168,6 +169,26 @@ def test_lock_names_its_holder_and_dies_with_it(tmp_path):
     holder.wait()
     hold_lock(lock, "out")
     release_lock(lock)
+
+
+def test_a_released_lock_leaves_no_file_and_a_lock_on_a_removed_file_is_taken_again(tmp_path, monkeypatch):
+    lock = tmp_path / ".hf.lock"
+    hold_lock(lock, "hf")
+    release_lock(lock)
+    assert not lock.exists()  # no .<name>.lock files pile up beside export dirs
+    real, fds = fcntl.flock, []
+
+    def flock(fd, op):  # between our open and flock, the holder removed the file on release; another made it anew
+        if not fds:
+            lock.unlink()
+            lock.touch()
+        fds.append(fd)
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    hold_lock(lock, "hf")  # the first flock holds the removed file, which locks nothing: it takes the new one
+    assert len(fds) == 2 and os.path.samestat(os.fstat(fds[1]), os.stat(lock))
+    release_lock(lock)
+    assert not lock.exists()
 
 
 def test_export_locks_its_output_dir(run_dir, tmp_path):

@@ -161,6 +161,32 @@ def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_t
     assert not (tmp_path / "other").exists()
 
 
+def test_a_base_with_other_weights_at_the_recorded_path_is_refused_by_export_and_resume(llama_dir, chat_file,
+                                                                                          tmp_path, capsys):
+    from conftest import make_model_dir
+    from finetune.checkpoint import CheckpointError
+    from finetune.export import export_hf
+    base, run = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(llama_dir, base)
+    sft(base, chat_file, run, "train.max_steps=3")
+    make_model_dir(base, "llama3", "llama", tied=False, seed=1)  # re-downloaded: same architecture, other weights
+    refused = rf"checkpoint {run}/checkpoints/step-3 trained its LoRA adapters on the base '{base}', and '{base}' " \
+              rf"holds other weights now \(fingerprint sha256:\w+ then, sha256:\w+ now\)"
+    for adapter in (False, True):
+        with pytest.raises(CheckpointError, match=refused):
+            export_hf(str(run), str(tmp_path / "hf"), adapter=adapter)
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(CheckpointError, match=refused):
+        sft(base, chat_file, run, "train.max_steps=6")
+    marker_path = run / "checkpoints" / "step-3" / "finetune_complete.json"
+    marker = json.loads(marker_path.read_text())
+    del marker["lora"]["base_fingerprint"]  # a checkpoint saved before finetune recorded it: a note, not checked
+    marker_path.write_text(json.dumps(marker))
+    capsys.readouterr()
+    export_hf(str(run), str(tmp_path / "hf"), adapter=True)
+    assert "records no fingerprint of its LoRA base (saved by an older finetune)" in capsys.readouterr().out
+
+
 def train_on_prepared_base(llama_dir, tmp_path):
     """On one rank (run_ranks), bf16 mixed precision, base weights from a prepared checkpoint: a few large optimizer
     steps, the checks below, then a checkpoint; returns (prepared dir, step dir)."""
@@ -237,7 +263,9 @@ def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
         load_config(None, {**base, "lora.target_modules": 3})
     cases = [(dict(target_modules=["q_proj", "qkv"]), "lora.target_modules: 'qkv' matches no module of"),
              (dict(target_modules=[]), "lora.target_modules must be"),
-             (dict(modules_to_save=["lm_heads"]), "lora.modules_to_save: 'lm_heads' matches no module of")]
+             (dict(modules_to_save=["lm_heads"]), "lora.modules_to_save: 'lm_heads' matches no module of"),
+             (dict(target_modules=["q_proj", "embed_tokens"]), r"lora.target_modules: 'embed_tokens' names "
+              r"model.embed_tokens \(Embedding\), not a Linear layer: .*\(lora.modules_to_save=\['embed_tokens'\]")]
     for kwargs, expect in cases:
         skeleton = build_skeleton(load_hf_config(str(llama_dir)))
         settings = {**dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[]), **kwargs}
