@@ -1,0 +1,88 @@
+"""CPU step time of `finetune dpo` vs TRL's DPOTrainer: the same tiny model (examples/tiny-llama, fp32), the same pairs
+(examples/data/tiny_prefs.jsonl), the same pairs per step (unpacked: one pair per sample, padded like TRL), reference
+log-probs precomputed in both (so a step is one policy forward and backward), one thread each. Fresh processes,
+alternating ours / TRL, `--rounds` times; each reports the median of its timed steps; we print the median over the
+rounds with the min-max spread.
+
+    uv run python benchmarks/dpo_vs_trl.py --rounds 5 --steps 20 --pairs 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL, DATA = REPO / "examples" / "tiny-llama", REPO / "examples" / "data" / "tiny_prefs.jsonl"
+
+
+def ours(pairs: int, steps: int, warmup: int) -> list[float]:
+    from finetune.bench import run_point
+    from finetune.config import load_config
+    cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
+                             "data.packing": False, "data.max_seq_len": 256, "train.micro_batch_size": pairs,
+                             "train.mixed_precision": "fp32", "eval.path": "", "dpo.reference": "precomputed"})
+    return run_point(cfg, steps, warmup)["step_times_s"][warmup:]
+
+
+def trl(pairs: int, steps: int, warmup: int) -> list[float]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:pairs * (steps + warmup)]]
+    rows = [{**r, **{k: [{"role": "assistant", "content": r[k]}] for k in ("chosen", "rejected")}} for r in rows]
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.t0)
+
+    args = DPOConfig(output_dir="/tmp/dpo-bench-trl", beta=0.1, per_device_train_batch_size=pairs,
+                     max_steps=steps + warmup, learning_rate=1e-3, lr_scheduler_type="constant", report_to=[],
+                     use_cpu=True, bf16=False, max_length=256, precompute_ref_log_probs=True, logging_steps=10**6,
+                     save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=AutoTokenizer.from_pretrained(MODEL), callbacks=[Timer()])
+    trainer.train()
+    return times[warmup:]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=16, help="pairs per optimizer step")
+    ap.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps({"ours": ours, "trl": trl}[a.child](a.pairs, a.steps, a.warmup)))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+    medians = {"ours": [], "trl": []}
+    for r in range(a.rounds):
+        for who in ("ours", "trl"):
+            out = subprocess.run([sys.executable, __file__, "--child", who, "--pairs", str(a.pairs), "--steps",
+                                  str(a.steps), "--warmup", str(a.warmup)], env=env, capture_output=True, text=True,
+                                 check=True, cwd=REPO).stdout
+            medians[who].append(statistics.median(json.loads(out.strip().splitlines()[-1])))
+            print(f"round {r}: {who} {medians[who][-1] * 1e3:.1f} ms/step", flush=True)
+    for who, m in medians.items():
+        print(f"{who}: median {statistics.median(m) * 1e3:.1f} ms/step (min {min(m) * 1e3:.1f}, max "
+              f"{max(m) * 1e3:.1f}) over {a.rounds} processes; {a.pairs} pairs/step")
+    print(f"ours / trl: {statistics.median(medians['ours']) / statistics.median(medians['trl']):.2f}")
+
+
+if __name__ == "__main__":
+    main()
