@@ -21,12 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL, DATA = REPO / "examples" / "tiny-llama", REPO / "examples" / "data" / "tiny_prefs.jsonl"
 
 
-def ours(pairs: int, steps: int, warmup: int) -> list[float]:
+def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]:
     from finetune.bench import run_point
     from finetune.config import load_config
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
                              "data.packing": False, "data.max_seq_len": 256, "train.micro_batch_size": pairs,
-                             "train.mixed_precision": "fp32", "eval.path": "", "dpo.reference": "precomputed"})
+                             "train.mixed_precision": "fp32", "eval.path": "", "dpo.reference": "precomputed",
+                             "model.attn_implementation": attn})
     return run_point(cfg, steps, warmup)["step_times_s"][warmup:]
 
 
@@ -57,22 +58,27 @@ def trl(pairs: int, steps: int, warmup: int) -> list[float]:
     return times[warmup:]
 
 
+# ours: attention "auto" (on CPU one sdpa call per sample: packed boundaries kept); ours-sdpa: one batched sdpa call
+# with the block-diagonal mask transformers builds from the position_ids restarts
+SYSTEMS = {"ours": ours, "ours-sdpa": lambda *a: ours(*a, attn="sdpa"), "trl": trl}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=16, help="pairs per optimizer step")
-    ap.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps({"ours": ours, "trl": trl}[a.child](a.pairs, a.steps, a.warmup)))
+        print(json.dumps(SYSTEMS[a.child](a.pairs, a.steps, a.warmup)))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
-    medians = {"ours": [], "trl": []}
+    medians = {who: [] for who in SYSTEMS}
     for r in range(a.rounds):
-        for who in ("ours", "trl"):
+        for who in SYSTEMS:
             out = subprocess.run([sys.executable, __file__, "--child", who, "--pairs", str(a.pairs), "--steps",
                                   str(a.steps), "--warmup", str(a.warmup)], env=env, capture_output=True, text=True,
                                  check=True, cwd=REPO).stdout
@@ -81,7 +87,8 @@ def main():
     for who, m in medians.items():
         print(f"{who}: median {statistics.median(m) * 1e3:.1f} ms/step (min {min(m) * 1e3:.1f}, max "
               f"{max(m) * 1e3:.1f}) over {a.rounds} processes; {a.pairs} pairs/step")
-    print(f"ours / trl: {statistics.median(medians['ours']) / statistics.median(medians['trl']):.2f}")
+    for who in ("ours", "ours-sdpa"):
+        print(f"{who} / trl: {statistics.median(medians[who]) / statistics.median(medians['trl']):.2f}")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
     dc = cfg.data
     sources = open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split,
                            name=dc.name or None, streaming=dc.streaming)
-    for src in sources:  # sft trains conversations, dpo preference pairs
+    sources += open_sources(cfg.eval.path) if cfg.eval.path else []  # checked now, not when training ends
+    for src in sources:  # sft trains (and evaluates) conversations, dpo preference pairs
         if (src.fmt == "pairs") != (task == "dpo"):
             raise ConfigError(f"{src.spec['path']}: " + ("preference pairs (columns 'chosen' and 'rejected'): train "
                               "them with `finetune dpo`" if task == "sft" else "`finetune dpo` needs preference "
@@ -126,8 +127,6 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
     if task == "dpo":
         from .dpo import reference_kind
         reference_kind(cfg)
-    if cfg.eval.path:  # checked now, not when training ends
-        open_sources(cfg.eval.path)
     step = read_marker(resume)["step"] if resume is not None else 0
     if step >= cfg.train.max_steps:
         return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "

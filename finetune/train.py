@@ -151,13 +151,10 @@ def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir
     """`finetune dpo`'s (loss_fn, collate, held-out evaluation or None): see dpo.py."""
     reference, pad = dpo.reference_kind(cfg), tokenizer.pad_token_id
     held_out = None
-    if cfg.eval.path:  # every rank all of the first eval.num_samples pairs, unpacked
+    if cfg.eval.path:  # every rank all of the first eval.num_samples pairs (preflight: pairs), unpacked
         held_out = build_samples(cfg.eval.path, tokenizer, max_seq_len=cfg.data.max_seq_len, shuffle=False,
                                  on_unsupported=cfg.data.on_unsupported, epoch_limit=1,
                                  chat_template_kwargs=cfg.data.chat_template_kwargs)
-        if held_out.sources[0].fmt != "pairs":
-            raise ConfigError(f"eval.path {cfg.eval.path}: `finetune dpo` evaluates preference pairs (columns "
-                              f"'chosen' and 'rejected')")
     num_held_out = min(cfg.eval.num_samples, held_out.num_samples) if held_out else 0
     tables = {"train": None, "eval": None}
     if reference == "precomputed":

@@ -182,3 +182,24 @@ def test_sft_and_dpo_refuse_each_others_data(llama_dir, pairs_file, chat_file, t
     assert result.exit_code == 2 and "finetune dpo" in result.stderr
     result = invoke("dpo", "--model", llama_dir, "--dataset", chat_file, "-o", tmp_path / "b", *BASE)
     assert result.exit_code == 2 and "'chosen' and 'rejected'" in result.stderr
+
+
+def test_losses_and_rewards_follow_their_formulas(monkeypatch):
+    """sigmoid with label smoothing against the precomputed reference; SimPO on mean log-probs with its margin."""
+    import torch.nn.functional as F
+
+    from finetune import dpo
+    from finetune.config import DPOConfig
+    logps = torch.tensor([[-3.0, -5.0], [-4.0, -2.0]])
+    monkeypatch.setattr(dpo, "pair_logps", lambda model, batch: logps)
+    batch = {"ref_logps": torch.tensor([[-3.5, -4.0], [-4.0, -2.5]], dtype=torch.float64),
+             "seq_tokens": torch.tensor([[2.0, 4.0], [1.0, 2.0]], dtype=torch.float64)}
+    loss, stats = dpo.make_loss(DPOConfig(beta=0.5, label_smoothing=0.1), "precomputed")(None, batch)
+    rewards = 0.5 * (logps - batch["ref_logps"].float())
+    z = rewards[:, 0] - rewards[:, 1]
+    assert loss.item() == pytest.approx((-0.9 * F.logsigmoid(z) - 0.1 * F.logsigmoid(-z)).sum().item())
+    assert stats.tolist() == pytest.approx([2, rewards[:, 0].sum().item(), rewards[:, 1].sum().item(), 1])
+    loss, stats = dpo.make_loss(DPOConfig(loss="simpo", beta=2.0, simpo_gamma=0.5), None)(None, batch)
+    mean = logps / batch["seq_tokens"].float()
+    assert loss.item() == pytest.approx(-F.logsigmoid(2 * (mean[:, 0] - mean[:, 1]) - 0.5).sum().item())
+    assert stats.tolist() == pytest.approx([2, 2 * (-1.5 - 4), 2 * (-1.25 - 1), 0])  # mean log-probs x beta
