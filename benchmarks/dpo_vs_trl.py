@@ -22,13 +22,32 @@ MODEL, DATA = REPO / "examples" / "tiny-llama", REPO / "examples" / "data" / "ti
 
 
 def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]:
-    from finetune.bench import run_point
+    """train.py's step as `finetune dpo` runs it (batches padded to their longest, not bench's max_seq_len);
+    the reference log-probs are read from a table (zeros here: a precomputed reference costs no compute per step)."""
+    from collections import defaultdict
+    from functools import partial
+
     from finetune.config import load_config
+    from finetune.distributed import init_distributed
+    from finetune.dpo import collate_pairs, make_loss
+    from finetune.train import build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer, \
+        train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
                              "data.packing": False, "data.max_seq_len": 256, "train.micro_batch_size": pairs,
-                             "train.mixed_precision": "fp32", "eval.path": "", "dpo.reference": "precomputed",
-                             "model.attn_implementation": attn})
-    return run_point(cfg, steps, warmup)["step_times_s"][warmup:]
+                             "train.mixed_precision": "fp32", "eval.path": "", "model.attn_implementation": attn})
+    device, dims = init_distributed(1, 0)
+    tok, _ = run_tokenizer(cfg)
+    model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
+    samples, loss_fn = iter(build_run_samples(cfg, tok)), make_loss(cfg.dpo, "precomputed")
+    collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))
+    times = []
+    for _ in range(warmup + steps):  # the batch is made before the clock starts, as Trainer's is
+        micro_batches, num_input_tokens = next_micro_batches(samples, pairs, 1, tok.pad_token_id, None, collate)
+        t0 = time.perf_counter()
+        train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens, max_grad_norm=1.0,
+                   loss_fn=loss_fn)
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
 
 
 def trl(pairs: int, steps: int, warmup: int) -> list[float]:
