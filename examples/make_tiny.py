@@ -4,6 +4,7 @@ Writes (deterministically, byte-identical on every run):
 
 * ``examples/data/tiny_chat.jsonl``       synthetic chat conversations (train)
 * ``examples/data/tiny_chat_eval.jsonl``  held-out single-question conversations
+* ``examples/data/tiny_prefs.jsonl``, ``tiny_prefs_eval.jsonl``  preference pairs (correct vs corrupted last answer)
 * ``examples/tiny-llama/``                a randomly initialised Llama model (bf16)
   with a byte-level BPE tokenizer trained on the training data and a
   Llama-3 style chat template.
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -35,6 +37,7 @@ SEED = 1234
 
 N_TRAIN = 4000
 N_EVAL = 160
+N_PAIRS = 2000  # preference pairs (tiny_prefs.jsonl) from the first training conversations
 
 BOS = "<|begin_of_text|>"
 EOT_TEXT = "<|end_of_text|>"
@@ -275,6 +278,29 @@ def make_data() -> tuple[list[dict], list[dict]]:
     return train_rows, eval_rows
 
 
+def _corrupt(r: random.Random, answer: str) -> str:
+    """A wrong answer of the same kind: a nearby number, else the word's letters shuffled (or another word)."""
+    num = re.search(r"\d+", answer)
+    if num:
+        n = int(num.group())
+        wrong = r.choice([m for m in (n - 2, n - 1, n + 1, n + 2, n * 10) if m >= 0 and m != n])
+        return answer[: num.start()] + str(wrong) + answer[num.end():]
+    letters = list(answer)
+    for _ in range(10):
+        r.shuffle(letters)
+        if "".join(letters) != answer:
+            return "".join(letters)
+    return r.choice([w for w in WORDS if w != answer])
+
+
+def make_pairs(rows: list[dict], seed: int) -> list[dict]:
+    """Preference pairs for `finetune dpo`: the prompt (the conversation before its last answer), the correct last
+    answer (chosen) and a corrupted one (rejected)."""
+    r = random.Random(seed)
+    return [{"prompt": row["messages"][:-1], "chosen": row["messages"][-1]["content"],
+             "rejected": _corrupt(r, row["messages"][-1]["content"])} for row in rows]
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -381,6 +407,8 @@ def main() -> None:
     train_rows, eval_rows = make_data()
     write_jsonl(train_rows, out / "data" / "tiny_chat.jsonl")
     write_jsonl(eval_rows, out / "data" / "tiny_chat_eval.jsonl")
+    write_jsonl(make_pairs(train_rows[:N_PAIRS], SEED + 1), out / "data" / "tiny_prefs.jsonl")
+    write_jsonl(make_pairs(eval_rows, SEED + 2), out / "data" / "tiny_prefs_eval.jsonl")
 
     model_dir = out / "tiny-llama"
     if model_dir.exists():  # drop stale files (e.g. a chat_template.jinja that would shadow the config's template)

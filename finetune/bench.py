@@ -12,6 +12,8 @@ import json
 import statistics
 import time
 import traceback
+from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,11 +43,11 @@ def default_budget_mb() -> float:
 
 # ----------------------------------------------------------------------------------------------- one point
 
-def saved_for_backward_mb(model, batch: dict) -> float:
+def saved_for_backward_mb(model, batch: dict, loss_fn=None) -> float:
     """MB that one forward keeps for backward (count_saved), the loss as train_step computes it."""
     from .loss import token_loss_sum
     with count_saved(model) as storages:
-        loss = token_loss_sum(model, batch)
+        loss = token_loss_sum(model, batch) if loss_fn is None else loss_fn(model, batch)[0]
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
     storages.clear()
     loss.backward()  # completes FSDP's backward state before the process ends
@@ -64,9 +66,14 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     torch.manual_seed(tc.seed)
     tok, _ = run_tokenizer(cfg)
     model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
-    samples = iter(build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size))
+    stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size)
+    samples, loss_fn, collate = iter(stream), None, None
+    if stream.sources[0].fmt == "pairs":  # dpo's step (a precomputed reference is read, not timed: zeros here)
+        from .dpo import collate_pairs, make_loss, reference_kind
+        loss_fn = make_loss(cfg.dpo, reference_kind(cfg))
+        collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
-                                     dc.max_seq_len) for _ in range(warmup + steps)]
+                                     dc.max_seq_len, collate) for _ in range(warmup + steps)]
     steps_data = [([{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in mbs], n)
                   for mbs, n in steps_data]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -75,7 +82,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
         sync()
         t0 = time.perf_counter()
         results.append(train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
-                                  max_grad_norm=tc.max_grad_norm)[0])
+                                  max_grad_norm=tc.max_grad_norm, loss_fn=loss_fn)[0])
         sync()
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times[warmup:])
@@ -98,7 +105,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     result["saved_eager"] = resolve_auto(cfg.model.liger, cfg.model.compile, device.type == "cuda")[1] and bool(
         result["ac_blocks"])
     with torch.compiler.set_stance("force_eager" if result["saved_eager"] else "default"):
-        result["saved_mb"] = saved_for_backward_mb(model, steps_data[0][0][0])
+        result["saved_mb"] = saved_for_backward_mb(model, steps_data[0][0][0], loss_fn)
     return result
 
 

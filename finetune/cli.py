@@ -1,5 +1,5 @@
-"""The `finetune` command: sft, preview-data, prepare-checkpoint, export-hf, bench, plan; launches ranks (torchrun's
-engine).
+"""The `finetune` command: sft, dpo, preview-data, prepare-checkpoint, export-hf, bench, plan; launches ranks
+(torchrun's engine).
 
 Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import List, NoReturn, Optional
 
 import typer
 
-from .config import (Config, ConfigError, check_parallel, export_dtype_name, load_config, parse_shard_size,
-                     parse_value)
+from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, load_config,
+                     parse_shard_size, parse_value)
 from .launch import guarded, launch, set_threads
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 from .outdir import check_writable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Fine-tune Hugging Face causal LMs with FSDP2: sft, preview-data, prepare-checkpoint, "
+                  help="Fine-tune Hugging Face causal LMs with FSDP2: sft, dpo, preview-data, prepare-checkpoint, "
                        "export-hf, bench, plan.")
 
 
@@ -101,7 +101,7 @@ def check_flag(flag: str, ok: bool, rule: str, value) -> None:
         raise ConfigError(f"{flag} must be {rule}, got {value}")
 
 
-def preflight(cfg: Config) -> str | None:
+def preflight(cfg: Config, task: str = "sft") -> str | None:
     """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
     (intact, same architecture, a LoRA one on its base), readable data and eval set. Returns why there is nothing
     to do, if so."""
@@ -122,10 +122,17 @@ def preflight(cfg: Config) -> str | None:
         if lora and cfg.lora.rank and "base_fingerprint" in lora and Path(cfg.model.path).is_dir():
             check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
     dc = cfg.data
-    open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split, name=dc.name or None,
-                 streaming=dc.streaming)
-    if cfg.eval.path:  # checked now, not when training ends
-        open_sources(cfg.eval.path)
+    sources = open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split,
+                           name=dc.name or None, streaming=dc.streaming)
+    sources += open_sources(cfg.eval.path) if cfg.eval.path else []  # checked now, not when training ends
+    for src in sources:  # sft trains (and evaluates) conversations, dpo preference pairs
+        if (src.fmt == "pairs") != (task == "dpo"):
+            raise ConfigError(f"{src.spec['path']}: " + ("preference pairs (columns 'chosen' and 'rejected'): train "
+                              "them with `finetune dpo`" if task == "sft" else "`finetune dpo` needs preference "
+                              "pairs: columns 'chosen' and 'rejected' (and optionally 'prompt')"))
+    if task == "dpo":
+        from .dpo import reference_kind
+        reference_kind(cfg)
     step = read_marker(resume)["step"] if resume is not None else 0
     if step >= cfg.train.max_steps:
         return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
@@ -133,17 +140,35 @@ def preflight(cfg: Config) -> str | None:
     return None
 
 
-@app.command()
-def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
-        dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT, nproc_per_node: int = NPROC,
-        nnodes: int = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)"),
-        rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet "
-                                          "(c10d rendezvous; on the first node); needed with --nnodes > 1"),
-        no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist (they "
-                                       "are kept beside, as checkpoints.N)"),
-        resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint dir"),
-        debug: bool = DEBUG):
-    """Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, on CPU)."""
+DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
+
+
+def train_command(task: str):
+    """The `sft` or `dpo` command: the same flags, presets, output dir, lock and launch; train.train(cfg, task)."""
+    def command(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
+                model: Optional[str] = MODEL, dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT,
+                nproc_per_node: int = NPROC,
+                nnodes: int = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per "
+                                           "node)"),
+                rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers "
+                                                  "meet (c10d rendezvous; on the first node); needed with --nnodes "
+                                                  "> 1"),
+                no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist "
+                                               "(they are kept beside, as checkpoints.N)"),
+                resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint "
+                                                          "dir"),
+                debug: bool = DEBUG):
+        run_training(task, overrides, config if config or task == "sft" else DPO_PRESET, model, dataset, output_dir,
+                     nproc_per_node, nnodes, rdzv_endpoint, no_resume, resume_from, debug)
+    command.__doc__ = {"sft": "Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat "
+                              "data, on CPU).",
+                       "dpo": "Preference tuning, DPO or SimPO (dpo.*), on sft's loop (with no arguments: the "
+                              "embedded tiny model on the bundled preference pairs, on CPU)."}[task]
+    return command
+
+
+def run_training(task, overrides, config, model, dataset, output_dir, nproc_per_node, nnodes, rdzv_endpoint,
+                 no_resume, resume_from, debug):
     def prepare():
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir) is made
         check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
@@ -160,13 +185,13 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
             return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
         check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
         if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
-            print(f"sft: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
+            print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
         # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
         locks = nnodes == 1 or "RANK" in os.environ
         if locks and lock.parent.is_dir():  # at once if another run may own it (exit 2); no new dir before preflight
             hold_run_lock(lock, f"output dir {cfg.output_dir}")
         try:
-            nothing_to_do = preflight(cfg)
+            nothing_to_do = preflight(cfg, task)
         except BaseException:
             release_lock(lock)
             raise
@@ -183,12 +208,15 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         root = Path(cfg.output_dir) / "checkpoints"
         before = latest_complete(root, report=False) if cfg.checkpoint.resume else None  # else moved aside
         from .train import train
-        launch(train, (cfg,), nproc_per_node, debug, on_signal=lambda: latest_complete(root, report=False) != before,
-               nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
+        launch(train, (cfg, task), nproc_per_node, debug,
+               on_signal=lambda: latest_complete(root, report=False) != before, nnodes=nnodes,
+               rdzv_endpoint=rdzv_endpoint)
     finally:
         release_lock(lock)
 
 
+app.command("sft")(train_command("sft"))
+app.command("dpo")(train_command("dpo"))
 SPLIT_WHY = {"history": "the full conversation renders this turn differently",
              "context": "the full conversation renders what precedes it differently"}
 

@@ -43,7 +43,7 @@ class SourceConfig:  # one entry of data.sources: [[data.sources]] tables in TOM
     path: str = ""  # as data.path
     split: str = "train"  # as data.split
     name: str = ""  # as data.name
-    format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"  # as data.format
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "pairs"] = "auto"  # as data.format
     weight: float = 0.0  # share of an epoch's samples: the weighted sources share the samples they hold together
     samples: int = 0  # or: this many samples an epoch (the source repeated, or a fixed part of it)
     epochs: float = 0.0  # or: this many passes over the source an epoch (0.5: a fixed half); none of the 3 set: 1
@@ -55,7 +55,7 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture instead of path; one epoch interleaves them
     split: str = "train"  # dataset split when loading from the hub or a dataset dir
     name: str = ""  # dataset config name on the hub ("" = default)
-    format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"  # row format; auto detects from columns
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "pairs"] = "auto"  # row format; auto detects from columns
     streaming: bool = False  # stream rows instead of loading them (file order, no shuffle)
     max_seq_len: int = 2048  # truncate samples (keeping the head) / pack to this many tokens
     packing: bool = True  # best-fit samples into rows of <= max_seq_len tokens (position_ids restart per sample)
@@ -133,6 +133,17 @@ class LogConfig:
 
 
 @dataclass
+class DPOConfig:  # `finetune dpo` (finetune/dpo.py)
+    loss: Literal["sigmoid", "simpo"] = "sigmoid"  # DPO's sigmoid loss, or SimPO (reference-free, length-normalised)
+    beta: float = 0.1  # scale of the log-prob ratios (SimPO: of the mean log-probs; its paper uses ~2)
+    label_smoothing: float = 0.0  # sigmoid: the chance a label is flipped (conservative DPO)
+    simpo_gamma: float = 0.5  # SimPO's target margin
+    # sigmoid's reference: auto = "adapters" with LoRA (the base: adapters off), else "precomputed" (the initial
+    # model's log-probs, one pass before training, kept in <output_dir>/ref_logps.pt and reused on resume)
+    reference: Literal["auto", "adapters", "precomputed"] = "auto"
+
+
+@dataclass
 class Config:
     output_dir: str = "outputs/run"  # metrics.jsonl, config.toml, checkpoints/
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -143,6 +154,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -289,6 +301,8 @@ def validate(cfg: Config) -> None:
         ("data.max_seq_len", d.max_seq_len > 0, "> 0"),
         ("lora.rank", cfg.lora.rank >= 0, ">= 0 (0 = off)"),
         ("lora.alpha", cfg.lora.alpha > 0, "> 0"),
+        ("dpo.beta", cfg.dpo.beta > 0, "> 0"),
+        ("dpo.label_smoothing", 0 <= cfg.dpo.label_smoothing < 0.5, "in [0, 0.5)"),
         ("lora.dropout", 0 <= cfg.lora.dropout < 1, "in [0, 1)"),
         ("data.num_proc", d.num_proc > 0, "> 0"),
         ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),

@@ -9,7 +9,7 @@ gather the root unit: final norm, tied embeddings) with the decoder's last hidde
 before lm_head, and returns the SUM over the N targets of the fp32 cross-entropy, a 0-dim tensor. What a model does
 to its logits after lm_head (soft-capping, logit scales) applies to the kept rows as it would to all. A model
 patched with Liger's fused linear cross-entropy computes it on the kept rows, without materialising their logits.
-Peak memory of the loss grows with N, not with B x S. (DPO-style losses can reuse the gather with per-sample sums.)
+Peak memory of the loss grows with N, not with B x S. (dpo.py sums its per-target losses per sequence.)
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def is_fused(model) -> bool:
     return getattr(getattr(model, "forward", None), "__module__", "").startswith("liger_kernel")
 
 
-def token_loss_sum(model, batch: dict) -> torch.Tensor:
-    """Sum of the cross-entropy over the batch's label targets (see the module docstring)."""
+def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
+    """Sum of the cross-entropy over the batch's label targets (see the module docstring); reduction="none": each
+    target's (N,), unfused (dpo.py sums them per sequence)."""
     index, targets = batch["label_index"], batch["label_targets"]
 
     def keep_labelled(module, args, output):  # the decoder's output, before the final projection
@@ -48,7 +49,7 @@ def token_loss_sum(model, batch: dict) -> torch.Tensor:
         return output
 
     inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
-    fused = is_fused(model)
+    fused = is_fused(model) and reduction == "sum"
     if fused:  # Liger reads shift_labels as given (num_items_in_batch: a sum, not a mean)
         one = torch.ones((), device=targets.device)
         inputs.update(labels=targets[None], shift_labels=targets[None], num_items_in_batch=one)
@@ -60,4 +61,4 @@ def token_loss_sum(model, batch: dict) -> torch.Tensor:
     if fused:
         return out.loss
     # flatten (a view), not [0]: a select's backward zero-fills a tensor of all the logits
-    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets, reduction="sum")
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets, reduction=reduction)

@@ -5,12 +5,13 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from . import checkpoint as ckpt
-from . import faults
+from . import dpo, faults
 from .config import Config, ConfigError, resume_note, to_toml
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, pad_collate, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
@@ -29,13 +30,17 @@ class NonFiniteError(FinetuneError):
     exit_code = 1
 
 
-def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None):
+def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
+                       collate=None):
     """This rank's micro-batches for one optimizer step (model inputs, sample boundaries, label targets: see
-    collate.pad_collate and loss.label_targets); and their number of real tokens."""
+    collate.pad_collate and loss.label_targets; or what `collate` makes of the items); and their real tokens."""
     batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
         items = [next(samples) for _ in range(micro_batch_size)]
         num_input_tokens += sum(len(x["input_ids"]) for x in items)
+        if collate is not None:
+            batches.append(collate(items, pad_id, pad_to))
+            continue
         batch = pad_collate(items, pad_id=pad_id, pad_to=pad_to)
         batch.update(label_targets(batch.pop("labels"), batch["position_ids"]))
         batches.append(batch)
@@ -56,12 +61,13 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
     return rows // (micro_batch_size * num_ranks)
 
 
-# what train_step returns, one float64 device tensor per step: index of each value
+# what train_step returns, one float64 device tensor per step: index of each value (then a loss_fn's means)
 LOSS, GRAD_NORM, NUM_TOKENS, NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS = range(6)
+DPO_KEYS = ("rewards_chosen", "rewards_rejected", "accuracy")  # the means dpo's loss_fn adds
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
-               skip_nonfinite: bool = False, stop: bool = False) -> tuple[torch.Tensor, bool]:
+               skip_nonfinite: bool = False, stop: bool = False, loss_fn=None) -> tuple[torch.Tensor, bool]:
     """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run).
 
     Forward/backward each micro-batch on the summed token losses (gradient sync on the last), then ONE all_reduce
@@ -70,29 +76,37 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     global batch, whatever the split into ranks and micro-batches. Then clip and step. Returns ([loss, grad_norm,
     label tokens, input tokens, stop, computed tokens] as one float64 tensor on the device, never read here, and
     whether the update was skipped).
-    `skip_nonfinite` (nan_policy "skip") reads loss and grad norm on the host to skip a non-finite update."""
+    `skip_nonfinite` (nan_policy "skip") reads loss and grad norm on the host to skip a non-finite update.
+    `loss_fn(model, batch)` (dpo) -> (loss sum, float64 [count, sums...]): the loss is normalised by the global
+    count instead, and the sums' global means follow the values above."""
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    sums = torch.zeros(0, device=device, dtype=torch.float64)  # loss_fn's [count, sums...] over the micro-batches
     num_tokens = sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         model.set_requires_gradient_sync(last)
         model.set_is_last_backward(last)
         batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        loss = token_loss_sum(model, batch)
+        if loss_fn is None:
+            loss = token_loss_sum(model, batch)
+        else:
+            loss, more = loss_fn(model, batch)
+            sums = more if not sums.numel() else sums + more
         loss.backward()
         loss_sum += loss.detach().double()
     # host-to-device copies with non_blocking: no wait for the GPU here (a blocking copy would be a sync)
     num_computed = sum(b["input_ids"].numel() for b in micro_batches)
     counts = torch.tensor([num_tokens, num_input_tokens, float(stop), num_computed], dtype=torch.float64)
     counts = counts.to(device, non_blocking=True)
-    stats = torch.cat([counts[:1], loss_sum[None], counts[1:]])
+    stats = torch.cat([counts[:1], loss_sum[None], counts[1:], sums])
     all_reduce(stats)
+    count = (stats[5] if sums.numel() else stats[0]).clamp(min=1)  # label tokens, or loss_fn's count (pairs)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    torch._foreach_mul_(grads, (1 / stats[0].clamp(min=1)).float())
+    torch._foreach_mul_(grads, (1 / count).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
     # [LOSS, GRAD_NORM, NUM_TOKENS], then stats[2:] as they are: NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS
-    result = torch.cat([torch.stack([stats[1] / stats[0].clamp(min=1), grad_norm.double(), stats[0]]), stats[2:]])
+    result = torch.cat([torch.stack([stats[1] / count, grad_norm.double(), stats[0]]), stats[2:5], stats[6:] / count])
     skipped = skip_nonfinite and not bool(torch.isfinite(result[:2]).all())
     if not skipped:
         optimizer.step()
@@ -133,8 +147,33 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
 
 
-def train(cfg: Config) -> dict:
-    """Run SFT as configured; returns the final metrics record (rank 0) and held-out results."""
+def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir):
+    """`finetune dpo`'s (loss_fn, collate, held-out evaluation or None): see dpo.py."""
+    reference, pad = dpo.reference_kind(cfg), tokenizer.pad_token_id
+    held_out = None
+    if cfg.eval.path:  # every rank all of the first eval.num_samples pairs (preflight: pairs), unpacked
+        held_out = build_samples(cfg.eval.path, tokenizer, max_seq_len=cfg.data.max_seq_len, shuffle=False,
+                                 on_unsupported=cfg.data.on_unsupported, epoch_limit=1,
+                                 chat_template_kwargs=cfg.data.chat_template_kwargs)
+    num_held_out = min(cfg.eval.num_samples, held_out.num_samples) if held_out else 0
+    tables = {"train": None, "eval": None}
+    if reference == "precomputed":
+        tables = dpo.reference_tables(model, build_run_samples(cfg, tokenizer, rank=dims.dp_rank,
+                                                               world_size=dims.dp_size, shuffle=False),
+                                      held_out, num_held_out, cfg.train.micro_batch_size,
+                                      partial(dpo.collate_pairs, pad_id=pad), device, out, resume_dir)
+    loss_fn = dpo.make_loss(cfg.dpo, reference)
+
+    def evaluate_held_out():
+        batches = dpo.pair_batches(iter(held_out), num_held_out, cfg.train.micro_batch_size,
+                                   partial(dpo.collate_pairs, pad_id=pad, table=tables["eval"]))
+        return dpo.evaluate_pairs(model, loss_fn, batches, device, out)
+    return loss_fn, partial(dpo.collate_pairs, table=tables["train"]), evaluate_held_out if held_out else None
+
+
+def train(cfg: Config, task: str = "sft") -> dict:
+    """Run SFT (task "dpo": preference tuning, dpo.py) as configured; returns the final metrics record (rank 0) and
+    held-out results."""
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
@@ -153,8 +192,10 @@ def train(cfg: Config) -> dict:
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
     flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)
+    loss_fn, collate, evaluate_pairs = setup_dpo(cfg, model, tokenizer, dims, device, out, resume_dir) \
+        if task == "dpo" else (None, None, None)
     eval_before = evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs) \
-        if cfg.eval.path and state.step == 0 else None
+        if cfg.eval.path and state.step == 0 and task == "sft" else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
         with open_outputs(cfg, out, state.step, chat_template) as (logger, saver, bar):
@@ -164,10 +205,10 @@ def train(cfg: Config) -> dict:
                 faults.pause_if(step, lambda: signals.name is not None)
                 t0 = time.perf_counter()
                 micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
-                                                                     accum, tokenizer.pad_token_id, pad_to)
+                                                                     accum, tokenizer.pad_token_id, pad_to, collate)
                 result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
                                              max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
-                                             stop=signals.name is not None)
+                                             stop=signals.name is not None, loss_fn=loss_fn)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 state.step, state.samples_seen = step, state.samples_seen + global_batch
@@ -188,7 +229,9 @@ def train(cfg: Config) -> dict:
                 print0(f"data (streamed so far): {describe_counts(samples.counts)}")
         if cfg.checkpoint.export_hf:  # every rank gathers, writes and checks whole files (plan: the final checkpoint)
             export_hf(str(out), str(out / "hf"), live=model)
-        if cfg.eval.path:
+        if evaluate_pairs is not None:
+            record["eval"] = evaluate_pairs()
+        elif cfg.eval.path:
             record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs),
                                          eval_before, out)
     return record
@@ -288,6 +331,9 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
               "tokens_seen": state.tokens_seen}
     if device.type == "cuda":
         record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+    record.update(zip(DPO_KEYS, values[NUM_COMPUTED_TOKENS + 1:]))
+    if "accuracy" in record:
+        record["margin"] = record["rewards_chosen"] - record["rewards_rejected"]
     if peak:
         record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())  # metrics.MFU_CONVENTION
     return record

@@ -191,6 +191,8 @@ def detect_format(columns: list[str], fmt: str = "auto") -> str:
     """'messages' | 'sharegpt' | 'alpaca', detected from the column names (Rows.columns) when fmt == 'auto'."""
     has_conv = "messages" in columns or "conversations" in columns
     has_alpaca = "instruction" in columns and "output" in columns
+    if fmt in ("auto", "pairs") and "chosen" in columns and "rejected" in columns:
+        return "pairs"  # preference pairs (data/pairs.py): `finetune dpo`
     if fmt == "auto":
         if "messages" in columns:
             return "messages"
@@ -201,7 +203,8 @@ def detect_format(columns: list[str], fmt: str = "auto") -> str:
     elif (fmt in ("messages", "sharegpt") and has_conv) or (fmt == "alpaca" and has_alpaca):
         return fmt
     raise DataError(f"cannot use format {fmt!r} with columns {list(columns)}; valid formats: messages (column "
-                    f"'messages'), sharegpt (column 'conversations'), alpaca (columns 'instruction' and 'output')")
+                    f"'messages'), sharegpt (column 'conversations'), alpaca (columns 'instruction' and 'output'), "
+                    f"pairs (columns 'chosen' and 'rejected')")
 
 
 def _text(value, where: str, what: str) -> str:

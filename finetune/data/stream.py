@@ -13,6 +13,7 @@ import torch
 
 from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
+from .pairs import label_pair
 from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _count for left_out)
@@ -112,6 +113,8 @@ def describe_counts(counts: dict) -> str:
 def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs):
     def tokenize(item: dict, idx: int):
         row, where = row_of(item, source.spec["path"], idx)
+        if source.fmt == "pairs":  # one sample: chosen, then rejected
+            return label_pair(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs)
         conv = to_conversation(row, source.fmt, where)
         return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported,
                                  template_kwargs)
@@ -145,7 +148,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             "input_ids": ints, "labels": ints, "length": datasets.Value("int32"), "drop": datasets.Value("string"),
             "row": datasets.Value("int64"), "turns": ints, "split": datasets.Value("string"),
             "left_out": getattr(datasets, "List", datasets.Sequence)(datasets.Value("string")),
-            "source": datasets.Value("int32")})
+            "source": datasets.Value("int32"), "starts": ints})
 
         def tokenize_batch(batch, indices, k):  # one output per sample, or one placeholder naming why a row is dropped
             out = {name: [] for name in features}
@@ -153,8 +156,8 @@ class SampleStream(torch.utils.data.IterableDataset):
                 labelled = tokenizers[k]({c: v[j] for c, v in batch.items()}, idx)
                 left_out = [f"{e.reason} {e}" for e in labelled.left_out]
                 for n, s in enumerate(labelled.samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]):
-                    entry = {**s, "length": len(s["input_ids"]), "drop": labelled.dropped or "", "row": idx,
-                             "left_out": [] if n else left_out, "source": k}
+                    entry = {"starts": [], **s, "length": len(s["input_ids"]), "drop": labelled.dropped or "",
+                             "row": idx, "left_out": [] if n else left_out, "source": k}
                     for name in features:
                         out[name].append(entry[name])
             return out
@@ -226,8 +229,10 @@ class SampleStream(torch.utils.data.IterableDataset):
 
     def _assemble(self, samples: list[dict]) -> dict:
         unit = {k: [t for s in samples for t in s[k]] for k in ("input_ids", "labels")}
-        if self.packing:  # position_ids restart per sample: transformers derives the block-diagonal attention from them
-            unit["position_ids"] = [p for s in samples for p in range(len(s["input_ids"]))]
+        if self.packing or samples[0].get("starts"):  # position_ids restart per sample (and per side of a pair):
+            # transformers derives the block-diagonal attention from them
+            bounds = [[*(s.get("starts") or [0]), len(s["input_ids"])] for s in samples]
+            unit["position_ids"] = [p for b in bounds for a, z in zip(b, b[1:]) for p in range(z - a)]
         unit["sources"] = [{k: s[k] for k in _META} for s in samples]  # for the preview; the collator ignores it
         return unit
 

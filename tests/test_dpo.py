@@ -1,0 +1,205 @@
+"""finetune dpo: one fp32 step equals TRL's DPOTrainer; 2 ranks == 1 process; resume exact with precomputed
+reference log-probs; the LoRA reference is the base with adapters off (FSDP2, 2 ranks); bad rows exit 2 or are
+dropped and counted."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from helpers import BASE, losses, read_metrics, run_cli, run_ranks
+
+WORDS = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
+
+
+def make_pairs(n: int, seed: int = 0) -> list[dict]:
+    """TRL's conversational shape (prompt messages, chosen / rejected as one assistant message); some with a system
+    prompt and an earlier turn."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        if i % 4 == 1:
+            prompt += [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+        q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8)))
+        prompt.append({"role": "user", "content": f"Repeat {q}?"})
+        rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": q}],
+                     "rejected": [{"role": "assistant", "content": " ".join(rng.sample(WORDS, rng.randint(1, 6)))}]})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_pairs(32)))
+    return path
+
+
+def dpo_rank(cfg):
+    from finetune.train import train
+    return train(cfg, "dpo")
+
+
+def dpo(model_dir, data, out, *overrides, nproc: int = 1) -> list[dict]:
+    from finetune.cli import build_config
+    cfg = build_config(None, [*BASE, "train.lr=1e-3", *map(str, overrides)],
+                       **{"model.path": str(model_dir), "data.path": str(data), "output_dir": str(out)})
+    run_ranks(dpo_rank, nproc, cfg)
+    return read_metrics(out)
+
+
+def test_one_step_matches_trl_dpo_trainer(llama_dir, tmp_path):
+    """8 pairs, beta 0.1, fp32, one process: one AdamW step, then the second step's loss, rewards and grad norm as
+    TRL's (the first step's are trivial: policy == reference, loss ln 2), and the same trained tokens (the llama3
+    template ends a turn with <|eot_id|>, so TRL's prompt+completion rendering and our inference-exact completion
+    agree; a template that writes text after its end-of-turn token, e.g. ChatML's newline, differs there)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from finetune.data import IGNORE_INDEX
+    from finetune.data.pairs import label_pair
+    rows = make_pairs(8, seed=1)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ours = dpo(llama_dir, data, tmp_path / "ours", "train.max_steps=2", "train.micro_batch_size=8", "train.beta2=0.999",
+               "train.eps=1e-8", "train.weight_decay=0", "data.packing=false", "data.max_seq_len=1024",
+               "train.max_grad_norm=1e6")
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, per_device_train_batch_size=8, max_steps=2,
+                     learning_rate=1e-3, lr_scheduler_type="constant", adam_beta2=0.999, adam_epsilon=1e-8,
+                     weight_decay=0.0, max_grad_norm=1e6, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+                     max_length=None, dataloader_num_workers=0, save_strategy="no")
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tok)
+    for row, tokenized in zip(rows, trainer.train_dataset):  # the trained tokens of each side
+        sample = label_pair(tok, row, "row", 4096).samples[0]
+        n = sample["starts"][1]
+        for side, labels in (("chosen", sample["labels"][:n]), ("rejected", sample["labels"][n:])):
+            assert [t for t in labels if t != IGNORE_INDEX] == tokenized[f"{side}_ids"]
+    trainer.train()
+    theirs = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(ours) == len(theirs) == 2 and theirs[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
+    for key, trl_key in (("loss", "loss"), ("rewards_chosen", "rewards/chosen"),
+                         ("rewards_rejected", "rewards/rejected"), ("margin", "rewards/margins"),
+                         ("accuracy", "rewards/accuracies"), ("grad_norm", "grad_norm")):
+        assert [r[key] for r in ours] == pytest.approx([r[trl_key] for r in theirs], abs=1e-5), key
+    assert theirs[1]["rewards/margins"] > 1e-3  # not trivially equal
+
+
+def test_two_ranks_equal_one_process_and_resume_is_exact(llama_dir, pairs_file, tmp_path):
+    """Packed pairs, precomputed reference log-probs (the 2-rank pass sharded and gathered); the resumed run reads
+    ref_logps.pt instead of recomputing from the trained model."""
+    one = dpo(llama_dir, pairs_file, tmp_path / "one", "train.max_steps=4", "train.micro_batch_size=2",
+              "data.max_seq_len=512")
+    two = dpo(llama_dir, pairs_file, tmp_path / "two", "train.max_steps=4", "train.micro_batch_size=1",
+              "data.max_seq_len=512", nproc=2)
+    assert one[0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and one[0]["accuracy"] == 0  # policy == reference
+    assert one[-1]["loss"] < one[0]["loss"] and one[-1]["accuracy"] > 0.5
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "accuracy", "grad_norm"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
+    out = tmp_path / "resumed"
+    dpo(llama_dir, pairs_file, out, "train.max_steps=2", "train.micro_batch_size=2", "data.max_seq_len=512")
+    table = (out / "ref_logps.pt").stat().st_mtime_ns
+    dpo(llama_dir, pairs_file, out, "train.max_steps=4", "train.micro_batch_size=2", "data.max_seq_len=512")
+    assert (out / "ref_logps.pt").stat().st_mtime_ns == table  # reused, not recomputed
+    assert losses(out) == losses(tmp_path / "one")
+
+
+def lora_reference(model_dir, data):
+    """(rank) pair log-probs of a LoRA model (adapters made non-zero) with adapters off, with them on, and of the
+    plain model without LoRA: all under FSDP2."""
+    from finetune.cli import build_config
+    from finetune.distributed import init_distributed
+    from finetune.dpo import adapters_off, collate_pairs, pair_logps
+    from finetune.train import build_model_and_optimizer, build_run_samples, run_tokenizer
+    device, dims = init_distributed(1, 0)
+    results = []
+    for rank in (4, 0):
+        cfg = build_config(None, [*BASE, f"lora.rank={rank}", "data.packing=false", "data.max_seq_len=512"],
+                           **{"model.path": str(model_dir), "data.path": str(data), "output_dir": "unused"})
+        tok, _ = run_tokenizer(cfg)
+        model, _ = build_model_and_optimizer(cfg, device, dims.mesh)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.to_local().normal_(std=0.05)
+        items = [x for _, x in zip(range(4), build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size,
+                                                              shuffle=False))]
+        batch = collate_pairs(items, tok.pad_token_id)
+        with torch.no_grad():
+            if rank:
+                with adapters_off(model):
+                    results.append(pair_logps(model, batch).tolist())  # no tensors across processes
+            results.append(pair_logps(model, batch).tolist())  # no tensors across processes
+    return results
+
+
+def test_lora_reference_is_the_base_with_adapters_off(llama_dir, pairs_file):
+    for off, on, base in run_ranks(lora_reference, 2, llama_dir, pairs_file):
+        off, on, base = map(torch.tensor, (off, on, base))
+        assert torch.allclose(off, base, atol=1e-5)
+        assert not torch.allclose(on, base, atol=1e-3)  # the adapters do change the log-probs
+
+
+BAD = [{"prompt": "Say hi.", "chosen": "hi"},  # missing side
+       {"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
+        "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}]},  # prompt mismatch
+       {"prompt": "Say hi.", "chosen": "hi", "rejected": "  "}]  # empty completion
+
+
+def test_bad_rows_stop_naming_the_line_or_are_dropped_and_counted(llama_dir, tmp_path):
+    from finetune.data import build_samples
+    from finetune.model import load_tokenizer
+    good = make_pairs(4)
+    data = tmp_path / "bad.jsonl"
+    for k, (bad, reason) in enumerate(zip(BAD, ("missing_side", "prompt_mismatch", "empty_completion"))):
+        data.write_text("".join(json.dumps(r) + "\n" for r in good[:2] + [bad] + good[2:]))
+        tok = load_tokenizer(str(llama_dir))
+        samples = build_samples(str(data), tok, on_unsupported="drop", max_seq_len=256)
+        assert samples.counts["kept"] == 4 and samples.counts[f"dropped_{reason}"] == 1
+        if k == 0:  # through the CLI: one line naming the file and line, exit 2
+            proc = run_cli("dpo", "--model", llama_dir, "--dataset", data, "--output-dir", tmp_path / "out", *BASE,
+                           check=False)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            line = proc.stderr.strip().splitlines()[-1]
+            assert line.startswith("error: ") and f"{data}:3:" in line and "missing_side" in line
+        else:
+            with pytest.raises(Exception, match=f"{data}:3: .*{reason}"):
+                build_samples(str(data), tok, max_seq_len=256)
+
+
+def test_sft_and_dpo_refuse_each_others_data(llama_dir, pairs_file, chat_file, tmp_path):
+    from helpers import invoke
+    result = invoke("sft", "--model", llama_dir, "--dataset", pairs_file, "-o", tmp_path / "a", *BASE)
+    assert result.exit_code == 2 and "finetune dpo" in result.stderr
+    result = invoke("dpo", "--model", llama_dir, "--dataset", chat_file, "-o", tmp_path / "b", *BASE)
+    assert result.exit_code == 2 and "'chosen' and 'rejected'" in result.stderr
+
+
+def test_losses_and_rewards_follow_their_formulas(monkeypatch):
+    """sigmoid with label smoothing against the precomputed reference; SimPO on mean log-probs with its margin."""
+    import torch.nn.functional as F
+
+    from finetune import dpo
+    from finetune.config import DPOConfig
+    logps = torch.tensor([[-3.0, -5.0], [-4.0, -2.0]])
+    monkeypatch.setattr(dpo, "pair_logps", lambda model, batch: logps)
+    batch = {"ref_logps": torch.tensor([[-3.5, -4.0], [-4.0, -2.5]], dtype=torch.float64),
+             "seq_tokens": torch.tensor([[2.0, 4.0], [1.0, 2.0]], dtype=torch.float64)}
+    loss, stats = dpo.make_loss(DPOConfig(beta=0.5, label_smoothing=0.1), "precomputed")(None, batch)
+    rewards = 0.5 * (logps - batch["ref_logps"].float())
+    z = rewards[:, 0] - rewards[:, 1]
+    assert loss.item() == pytest.approx((-0.9 * F.logsigmoid(z) - 0.1 * F.logsigmoid(-z)).sum().item())
+    assert stats.tolist() == pytest.approx([2, rewards[:, 0].sum().item(), rewards[:, 1].sum().item(), 1])
+    loss, stats = dpo.make_loss(DPOConfig(loss="simpo", beta=2.0, simpo_gamma=0.5), None)(None, batch)
+    mean = logps / batch["seq_tokens"].float()
+    assert loss.item() == pytest.approx(-F.logsigmoid(2 * (mean[:, 0] - mean[:, 1]) - 0.5).sum().item())
+    assert stats.tolist() == pytest.approx([2, 2 * (-1.5 - 4), 2 * (-1.25 - 1), 0])  # mean log-probs x beta
