@@ -148,7 +148,7 @@ def sft(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CON
         if no_resume:
             cfg.checkpoint.resume = False
         num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
-        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks)  # ranks check it on the group
+        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # and each rank
         lock = Path(cfg.output_dir) / RUN_LOCK
         if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
             return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
