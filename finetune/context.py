@@ -60,6 +60,7 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
 
 
+@torch.compiler.disable  # a compiled block runs the exchange eagerly (collectives in an autograd.Function)
 def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None = None, **kwargs):
     """transformers' attention-function signature: varlen_attention over the whole row for this rank's heads.
