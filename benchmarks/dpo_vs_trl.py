@@ -37,7 +37,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
                              "train.mixed_precision": "fp32", "eval.path": "", "model.attn_implementation": attn})
     device, dims = init_distributed(1, 0)
     tok, _ = run_tokenizer(cfg)
-    model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
+    model, optimizer = build_model_and_optimizer(cfg, device, dims)
     samples, loss_fn = iter(build_run_samples(cfg, tok)), make_loss(cfg.dpo, "precomputed")
     collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))
     times = []

@@ -12,8 +12,8 @@ kwargs through its decoder layers to the attention function (models with `_suppo
                      at any micro-batch size (without them it infers boundaries only for ONE row);
   sdpa, eager, flex_attention  ignore the kwargs: transformers builds a block-diagonal mask from the position_ids
                      restarts (dense B x 1 x S x S for sdpa/eager; flex's block mask skips the blocks).
-Nothing is inferred inside the model and nothing is read back to the host per layer. Context parallelism can wrap
-the attention call with these same kwargs.
+Nothing is inferred inside the model and nothing is read back to the host per layer. Context parallelism
+(finetune.context) wraps varlen with these same kwargs.
 """
 from __future__ import annotations
 
@@ -126,19 +126,24 @@ def resolve_attn_implementation(hf_config, requested: str | None) -> str:
     return "sdpa"
 
 
-def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: str) -> None:
-    """Refuse, in one line, a packed run whose attention cannot keep the samples of a row apart: layers that are not
-    attention (state-space, linear-attention, convolution: they ignore position_ids restarts), found from the
-    config's layer types, a Conv1d in the decoder blocks, or a config without attention heads; or a kernel that
-    takes the boundaries as kwargs (flash, varlen) in a model class that does not pass attention kwargs on."""
+def mixing_problem(model: nn.Module, layers: nn.ModuleList) -> str | None:
+    """Why tokens of `model` mix other than through attention (None when they do not): layers that are not attention
+    (state-space, linear-attention, convolution), found from the config's layer types, a Conv1d in the decoder
+    blocks, or a config without attention heads."""
     config = model.config.get_text_config()
     kinds = set(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
     odd = sorted(kinds - ATTENTION_LAYER_TYPES)
     conv = next((f"{type(m).__name__} in {type(layer).__name__}" for layer in layers for m in layer.modules()
                  if isinstance(m, nn.Conv1d)), None)
-    why = (f"its {odd[0]} layers" if odd else f"its sequence convolutions ({conv})" if conv else
-           "its layers (no attention heads)" if not getattr(config, "num_attention_heads", None) else None)
-    if why:
+    return (f"its {odd[0]} layers" if odd else f"its sequence convolutions ({conv})" if conv else
+            "its layers (no attention heads)" if not getattr(config, "num_attention_heads", None) else None)
+
+
+def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: str) -> None:
+    """Refuse, in one line, a packed run whose attention cannot keep the samples of a row apart: layers that mix
+    tokens other than through attention (mixing_problem: they ignore position_ids restarts); or a kernel that
+    takes the boundaries as kwargs (flash, varlen) in a model class that does not pass attention kwargs on."""
+    if why := mixing_problem(model, layers):
         raise ConfigError(f"{type(model).__name__} cannot keep packed samples apart: {why} ignore position_ids "
                           f"restarts; set data.packing=false")
     if attn_implementation.startswith("flash") or attn_implementation == VARLEN:

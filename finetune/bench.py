@@ -61,11 +61,11 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from .model import ac_layer_ids, resolve_auto
     from .train import (LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
                         train_step)
-    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
+    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok, _ = run_tokenizer(cfg)
-    model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
+    model, optimizer = build_model_and_optimizer(cfg, device, dims)
     stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size)
     samples, loss_fn, collate = iter(stream), None, None
     if stream.sources[0].fmt == "pairs":  # dpo's step (a precomputed reference is read, not timed: zeros here)
@@ -73,7 +73,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
         loss_fn = make_loss(cfg.dpo, reference_kind(cfg))
         collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
-                                     dc.max_seq_len, collate) for _ in range(warmup + steps)]
+                                     dc.max_seq_len, collate, (dims.cp_rank, dims.cp)) for _ in range(warmup + steps)]
     steps_data = [([{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in mbs], n)
                   for mbs, n in steps_data]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -179,7 +179,7 @@ def run_training(task, overrides, config, model, dataset, output_dir, nproc_per_
         if no_resume:
             cfg.checkpoint.resume = False
         num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
-        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks)  # ranks check it on the group
+        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # and each rank
         lock = Path(cfg.output_dir) / RUN_LOCK
         if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
             return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
@@ -352,13 +352,15 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
          gpu_memory: str = typer.Option("80GB", "--gpu-memory", help="memory of one GPU (GB = GiB, as GPUs are sized)"),
          sac_ratios: str = typer.Option("0,0.25,0.5,0.75,1", "--sac-ratios", help="ac.ratio values to plan"),
          micro_batch_sizes: str = typer.Option("1,2,4", "--micro-batch-sizes", help="train.micro_batch_size values"),
+         max_seq_len: bool = typer.Option(False, "--max-seq-len", help="search the longest data.max_seq_len that "
+                                          "fits (micro-batch 1) at each --sac-ratios value and cp degree"),
          json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"), debug: bool = DEBUG):
     """Memory per GPU of a run on GPUs you have not rented (fake tensors and ranks, on this CPU): which activation
-    checkpointing ratio and micro-batch fit. Exit code 1 when none does."""
+    checkpointing ratio and micro-batch fit, or (--max-seq-len) how long a row fits. Exit code 1 when none does."""
     def run():
         import contextlib
         import json
-        from .plan import format_plan, load_arch, parse_gpu_memory, run_plan
+        from .plan import format_plan, format_seq_search, load_arch, parse_gpu_memory, run_plan, run_seq_search
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         mbs = parse_list(micro_batch_sizes, "--micro-batch-sizes", int, lambda m: m > 0, "integers > 0")
         check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
@@ -366,8 +368,9 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
         gpu_bytes = parse_gpu_memory(gpu_memory)
         cfg = build_config(config, overrides, check=False, **{"model.path": model, "data.path": "-"})
         with contextlib.redirect_stdout(sys.stderr):  # notes of the model build (once per ratio) stay off the table
-            result = run_plan(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios, mbs)
-        print(json.dumps(result, indent=2) if json_out else format_plan(result))
+            result = run_seq_search(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios) \
+                if max_seq_len else run_plan(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios, mbs)
+        print(json.dumps(result, indent=2) if json_out else (format_seq_search if max_seq_len else format_plan)(result))
         return result["best"] is not None
     if not guarded(run, debug):
         raise SystemExit(1)

@@ -100,12 +100,14 @@ class LoraConfig:
 class ACConfig:
     ratio: float = 0.0  # fraction of decoder blocks under activation checkpointing, spread evenly (0..1)
     mode: Literal["block", "op"] = "block"  # block: recompute whole block; op: keep matmul/attention outputs
+    offload: bool = False  # checkpointed blocks keep their inputs in pinned host memory (CUDA; a no-op on CPU)
 
 
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1  # HSDP: replicate the model over this many groups of ranks (1 = plain FSDP over all)
-    dp_shard: int = 0  # ranks that shard the model in each group (0 = launched ranks / dp_replicate)
+    dp_shard: int = 0  # ranks that shard the model in each group (0 = launched ranks / dp_replicate / cp)
+    cp: int = 1  # context parallelism: each row's tokens split over this many ranks (FSDP shards over dp_shard x cp)
 
 
 @dataclass
@@ -307,7 +309,8 @@ def validate(cfg: Config) -> None:
         ("data.num_proc", d.num_proc > 0, "> 0"),
         ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),
         ("parallel.dp_replicate", cfg.parallel.dp_replicate >= 1, ">= 1"),
-        ("parallel.dp_shard", cfg.parallel.dp_shard >= 0, ">= 0 (0 = launched ranks / dp_replicate)"),
+        ("parallel.dp_shard", cfg.parallel.dp_shard >= 0, ">= 0 (0 = launched ranks / dp_replicate / cp)"),
+        ("parallel.cp", cfg.parallel.cp >= 1, ">= 1"),
         ("checkpoint.interval", cfg.checkpoint.interval >= 0, ">= 0 (0 = no periodic checkpoint)"),
         ("checkpoint.keep", cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
         ("eval.num_samples", cfg.eval.num_samples >= 0, ">= 0"),
@@ -319,6 +322,8 @@ def validate(cfg: Config) -> None:
     for key, ok, rule in checks:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {reduce(getattr, key.split('.'), cfg)!r}")
+    if cfg.ac.offload and not cfg.ac.ratio:
+        raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
     if t.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py
         for ok, why in ((d.packing, "needs data.packing=true (a step of unpacked samples has no token size)"),
                         (t.tokens_per_step % d.max_seq_len == 0, f"must be a multiple of data.max_seq_len "
@@ -341,14 +346,18 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
 
 
-def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int) -> int:
-    """dp_shard for `num_ranks` ranks (0: num_ranks / dp_replicate), or a ConfigError naming the mismatch."""
+def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1) -> int:
+    """dp_shard for `num_ranks` ranks (0: num_ranks / dp_replicate / cp), or a ConfigError naming the mismatch."""
     if num_ranks % dp_replicate:
         raise ConfigError(f"parallel.dp_replicate={dp_replicate} does not divide the {num_ranks} launched ranks")
-    dp_shard = dp_shard or num_ranks // dp_replicate
-    if dp_replicate * dp_shard != num_ranks:
-        raise ConfigError(f"parallel.dp_replicate x parallel.dp_shard = {dp_replicate} x {dp_shard} = "
-                          f"{dp_replicate * dp_shard}, but {num_ranks} ranks were launched")
+    if num_ranks % (dp_replicate * cp):
+        raise ConfigError(f"parallel.cp={cp} does not divide the {num_ranks // dp_replicate} ranks of a replica "
+                          f"({num_ranks} launched, parallel.dp_replicate={dp_replicate})")
+    dp_shard = dp_shard or num_ranks // (dp_replicate * cp)
+    if dp_replicate * dp_shard * cp != num_ranks:
+        raise ConfigError(f"parallel.dp_replicate x parallel.dp_shard{' x parallel.cp' * (cp > 1)} = {dp_replicate} x "
+                          f"{dp_shard}{f' x {cp}' * (cp > 1)} = {dp_replicate * dp_shard * cp}, but {num_ranks} ranks "
+                          f"were launched")
     return dp_shard
 
 

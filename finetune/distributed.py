@@ -26,14 +26,18 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """dp_replicate groups of dp_shard ranks: FSDP2 shards parameters within a group and replicates them across
-    groups (HSDP; plain FSDP when dp_replicate == 1). The one owner of the mesh and of the data-parallel rank and
-    size that data sharding, the global batch and the loss use. Data parallelism is the only parallelism, so the
-    data-parallel ranks are all the ranks (`all_reduce` sums over them)."""
+    """dp_replicate groups of dp_shard x cp ranks: FSDP2 shards parameters within a group (over its dp_shard x cp
+    ranks, as torchtitan's dp_shard_cp) and replicates them across groups (HSDP; plain FSDP when dp_replicate == 1);
+    the cp consecutive ranks of a data rank split each row's tokens (context parallelism: finetune.context). The one
+    owner of the meshes and of the data-parallel rank and size that data sharding and the global batch use. Every
+    rank holds its own tokens' labels, so `all_reduce` (over all ranks) sums the loss and label counts of the global
+    batch exactly once."""
 
     dp_replicate: int
     dp_shard: int
-    mesh: DeviceMesh  # ("dp_replicate", "dp_shard"), replicate outermost; 1-D ("dp_shard",) when dp_replicate == 1
+    mesh: DeviceMesh  # FSDP's: ("dp_replicate", "dp_shard_cp"), replicate outermost; 1-D when dp_replicate == 1
+    cp: int = 1
+    cp_mesh: DeviceMesh | None = None  # ("dp", "cp"): the cp ranks of each data rank along "cp" (None when cp == 1)
 
     @property
     def dp_size(self) -> int:
@@ -41,22 +45,35 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_rank()  # the mesh holds all ranks in order (replicate outermost): its coordinate's rank
+        return self.mesh.get_rank() // self.cp  # all ranks in order (replicate outermost, cp innermost)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_rank() % self.cp
+
+    @property
+    def cp_group(self):
+        return self.cp_mesh.get_group("cp") if self.cp_mesh is not None else None
 
     def __str__(self) -> str:
-        return f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"
+        dp = f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"
+        return dp + (f" x cp {self.cp}" if self.cp > 1 else "")
 
 
-def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int = 0) -> ParallelDims:
-    """The mesh over the default process group's ranks (a real group, or a fake one as a planner uses)."""
-    dp_shard = check_parallel(dp_replicate, dp_shard, dist.get_world_size())
-    shape, names = ((dp_replicate, dp_shard), ("dp_replicate", "dp_shard")) if dp_replicate > 1 else \
-        ((dp_shard,), ("dp_shard",))
-    return ParallelDims(dp_replicate, dp_shard, init_device_mesh(device_type, shape, mesh_dim_names=names))
+def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1) -> ParallelDims:
+    """The meshes over the default process group's ranks (a real group, or a fake one as a planner uses)."""
+    world = dist.get_world_size()
+    dp_shard = check_parallel(dp_replicate, dp_shard, world, cp)
+    name = "dp_shard_cp" if cp > 1 else "dp_shard"
+    shape, names = ((dp_replicate, dp_shard * cp), ("dp_replicate", name)) if dp_replicate > 1 else \
+        ((dp_shard * cp,), (name,))
+    cp_mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp")) if cp > 1 else None
+    return ParallelDims(dp_replicate, dp_shard, init_device_mesh(device_type, shape, mesh_dim_names=names), cp,
+                        cp_mesh)
 
 
-def init_distributed(dp_replicate: int = 1, dp_shard: int = 0,
-                     timeout_s: int = 1800) -> tuple[torch.device, ParallelDims]:
+def init_distributed(dp_replicate: int = 1, dp_shard: int = 0, timeout_s: int = 1800,
+                     cp: int = 1) -> tuple[torch.device, ParallelDims]:
     """Init the default process group (nccl on CUDA, gloo on CPU) and return (device, parallel dims)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`/`finetune` without torchrun: a group of one
@@ -69,7 +86,7 @@ def init_distributed(dp_replicate: int = 1, dp_shard: int = 0,
             backend = "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return device, build_parallel_dims(device.type, dp_replicate, dp_shard)
+    return device, build_parallel_dims(device.type, dp_replicate, dp_shard, cp)
 
 
 def world_size() -> int:
@@ -86,7 +103,7 @@ def print0(*args, **kwargs) -> None:
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` over all ranks (= the data-parallel ranks: ParallelDims) in place (a no-op on one rank); returns it."""
+    """Sum `t` over all ranks (data-parallel and cp: ParallelDims) in place (a no-op on one rank); returns it."""
     if world_size() > 1:
         dist.all_reduce(t)
     return t

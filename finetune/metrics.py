@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .compat import storage_key
+from .compat import OffloadWrapper, storage_key
 from .distributed import is_main, print0
 from .outdir import keep_beside
 
@@ -65,7 +65,8 @@ def peak_rss_mb() -> float:
 def count_saved(model):
     """Inside: the storages the forward keeps for backward, in the yielded dict: tensors autograd saves (and
     op-level AC caches) outside checkpointed regions, plus the inputs a checkpointed block holds for its recompute.
-    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway)."""
+    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway); what
+    ac.offload sends to host memory is not counted (its hooks are inside these)."""
     storages = {}
 
     def keep(t):
@@ -81,7 +82,9 @@ def count_saved(model):
             for t in (v if isinstance(v, tuple) else (v,)):
                 keep(t)
 
-    ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")]
+    offloaded = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, OffloadWrapper)}
+    ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")  # not what is in host memory:
+            and not isinstance(m, OffloadWrapper) and id(m) not in offloaded]
     handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):

@@ -26,7 +26,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from .attention import check_packing, resolve_attn_implementation
-from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
+from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper, offload_wrapper
+from .context import apply_cp
 from .distributed import print0
 from .errors import ModelError, one_line
 from .load import base_fingerprint, check_manifest, is_prepared, load_hf_weights, load_prepared_weights
@@ -178,8 +179,11 @@ def _op_sac_policy():
     return partial(create_selective_checkpoint_contexts, policy)
 
 
-def apply_ac(model: nn.Module, ratio: float, mode: str = "block") -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices."""
+def apply_ac(model: nn.Module, ratio: float, mode: str = "block", offload: bool = False) -> list[int]:
+    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices. `offload`: and in
+    torch's offload wrapper (save_on_cpu, pinned): the inputs a checkpoint keeps for its recompute are saved through
+    the saved-tensor hooks around it (the ones inside are the checkpoint's own), so they go to host memory and come
+    back (non-blocking from pinned memory) when the block is recomputed."""
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
     # respect_saved_tensors_hooks: the outputs op-level AC keeps go through the caller's saved_tensors_hooks
@@ -187,6 +191,8 @@ def apply_ac(model: nn.Module, ratio: float, mode: str = "block") -> list[int]:
     kwargs = {"context_fn": _op_sac_policy(), "respect_saved_tensors_hooks": True} if mode == "op" else {}
     for i in ids:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+        if offload:
+            layers[i] = offload_wrapper(layers[i])
     return ids
 
 
@@ -245,8 +251,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lora: dict | None = None,
-                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False, liger: bool = False,
-                kernels: bool = True) -> dict | None:
+                ac_ratio: float = 0.0, ac_mode: str = "block", ac_offload: bool = False, compile: bool = False,
+                liger: bool = False, kernels: bool = True) -> dict | None:
     """apply_* in their order (module docstring) on the meta skeleton; returns the LoRA settings a checkpoint records
     (None without LoRA). With `lora` (rank, alpha, dropout, target_modules, modules_to_save) the frozen base is
     kept in bf16 (fp32 when mixed_precision is fp32). kernels=False leaves Liger's kernels out but keeps the FSDP
@@ -254,7 +260,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lor
     apply_kernels(model, liger and kernels, compile)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     settings = apply_lora(model, find_layers(model), **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
-    apply_ac(model, ac_ratio, ac_mode)
+    apply_ac(model, ac_ratio, ac_mode, ac_offload)
     apply_compile(model, compile)
     apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not liger)
     return settings
@@ -263,13 +269,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lor
 def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_precision: str = "bf16",
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool | str = False, liger: bool | str = False,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False, lora: dict | None = None,
-                seed: int = 0, packing: bool = False) -> nn.Module:
+                seed: int = 0, packing: bool = False, cp_group=None, ac_offload: bool = False) -> nn.Module:
     """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
     bf16 (fp32 when mixed_precision is fp32). `model.lora` holds the LoRA settings its checkpoints record (None
     without LoRA) and the base weights' fingerprint: set here only, read by checkpoint.py. "auto" for the
     attention, Liger and compile picks by device (one line says what); `packing`: refuse attention that cannot keep
-    packed samples apart (attention.check_packing)."""
+    packed samples apart (attention.check_packing); `cp_group`: split each row over its ranks (context.apply_cp);
+    `ac_offload`: checkpointed blocks keep their inputs in host memory (apply_ac; a no-op on CPU)."""
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     asked = "auto" in (attn_implementation, liger, compile)
     liger, compile = resolve_auto(liger, compile, device.type == "cuda")
@@ -280,8 +287,13 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
            f"({'auto on ' if asked else ''}{device.type})")
     if packing:
         check_packing(model, find_layers(model), attn)
+    if cp_group is not None:
+        apply_cp(model, find_layers(model), cp_group)
+    if ac_offload and device.type != "cuda":
+        print0("note: ac.offload is a no-op on CPU: activations already live in host memory")
     model.lora = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
-                             ac_mode=ac_mode, compile=compile, liger=liger)
+                             ac_mode=ac_mode, ac_offload=ac_offload and device.type == "cuda", compile=compile,
+                             liger=liger)
     _materialize(model, device)
     if is_prepared(path):
         load_prepared_weights(model, path)

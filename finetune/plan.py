@@ -52,7 +52,7 @@ def load_arch(cfg: Config, model_dir: str | None):
 
 
 @contextmanager
-def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0):
+def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1):
     """A fake process group of world_size (no ranks, no communication), the run's ParallelDims over it, and the
     fake tensor mode everything is measured in; this process is rank 0."""
     import torch.distributed as dist
@@ -61,7 +61,7 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0):
     store, fake_mode = fake_world_parts()
     dist.init_process_group("fake", store=store, rank=0, world_size=world_size)
     try:
-        yield build_parallel_dims("cpu", dp_replicate, dp_shard), fake_mode
+        yield build_parallel_dims("cpu", dp_replicate, dp_shard, cp), fake_mode
     finally:
         dist.destroy_process_group()
 
@@ -75,7 +75,7 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, l
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
     model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
     parallelize(model, mesh, mixed_precision=cfg.train.mixed_precision, lora=asdict(cfg.lora), ac_ratio=ac_ratio,
-                ac_mode=cfg.ac.mode, liger=liger, kernels=False)
+                ac_mode=cfg.ac.mode, ac_offload=cfg.ac.offload, liger=liger, kernels=False)
     with fake_mode:
         model.to_empty(device="cpu")
     return model
@@ -170,32 +170,49 @@ def sharded_bytes(params: list, world_size: int) -> int:
     return sum(math.ceil(rows(s) / world_size) * (numel // rows(s)) * nbytes for s, numel, nbytes in params)
 
 
+def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], shapes: list[tuple[int, int]],
+                 liger: bool) -> tuple[dict, dict]:
+    """measure_micro_batch at every ratio (and 0, for the recompute) and (micro-batch, tokens per rank) shape, keyed
+    (ratio, shape); and measure_state of the model (the same at every ratio)."""
+    runs = {}
+    for ratio in sorted({0.0, *ratios}):
+        model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio, liger)
+        with fake_mode:
+            for mbs, seq in shapes:
+                runs[ratio, (mbs, seq)] = measure_micro_batch(model, mbs, seq)
+    with fake_mode:
+        return runs, measure_state(model)
+
+
+def point(runs: dict, ratio: float, shape: tuple[int, int], fixed: float, num_layers: int) -> dict:
+    """One (ratio, shape)'s bytes per GPU: the fixed part, its activations, the recompute of one checkpointed block
+    (1/L of the ratio-0 activations) and the logits/loss peak."""
+    run = runs[ratio, shape]
+    recompute = runs[0.0, shape]["activations"] / num_layers if ratio > 0 else 0
+    return {**run, "recompute": recompute, "total": fixed + run["activations"] + recompute + run["logits_loss"]}
+
+
 def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float],
              micro_batch_sizes: list[int]) -> dict:
-    """Measure everything on fake tensors; which (ratio, micro-batch) points fit; the smallest world that would."""
+    """Measure everything on fake tensors; which (ratio, micro-batch) points fit; the smallest world that would.
+    With parallel.cp = N a rank holds ceil(S / N) tokens of each row (its heads' attention over the whole row after
+    the all-to-all keeps as many bytes as all heads over its tokens) and FSDP shards over dp_shard x cp."""
     from .model import resolve_auto
-    world = nnodes * nproc
+    world, cp = nnodes * nproc, cfg.parallel.cp
     liger = resolve_auto(cfg.model.liger, False, cuda=True)[0]  # as build_model does on the planned GPUs
-    runs = {}
-    with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard) as (dims, fake_mode):
-        for ratio in sorted({0.0, *ratios}):
-            model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio, liger)
-            with fake_mode:
-                for mbs in micro_batch_sizes:
-                    runs[ratio, mbs] = measure_micro_batch(model, mbs, cfg.data.max_seq_len)
-        with fake_mode:
-            measured = measure_state(model)  # the same at every ratio: once, on the last one
+    local_seq = -(-cfg.data.max_seq_len // cp)
+    with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp) as (dims, fake_mode):
+        runs, measured = measure_runs(hf_config, cfg, dims, fake_mode, ratios,
+                                      [(mbs, local_seq) for mbs in micro_batch_sizes], liger)
     in_flight = sum(measured["in_flight"].values())
     fixed = sum(measured["state"].values()) + in_flight
     usable = gpu_bytes * (1 - SAFETY)
-    num_layers = hf_config.num_hidden_layers
     points = []
-    for (ratio, mbs), run in runs.items():
+    for ratio, (mbs, seq) in runs:
         if ratio in ratios:
-            recompute = runs[0.0, mbs]["activations"] / num_layers if ratio > 0 else 0
-            total = fixed + run["activations"] + recompute + run["logits_loss"]
-            points.append({"ac_ratio": ratio, "micro_batch_size": mbs, **run, "recompute": recompute,
-                           "total": total, "free": gpu_bytes - total, "fits": total <= usable})
+            p = point(runs, ratio, (mbs, seq), fixed, hf_config.num_hidden_layers)
+            points.append({"ac_ratio": ratio, "micro_batch_size": mbs, **p, "free": gpu_bytes - p["total"],
+                           "fits": p["total"] <= usable})
     fits = [p for p in points if p["fits"]]
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
     smallest = None
@@ -205,21 +222,81 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
         smallest = next((w for w in range(world + nproc, 2**16, nproc)
                          if w % replicas == 0 and sharded_bytes(measured["params"], w // replicas) + least <= usable),
                         None)
+    return {**describe(cfg, hf_config, nnodes, nproc, gpu_bytes, dims, liger, measured), "points": points,
+            "best": best, "smallest_world_size": smallest}
+
+
+def describe(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, dims, liger: bool, measured) -> dict:
+    """What a plan is of (the header of its table)."""
     return {"model": cfg.model.path, "num_params": sum(n for _, n, _ in measured["params"]), "nnodes": nnodes,
-            "nproc_per_node": nproc, "world_size": world, "parallel": str(dims),
-            "parallel_config": asdict(cfg.parallel), "gpu_memory": gpu_bytes,
-            "safety": SAFETY, "seq_len": cfg.data.max_seq_len,
-            "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode, "liger": liger,
-            "state": measured["state"], "in_flight": measured["in_flight"], "points": points, "best": best,
-            "smallest_world_size": smallest}
+            "nproc_per_node": nproc, "world_size": nnodes * nproc, "parallel": str(dims),
+            "parallel_config": asdict(cfg.parallel), "gpu_memory": gpu_bytes, "safety": SAFETY,
+            "seq_len": cfg.data.max_seq_len, "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode,
+            "ac_offload": cfg.ac.offload, "liger": liger, "state": measured["state"],
+            "in_flight": measured["in_flight"]}
+
+
+def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float]) -> dict:
+    """`plan --max-seq-len`: the longest data.max_seq_len that fits at micro-batch 1, for each ac.ratio and cp degree
+    (within a node, dividing the heads). A rank's bytes are a line in its tokens S / cp (attention keeps O(seq) per
+    head; the logits/loss bound too; the FSDP state does not depend on cp, which shards over the same ranks): two
+    fake forwards per ratio give the line; the longest answer is then measured, in steps of 1024 tokens per rank."""
+    from .model import resolve_auto
+    world, unit, lengths = nnodes * nproc, 1024, (1024, 2048)
+    heads = hf_config.get_text_config().num_attention_heads
+    cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if nproc % c == 0 and heads % c == 0]
+    liger = resolve_auto(cfg.model.liger, False, cuda=True)[0]
+    usable = gpu_bytes * (1 - SAFETY)
+    with fake_world(world, cfg.parallel.dp_replicate) as (dims, fake_mode):
+        runs, measured = measure_runs(hf_config, cfg, dims, fake_mode, ratios, [(1, n) for n in lengths], liger)
+        fixed = sum(measured["state"].values()) + sum(measured["in_flight"].values())
+        table = {}
+        for ratio in ratios:
+            t1, t2 = (point(runs, ratio, (1, n), fixed, hf_config.num_hidden_layers)["total"] for n in lengths)
+            local = lengths[0] + (usable - t1) * (lengths[1] - lengths[0]) / (t2 - t1)  # tokens per rank that fit
+            table[ratio] = {cp: max(int(local * cp) // unit * unit, 0) for cp in cps}
+        ratio, cp = max(((r, c) for r in ratios for c in cps), key=lambda rc: (table[rc[0]][rc[1]], -rc[1], -rc[0]))
+        seq, step, totals = table[ratio][cp], unit * cp, {}
+        while seq > 0 and len(totals) < 16:  # measure the line's answer; step up while it fits, down until it does
+            runs, _ = measure_runs(hf_config, cfg, dims, fake_mode, [ratio], [(1, seq // cp)], liger)
+            totals[seq] = point(runs, ratio, (1, seq // cp), fixed, hf_config.num_hidden_layers)["total"]
+            seq += step if totals[seq] <= usable else -step
+            if seq in totals:
+                break
+        seq = max((n for n, total in totals.items() if total <= usable), default=0)
+        best = {"ac_ratio": ratio, "cp": cp, "max_seq_len": seq, "total": totals[seq]} if seq else None
+    return {**describe(cfg, hf_config, nnodes, nproc, gpu_bytes, dims, liger, measured),
+            "max_seq_len": {str(r): {str(c): n for c, n in row.items()} for r, row in table.items()}, "best": best}
+
+
+def format_seq_search(r: dict) -> str:
+    cps = list(next(iter(r["max_seq_len"].values())))
+    lines = [f"longest data.max_seq_len (micro-batch 1) for {r['model']} ({r['num_params'] / 1e9:.3g}B parameters) "
+             f"on {r['nnodes']} x {r['nproc_per_node']} GPUs of {r['gpu_memory'] / GIB:.0f} GiB, {r['mixed_precision']}"
+             f", ac.mode={r['ac_mode']}, ac.offload={str(r['ac_offload']).lower()}; FSDP over all ranks, cp within "
+             f"a node ({r['safety']:.0%} of each GPU kept free):", "",
+             "| ac.ratio | " + " | ".join(f"cp={c}" for c in cps) + " |", "|---:" * (len(cps) + 1) + "|"]
+    lines += [f"| {ratio} | " + " | ".join(f"{n:,}" for n in row.values()) + " |" for ratio, row in
+              r["max_seq_len"].items()]
+    b = r["best"]
+    lines.append(f"\nlongest: data.max_seq_len={b['max_seq_len']} parallel.cp={b['cp']} ac.ratio={b['ac_ratio']:g} "
+                 f"(measured: {b['total'] / GIB:.1f} of {r['gpu_memory'] / GIB:.0f} GiB)" if b else
+                 "\nnothing fits 1024 tokens per rank: more GPUs, a higher ac.ratio or ac.offload")
+    if r["liger"]:
+        lines.append("(logits/loss measured without Liger's fused loss, at every position: an upper bound)")
+    return "\n".join(lines)
 
 
 def format_plan(r: dict) -> str:
     unit, name = (GIB, "GiB") if r["gpu_memory"] >= 4 * GIB else (2**20, "MiB")
     size = lambda b: f"{b / unit:,.1f}" if abs(b) >= 10 * unit else f"{b / unit:.3g}"  # noqa: E731
+    cp = r["parallel_config"]["cp"]
+    local = f" ({-(-r['seq_len'] // cp)} tokens per rank)" if cp > 1 else ""
+    offload = ", ac.offload (checkpointed blocks' inputs in host memory, not counted)" if r["ac_offload"] else ""
     lines = [f"plan: {r['model']} ({r['num_params'] / 1e9:.3g}B parameters) on {r['nnodes']} x "
-             f"{r['nproc_per_node']} GPUs ({r['parallel']}) of {size(r['gpu_memory'])} {name}; seq {r['seq_len']}, "
-             f"{r['mixed_precision']}, ac.mode={r['ac_mode']}", "", f"per GPU, every step ({name}):"]
+             f"{r['nproc_per_node']} GPUs ({r['parallel']}) of {size(r['gpu_memory'])} {name}; seq {r['seq_len']}"
+             f"{local}, {r['mixed_precision']}, ac.mode={r['ac_mode']}{offload}",
+             "", f"per GPU, every step ({name}):"]
     lines += [f"  {k:<24} {size(v):>8}" for k, v in r["state"].items()]
     lines += [f"  {'in flight: ' + k:<24} {size(v):>8}" for k, v in r["in_flight"].items()]
     lines += ["", f"per GPU and micro-batch ({name}):",

@@ -13,6 +13,7 @@ import torch
 from . import checkpoint as ckpt
 from . import dpo, faults
 from .config import Config, ConfigError, resume_note, to_toml
+from .context import cp_width, split_batch
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, pad_collate, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
@@ -31,19 +32,22 @@ class NonFiniteError(FinetuneError):
 
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
-                       collate=None):
+                       collate=None, cp: tuple[int, int] = (0, 1)):
     """This rank's micro-batches for one optimizer step (model inputs, sample boundaries, label targets: see
-    collate.pad_collate and loss.label_targets; or what `collate` makes of the items); and their real tokens."""
+    collate.pad_collate and loss.label_targets; or what `collate` makes of the items: dpo, no cp); and their number
+    of real tokens. With cp = (cp rank, N > 1), the rows are this data rank's, and this rank takes its slice of them
+    (context.split_batch; 1/N of the real tokens)."""
     batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
         items = [next(samples) for _ in range(micro_batch_size)]
-        num_input_tokens += sum(len(x["input_ids"]) for x in items)
+        num_input_tokens += sum(len(x["input_ids"]) for x in items) / cp[1]
         if collate is not None:
             batches.append(collate(items, pad_id, pad_to))
             continue
-        batch = pad_collate(items, pad_id=pad_id, pad_to=pad_to)
+        width = pad_to or max(len(x["input_ids"]) for x in items)
+        batch = pad_collate(items, pad_id=pad_id, pad_to=cp_width(width, cp[1]))
         batch.update(label_targets(batch.pop("labels"), batch["position_ids"]))
-        batches.append(batch)
+        batches.append(split_batch(batch, *cp) if cp[1] > 1 else batch)
     return batches, num_input_tokens
 
 
@@ -136,14 +140,14 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
     return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
 
 
-def build_model_and_optimizer(cfg: Config, device: torch.device, mesh):
-    """The model and its AdamW as configured (what `sft` and `bench` both train)."""
+def build_model_and_optimizer(cfg: Config, device: torch.device, dims):
+    """The model and its AdamW as configured (what `sft` and `bench` both train) on the ParallelDims' meshes."""
     tc = cfg.train
-    model = build_model(cfg.model.path, device, mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
+    model = build_model(cfg.model.path, device, dims.mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
                         ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
                         attn_implementation=cfg.model.attn_implementation,
                         trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed,
-                        packing=cfg.data.packing)
+                        packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
 
 
@@ -174,13 +178,15 @@ def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir
 def train(cfg: Config, task: str = "sft") -> dict:
     """Run SFT (task "dpo": preference tuning, dpo.py) as configured; returns the final metrics record (rank 0) and
     held-out results."""
-    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard)
+    if task == "dpo" and cfg.parallel.cp > 1:
+        raise ConfigError("finetune dpo does not split rows over ranks yet: set parallel.cp=1")
+    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
     tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
-    model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
+    model, optimizer = build_model_and_optimizer(cfg, device, dims)
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
@@ -205,7 +211,8 @@ def train(cfg: Config, task: str = "sft") -> dict:
                 faults.pause_if(step, lambda: signals.name is not None)
                 t0 = time.perf_counter()
                 micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
-                                                                     accum, tokenizer.pad_token_id, pad_to, collate)
+                                                                     accum, tokenizer.pad_token_id, pad_to, collate,
+                                                                     (dims.cp_rank, dims.cp))
                 result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
                                              max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
                                              stop=signals.name is not None, loss_fn=loss_fn)

@@ -212,7 +212,7 @@ def loaded_settings(cfg, step_dir, step: int) -> tuple[list[dict], list[dict]]:
     tc = cfg.train
     found = []
     for load in (True, False):
-        model, optimizer = build_model_and_optimizer(cfg, device, dims.mesh)
+        model, optimizer = build_model_and_optimizer(cfg, device, dims)
         scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                     min_lr_ratio=tc.min_lr_ratio)
         if load:

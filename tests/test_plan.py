@@ -139,3 +139,40 @@ def test_json_is_the_whole_stdout_with_lora_and_tied_embeddings(qwen_tied_dir):
     state = plan["state"]
     assert state["optimizer float32"] == 2 * state["grads float32"] == 2 * state["params float32"]  # adapters only
     assert [(p["ac_ratio"], p["micro_batch_size"]) for p in plan["points"]] == [(0.5, 1)] and plan["best"]
+
+
+def saved_at_cp(path: str, cp: int, seq_len: int) -> float:
+    """Bench's bytes saved for backward on this rank of a one-row (one-sample) micro-batch split over cp ranks."""
+    from finetune.bench import saved_for_backward_mb
+    from finetune.context import split_batch
+    from finetune.data.collate import sample_boundaries
+    from finetune.distributed import init_distributed
+    from finetune.loss import label_targets
+    from finetune.model import build_model
+    device, dims = init_distributed(cp=cp)
+    model = build_model(path, device, dims.mesh, attn_implementation="auto", cp_group=dims.cp_group)
+    ids = torch.randint(model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "position_ids": torch.arange(seq_len)[None], **sample_boundaries([seq_len]),
+             **label_targets(ids, None)}
+    return saved_for_backward_mb(model, split_batch(batch, dims.cp_rank, cp) if cp > 1 else batch) * 2**20
+
+
+def test_plan_with_cp_and_offload_matches_the_real_split_and_the_longest_row_fits(llama_dir):
+    """cp 2 on 2 ranks: the planned bytes saved for backward are the real ones (FSDP over both ranks, as cp 1);
+    with every block checkpointed, ac.offload leaves (almost) nothing on the GPU up to the last block. Then
+    --max-seq-len: cp 2 fits twice cp 1's row, and its answer fits when planned."""
+    real = run_ranks(saved_at_cp, 2, str(llama_dir), 2, 256)[0]
+    at_cp = planned(llama_dir, "bf16", [0.0], 1, 256, **{"parallel.cp": 2})
+    assert at_cp["points"][0]["saved"] == pytest.approx(real, rel=0.10) and at_cp["parallel"] == "FSDP 1 x cp 2"
+    ac = {off: planned(llama_dir, "bf16", [1.0], 1, 256, **{"ac.ratio": 1.0, "ac.offload": off})["points"][0]
+          for off in (False, True)}
+    assert ac[True]["activations"] < 0.02 * ac[False]["activations"]
+    result = invoke("plan", "--model", llama_dir, "--nproc-per-node", 2, "--gpu-memory", "160MB", "--sac-ratios", "1",
+                    "--max-seq-len", "--json")
+    assert result.exit_code == 0, (result.output, result.exception)
+    search = json.loads(result.stdout)
+    best, line = search["best"], search["max_seq_len"]["1.0"]
+    assert (best["cp"], best["ac_ratio"]) == (2, 1.0) and best["max_seq_len"] >= 4096
+    assert abs(line["2"] - 2 * line["1"]) <= 1024  # the same tokens per rank
+    plan = planned(llama_dir, "bf16", [1.0], 1, best["max_seq_len"], gpu_bytes=160 * 2**20, **{"parallel.cp": 2})
+    assert plan["points"][0]["fits"]
