@@ -1,7 +1,6 @@
 """Shared fixtures: tiny offline models (Llama untied, Qwen2 tied) with chat tokenizers, and small chat data."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -62,9 +61,8 @@ def make_chat_rows(n: int, seed: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def chat_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in make_chat_rows(96)))
-    return path
+    from helpers import write_jsonl
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", make_chat_rows(96))
 
 
 @pytest.fixture(scope="session")

@@ -170,6 +170,12 @@ BASE = ["train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0", "
         "log.progress=false"]
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """`rows` as a JSON-lines file at `path`; returns the path."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def sft_config(model_dir, data, out, *overrides):
     """The Config `finetune sft --model model_dir --dataset data --output-dir out BASE... overrides...` builds."""
     from finetune.cli import build_config

@@ -3,13 +3,12 @@ reference log-probs; the LoRA reference is the base with adapters off (FSDP2, 2 
 dropped and counted."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
 
-from helpers import BASE, losses, read_metrics, run_cli, run_ranks
+from helpers import BASE, losses, read_metrics, run_cli, run_ranks, write_jsonl
 
 WORDS = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
 
@@ -32,9 +31,7 @@ def make_pairs(n: int, seed: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in make_pairs(32)))
-    return path
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", make_pairs(32))
 
 
 def dpo_rank(cfg):
@@ -64,7 +61,7 @@ def test_one_step_matches_trl_dpo_trainer(llama_dir, tmp_path):
     from finetune.data.pairs import label_pair
     rows = make_pairs(8, seed=1)
     data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(data, rows)
     ours = dpo(llama_dir, data, tmp_path / "ours", "train.max_steps=2", "train.micro_batch_size=8", "train.beta2=0.999",
                "train.eps=1e-8", "train.weight_decay=0", "data.packing=false", "data.max_seq_len=1024",
                "train.max_grad_norm=1e6")
@@ -161,7 +158,7 @@ def test_bad_rows_stop_naming_the_line_or_are_dropped_and_counted(llama_dir, tmp
     good = make_pairs(4)
     data = tmp_path / "bad.jsonl"
     for k, (bad, reason) in enumerate(zip(BAD, ("missing_side", "prompt_mismatch", "empty_completion"))):
-        data.write_text("".join(json.dumps(r) + "\n" for r in good[:2] + [bad] + good[2:]))
+        write_jsonl(data, good[:2] + [bad] + good[2:])
         tok = load_tokenizer(str(llama_dir))
         samples = build_samples(str(data), tok, on_unsupported="drop", max_seq_len=256)
         assert samples.counts["kept"] == 4 and samples.counts[f"dropped_{reason}"] == 1
