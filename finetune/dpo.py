@@ -62,11 +62,13 @@ def collate_pairs(items: list[dict], pad_id: int, pad_to: int | None = None, tab
     batch["seq_tokens"] = torch.bincount(batch["label_seq"], minlength=2 * len(keys)).view(-1, 2).double()
     batch["pair_keys"] = keys
     if table is not None:
-        if missing := next((k for k in keys if k not in table), None):
-            raise ConfigError(f"{REF_FILE} has no reference log-probs for row {missing[1]} of {missing[0]}: the data "
+        try:
+            batch["ref_logps"] = torch.tensor([table[k] for k in keys], dtype=torch.float64)
+        except KeyError as e:
+            source, row = e.args[0]
+            raise ConfigError(f"{REF_FILE} has no reference log-probs for row {row} of source {source}: the data "
                               f"changed since they were computed; resume on the same data or start afresh "
-                              f"(--no-resume)")
-        batch["ref_logps"] = torch.tensor([table[k] for k in keys], dtype=torch.float64)
+                              f"(--no-resume)") from None
     return batch
 
 

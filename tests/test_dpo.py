@@ -200,3 +200,26 @@ def test_losses_and_rewards_follow_their_formulas(monkeypatch):
     mean = logps / batch["seq_tokens"].float()
     assert loss.item() == pytest.approx(-F.logsigmoid(2 * (mean[:, 0] - mean[:, 1]) - 0.5).sum().item())
     assert stats.tolist() == pytest.approx([2, 2 * (-1.5 - 4), 2 * (-1.25 - 1), 0])  # mean log-probs x beta
+
+
+def test_pairs_without_reference_log_probs_stop_in_one_line(llama_dir, pairs_file):
+    """A resumed run whose data holds a pair its precomputed table lacks (the data changed) stops in one line; a table
+    that fills in (bench's zeros) serves any pair."""
+    from collections import defaultdict
+
+    from finetune.config import ConfigError
+    from finetune.data import build_samples
+    from finetune.dpo import collate_pairs
+    from finetune.model import load_tokenizer
+    tok = load_tokenizer(str(llama_dir))
+    items = list(build_samples(str(pairs_file), tok, max_seq_len=256, shuffle=False, epoch_limit=1))[:2]
+    keys = [(s["source"], s["row"]) for item in items for s in item["sources"]]
+    table = {k: [-1.0, -2.0] for k in keys}
+    batch = collate_pairs(items, tok.pad_token_id, table=table)
+    assert batch["ref_logps"].tolist() == [[-1.0, -2.0]] * len(keys)
+    del table[keys[-1]]
+    with pytest.raises(ConfigError, match=rf"ref_logps.pt has no reference log-probs for row {keys[-1][1]} of "
+                                          r"source .*: the data changed since they were computed"):
+        collate_pairs(items, tok.pad_token_id, table=table)
+    zeros = collate_pairs(items, tok.pad_token_id, table=defaultdict(lambda: [0.0, 0.0]))
+    assert zeros["ref_logps"].abs().sum() == 0
