@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError
-from .data import pad_collate
 from .distributed import is_main, print0, world_size
 from .errors import FinetuneError
-from .loss import label_targets, token_loss_sum
+from .loss import collate_labelled, token_loss_sum
 
 PAIR_KEYS = ("label_seq", "pair_keys", "seq_tokens", "ref_logps")  # batch entries the model never sees
 REF_FILE = "ref_logps.pt"
@@ -48,10 +47,9 @@ def reference_kind(cfg) -> str | None:
 
 
 def collate_pairs(items: list[dict], pad_id: int, pad_to: int | None = None, table: dict | None = None) -> dict:
-    """(host) pad_collate + label_targets, and per pair: label_seq (2 x pair + side of each target), seq_tokens
+    """(host) loss.collate_labelled, and per pair: label_seq (2 x pair + side of each target), seq_tokens
     (P, 2) its label counts, pair_keys (source, row), and from `table` its reference log-probs ref_logps (P, 2)."""
-    batch = pad_collate(items, pad_id=pad_id, pad_to=pad_to)
-    batch.update(label_targets(batch.pop("labels"), batch["position_ids"]))
+    batch = collate_labelled(items, pad_id, pad_to)
     seq, offset = torch.full_like(batch["position_ids"], -1), 0
     for i, item in enumerate(items):  # each sequence (side) starts where its position_ids restart
         n = len(item["input_ids"])

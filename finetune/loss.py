@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, pad_collate
 
 LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss reads; the model gets the rest
 
@@ -32,6 +32,13 @@ def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> di
     if index.numel() == 0:  # keep one ignored position: every rank still runs forward and backward
         index = torch.zeros(1, dtype=torch.long)
     return {"label_index": index, "label_targets": flat[index]}
+
+
+def collate_labelled(items: list[dict], pad_id: int, pad_to: int | None = None) -> dict:
+    """(host) A micro-batch of samples: pad_collate's inputs and boundaries, with label_targets in place of labels."""
+    batch = pad_collate(items, pad_id=pad_id, pad_to=pad_to)
+    batch.update(label_targets(batch.pop("labels"), batch["position_ids"]))
+    return batch
 
 
 def is_fused(model) -> bool:

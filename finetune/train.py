@@ -14,12 +14,12 @@ from . import checkpoint as ckpt
 from . import dpo, faults
 from .config import Config, ConfigError, resume_note, to_toml
 from .context import cp_width, split_batch
-from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, pad_collate, read_chat_template
+from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .evaluate import evaluate, report_eval
 from .export import export_hf
-from .loss import label_targets, token_loss_sum
+from .loss import collate_labelled, token_loss_sum
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
 from .model import build_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler
@@ -34,7 +34,7 @@ class NonFiniteError(FinetuneError):
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
                        collate=None, cp: tuple[int, int] = (0, 1)):
     """This rank's micro-batches for one optimizer step (model inputs, sample boundaries, label targets: see
-    collate.pad_collate and loss.label_targets; or what `collate` makes of the items: dpo, no cp); and their number
+    loss.collate_labelled; or what `collate` makes of the items: dpo, no cp); and their number
     of real tokens. With cp = (cp rank, N > 1), the rows are this data rank's, and this rank takes its slice of them
     (context.split_batch; 1/N of the real tokens)."""
     batches, num_input_tokens = [], 0
@@ -45,8 +45,7 @@ def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pa
             batches.append(collate(items, pad_id, pad_to))
             continue
         width = pad_to or max(len(x["input_ids"]) for x in items)
-        batch = pad_collate(items, pad_id=pad_id, pad_to=cp_width(width, cp[1]))
-        batch.update(label_targets(batch.pop("labels"), batch["position_ids"]))
+        batch = collate_labelled(items, pad_id, cp_width(width, cp[1]))
         batches.append(split_batch(batch, *cp) if cp[1] > 1 else batch)
     return batches, num_input_tokens
 
