@@ -1,5 +1,6 @@
 """`finetune bench`: sweep the activation-checkpointing ratio (and optionally the micro-batch / accumulation split),
-one fresh process per point so peak memory is clean; writes bench.json, bench.md and bench.png.
+fresh processes per point so peak memory is clean (with --nproc-per-node N, N ranks launched by torch's elastic
+launcher: context parallelism, FSDP); writes bench.json, bench.md and bench.png.
 
 Each point builds the real model (kernels -> AC -> compile -> FSDP), runs warm-up + timed optimizer steps on the
 same fixed-shape batches (data.pad_to_max) and reports the median step time, tokens/s (padding included: the
@@ -86,16 +87,16 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times[warmup:])
+    tokens_per_s = tc.micro_batch_size * tc.grad_accum_steps * dc.max_seq_len / step_time / dims.cp  # per device
     num_layers = model.config.num_hidden_layers  # (find_layers cannot tell mixed FSDP/AC blocks apart yet)
     num_params = sum(p.numel() for p in model.parameters())
-    tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * dc.max_seq_len
     peak = peak_flops(device)
     flops_tok = flops_per_token(model, dc.max_seq_len)
     result = {"ac_ratio": cfg.ac.ratio, "ac_mode": cfg.ac.mode, "ac_blocks": ac_layer_ids(num_layers, cfg.ac.ratio),
               "num_layers": num_layers, "num_params": num_params, "micro_batch_size": tc.micro_batch_size,
               "grad_accum_steps": tc.grad_accum_steps, "seq_len": dc.max_seq_len, "step_time_s": step_time,
-              "step_times_s": times, "tokens_per_s": tokens_per_step / step_time,
-              "mfu": tokens_per_step / step_time * flops_tok / peak if peak else None,
+              "step_times_s": times, "tokens_per_s": tokens_per_s, "num_ranks": dims.mesh.size(), "cp": dims.cp,
+              "mfu": tokens_per_s * flops_tok / peak if peak else None,
               "peak_mem_mb": peak_mem_mb(device),
               "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
               "device": device_name(), "device_memory_mb": default_budget_mb(),
@@ -110,7 +111,9 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
 
 
 def run_worker(job: dict) -> None:
-    """One sweep point in a child process; the result (or a one-line error) goes to job["result"]."""
+    """One sweep point in a child process (each rank's); rank 0's result (or a one-line error) goes to
+    job["result"]."""
+    import os
     from .distributed import teardown
     try:
         result = run_point(load_config(job["config"], job["overrides"]), job["steps"], job["warmup"])
@@ -121,7 +124,8 @@ def run_worker(job: dict) -> None:
         result = {"error": one_line(e)}
     finally:
         teardown()
-    Path(job["result"]).write_text(json.dumps(result))
+    if os.environ.get("RANK", "0") == "0":
+        Path(job["result"]).write_text(json.dumps(result))
 
 
 def start_workers(model_type: str):
@@ -135,41 +139,63 @@ def start_workers(model_type: str):
     return ctx
 
 
+def run_process(ctx, job: dict, tag: str) -> int | None:
+    """One point in a child of the fork server; its exit code."""
+    proc = ctx.Process(target=run_worker, args=(job,), name=f"bench {tag}")
+    proc.start()
+    proc.join()
+    return proc.exitcode
+
+
+def launch_point(job: dict, nproc: int) -> int:
+    """One point on `nproc` fresh ranks through torch's elastic launcher; the first failed rank's exit code, or 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from .launch import local_launch_config
+    try:
+        elastic_launch(local_launch_config(nproc), run_worker)(job)
+    except ChildFailedError as e:
+        return next(iter(e.failures.values())).exitcode
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------- the sweep
 
 def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps: int, warmup: int,
-              out_dir: Path, budget_mb: float | None) -> list[dict]:
-    """Run every (ratio, accumulation) point in a fresh process; write bench.json/md/png; print the table."""
-    if cfg.train.tokens_per_step:  # bench runs one rank: the rows of a step as sft takes them there, as accumulation
+              out_dir: Path, budget_mb: float | None, nproc: int = 1) -> list[dict]:
+    """Run every (ratio, accumulation) point in fresh processes (`nproc` ranks each); write bench.json/md/png;
+    print the table."""
+    from .config import check_parallel
+    p = cfg.parallel
+    data_ranks = p.dp_replicate * check_parallel(p.dp_replicate, p.dp_shard, nproc, p.cp)
+    if cfg.train.tokens_per_step:  # the rows of a step as sft takes them on these ranks, as accumulation
         from .train import accum_steps
         cfg.train.grad_accum_steps = accum_steps(cfg.train.micro_batch_size, 1, cfg.train.tokens_per_step,
-                                                 cfg.data.max_seq_len, 1)
+                                                 cfg.data.max_seq_len, data_ranks)
         cfg.train.tokens_per_step = 0
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+    rank_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps  # rows per data rank and step
     accums = accums or [cfg.train.grad_accum_steps]
     for a in accums:  # the global batch stays fixed; only its split into micro-batches changes
-        if global_batch % a:
-            raise ConfigError(f"--grad-accum {a} does not divide the global batch of {global_batch} samples "
+        if rank_batch % a:
+            raise ConfigError(f"--grad-accum {a} does not divide the {rank_batch} rows a data rank takes a step "
                               f"(train.micro_batch_size * train.grad_accum_steps)")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.toml").write_text(to_toml(cfg))
     from .model import load_hf_config
-    ctx = start_workers(load_hf_config(cfg.model.path, cfg.model.trust_remote_code).model_type)
+    ctx = start_workers(load_hf_config(cfg.model.path, cfg.model.trust_remote_code).model_type) if nproc == 1 else None
     rows = []
     for accum in accums:
         for ratio in ratios:
             tag = f"ac.ratio={ratio:g} grad_accum={accum}"
             overrides = {"ac.ratio": ratio, "train.grad_accum_steps": accum, "data.pad_to_max": True,
-                         "train.micro_batch_size": global_batch // accum, "output_dir": str(out_dir)}
+                         "train.micro_batch_size": rank_batch // accum, "output_dir": str(out_dir)}
             result_file = out_dir / f"point_r{ratio:g}_a{accum}.json"
             result_file.unlink(missing_ok=True)
             job = {"config": str(out_dir / "config.toml"), "overrides": overrides, "steps": steps,
                    "warmup": warmup, "result": str(result_file)}
-            proc = ctx.Process(target=run_worker, args=(job,), name=f"bench {tag}")
-            proc.start()
-            proc.join()
+            exit_code = launch_point(job, nproc) if ctx is None else run_process(ctx, job, tag)
             row = json.loads(result_file.read_text()) if result_file.exists() else \
-                {"error": f"the worker died (exit code {proc.exitcode})"}
+                {"error": f"the worker died (exit code {exit_code})"}
             result_file.unlink(missing_ok=True)
             row.update(ac_ratio=ratio, grad_accum_steps=accum)
             rows.append(row)
@@ -184,8 +210,9 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
         r["overhead"] = r["step_time_s"] / base["step_time_s"] - 1
     budget_mb = budget_mb or ok[0]["device_memory_mb"]
     meta = {"model": cfg.model.path, "device": ok[0]["device"], "ac_mode": cfg.ac.mode, "seq_len": cfg.data.max_seq_len,
-            "global_batch": global_batch, "mixed_precision": cfg.train.mixed_precision, "steps": steps,
-            "warmup": warmup, "memory_budget_mb": budget_mb, "cuda": torch.cuda.is_available()}
+            "global_batch": rank_batch * data_ranks, "ranks": nproc, "cp": p.cp, "steps": steps, "warmup": warmup,
+            "mixed_precision": cfg.train.mixed_precision, "memory_budget_mb": budget_mb,
+            "cuda": torch.cuda.is_available()}
     meta["recommendation"] = recommend(rows, budget_mb, meta["cuda"])
     (out_dir / "bench.json").write_text(json.dumps({**meta, "points": rows}, indent=2))
     table = format_table(rows, meta)
@@ -217,9 +244,10 @@ def recommend(rows: list[dict], budget_mb: float, cuda: bool) -> str:
 def format_table(rows: list[dict], meta: dict) -> str:
     mem = "peak alloc / reserved (MB)" if meta["cuda"] else "peak RSS (MB)"
     base = min(r["ac_ratio"] for r in rows)
+    ranks = "one device" if meta.get("ranks", 1) == 1 else f"{meta['ranks']} ranks (cp {meta['cp']}), rank 0's memory"
     lines = [f"AC sweep: {meta['model']} on {meta['device']}; seq {meta['seq_len']}, global batch "
              f"{meta['global_batch']}, {meta['mixed_precision']}, ac.mode={meta['ac_mode']}, median of "
-             f"{meta['steps']} steps after {meta['warmup']} warm-up; one device; {MFU_CONVENTION}", "",
+             f"{meta['steps']} steps after {meta['warmup']} warm-up; {ranks}; {MFU_CONVENTION}", "",
              f"| ac.ratio | blocks | micro x accum | step time (s) | tokens/s per device | MFU | {mem} "
              f"| saved for backward (MB) | overhead vs ratio {base:g} |", "|---:" * 9 + "|"]
     for r in rows:

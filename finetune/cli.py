@@ -326,8 +326,8 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
                                                    "batch into this many micro-batches, e.g. 1,2,4"),
           memory_budget: Optional[float] = typer.Option(None, "--memory-budget", help="MB the recommended point "
                                                         "must fit (default: GPU memory, or host RAM on CPU)"),
-          debug: bool = DEBUG):
-    """Measure step time, tokens/s, MFU and memory across activation-checkpointing ratios (fresh process each)."""
+          nproc_per_node: int = NPROC, debug: bool = DEBUG):
+    """Measure step time, tokens/s, MFU and memory across activation-checkpointing ratios (fresh processes each)."""
     def run():
         from .bench import run_bench
         from .model import load_hf_config
@@ -336,10 +336,11 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         check_flag("--steps", steps > 0, "> 0", steps)
         check_flag("--warmup", warmup >= 0, ">= 0", warmup)
         check_flag("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)", memory_budget)
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model path fails here, not per point
-        set_threads(1)
-        run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget)
+        set_threads(nproc_per_node)
+        run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget, nproc_per_node)
     guarded(run, debug)
 
 

@@ -3,9 +3,9 @@ transformers 5.23, huggingface_hub 2.4, liger-kernel 0.8.5): an upgrade that mov
 Imports nothing of ours; optional packages only when called."""
 from __future__ import annotations
 
-# torch 2.15: the module wrappers for non-reentrant activation checkpointing and offload live in a private package
+# torch 2.15: the module wrappers for non-reentrant activation checkpointing live in a private package
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
-    CheckpointImpl, OffloadWrapper, checkpoint_wrapper, offload_wrapper)
+    ActivationWrapper, CheckpointImpl, checkpoint_wrapper)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - torch 2.15
 from torch.utils._pytree import tree_leaves  # noqa: F401 - torch 2.15
 

@@ -45,11 +45,9 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     set_threads(nproc)  # nproc >= 1: checked with the rest of the input
     if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
         return rank_main(entry, args, debug)
-    import uuid
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    from .distributed import free_port
+    from torch.distributed.launcher.api import elastic_launch
     # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them. SIGINT
     # is ours: the ranks run in their own sessions, so a Ctrl-C reaches them only through this process, which passes
     # the first one on (the ranks save and stop, as on SIGTERM) and kills them on the second. (Not by raising into
@@ -68,14 +66,9 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
         print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
         os._exit(130)
     signal.signal(signal.SIGINT, on_sigint)
-    # every node's launcher must name the same rendezvous run: the SLURM job, or one fixed name per endpoint
-    run_id = os.environ.get("SLURM_JOB_ID", "finetune") if nnodes > 1 else str(uuid.uuid4())
-    lc = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
-                      rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", max_restarts=0,
-                      signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",
-                      monitor_interval=0.5, shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
     try:
-        elastic_launch(lc, sys.executable)("-m", "finetune", *sys.argv[1:])
+        elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",
+                                                                                         *sys.argv[1:])
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         raise SystemExit(2 if 2 in codes else (codes[0] or 1)) from None
@@ -84,6 +77,19 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
         print(f"finetune: {e.sigval.name} forwarded to the ranks; "
               f"{'they saved and stopped' if ok else 'no new checkpoint was completed'}", file=sys.stderr)
         raise SystemExit(0 if ok else 1) from None
+
+
+def local_launch_config(nproc: int, nnodes: int = 1, rdzv_endpoint: str = ""):
+    """torch's elastic LaunchConfig for `nproc` ranks here (of `nnodes` meeting at `rdzv_endpoint`), no restarts."""
+    import uuid
+    from torch.distributed.launcher.api import LaunchConfig
+    from .distributed import free_port
+    # every node's launcher must name the same rendezvous run: the SLURM job, or one fixed name per endpoint
+    run_id = os.environ.get("SLURM_JOB_ID", "finetune") if nnodes > 1 else str(uuid.uuid4())
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
+                        rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", max_restarts=0,
+                        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1", monitor_interval=0.5,
+                        shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
 
 
 def rank_main(entry: Callable, args: tuple, debug: bool):

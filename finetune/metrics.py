@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .compat import OffloadWrapper, storage_key
+from .compat import storage_key
+from .offload import Offloaded
 from .distributed import is_main, print0
 from .outdir import keep_beside
 
@@ -82,9 +83,9 @@ def count_saved(model):
             for t in (v if isinstance(v, tuple) else (v,)):
                 keep(t)
 
-    offloaded = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, OffloadWrapper)}
+    offloaded = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, Offloaded)}
     ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")  # not what is in host memory:
-            and not isinstance(m, OffloadWrapper) and id(m) not in offloaded]
+            and not isinstance(m, Offloaded) and id(m) not in offloaded]
     handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):

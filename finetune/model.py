@@ -26,8 +26,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from .attention import check_packing, resolve_attn_implementation
-from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper, offload_wrapper
+from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
 from .context import apply_cp
+from .offload import HostOffload, Offloaded
 from .distributed import print0
 from .errors import ModelError, one_line
 from .load import base_fingerprint, check_manifest, is_prepared, load_hf_weights, load_prepared_weights
@@ -180,19 +181,18 @@ def _op_sac_policy():
 
 
 def apply_ac(model: nn.Module, ratio: float, mode: str = "block", offload: bool = False) -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices. `offload`: and in
-    torch's offload wrapper (save_on_cpu, pinned): the inputs a checkpoint keeps for its recompute are saved through
-    the saved-tensor hooks around it (the ones inside are the checkpoint's own), so they go to host memory and come
-    back (non-blocking from pinned memory) when the block is recomputed."""
+    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices. `offload`: the
+    inputs each keeps for its recompute go to host memory and back, overlapped with compute (finetune.offload)."""
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
     # respect_saved_tensors_hooks: the outputs op-level AC keeps go through the caller's saved_tensors_hooks
     # (save_on_cpu, the bench's saved-bytes count) like any saved tensor; torch's legacy default bypasses them
     kwargs = {"context_fn": _op_sac_policy(), "respect_saved_tensors_hooks": True} if mode == "op" else {}
+    host = HostOffload() if offload else None  # one copy stream and block order for the whole model
     for i in ids:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
         if offload:
-            layers[i] = offload_wrapper(layers[i])
+            layers[i] = Offloaded(layers[i], host)
     return ids
 
 

@@ -1,5 +1,6 @@
 """Context parallelism (parallel.cp) on in-process gloo ranks against one process: cp 2 on 2 ranks, FSDP 2 x cp 2
-on 4, a tied grouped-query Qwen2 with LoRA at cp 4 (fewer KV heads than ranks: repeated); resume cp 2 -> 1 -> 4; the
+on 4, a tied grouped-query Qwen2 with LoRA at cp 4 (fewer KV heads than ranks: repeated), HSDP 2 x cp 2 with LoRA on
+Llama, bench's point at cp 2 (half the activations per rank); resume cp 2 -> 1 -> 4; the
 split of a packed micro-batch (no target lost at a shard edge, a width N does not divide); layouts refused in one
 line. Activation offload (ac.offload) trains as without it and keeps less for backward."""
 from __future__ import annotations
@@ -47,6 +48,32 @@ def test_cp_4_equals_one_process_for_a_tied_gqa_qwen2_with_lora(qwen_tied_dir, c
     run = (*RUN, "train.max_steps=3", "train.micro_batch_size=2", "lora.rank=8")
     close(sft(qwen_tied_dir, chat_file, tmp_path / "cp", *run, "parallel.cp=4", nproc=4),
           sft(qwen_tied_dir, chat_file, tmp_path / "one", *run))
+
+
+def test_hsdp_2_x_cp_2_equals_one_process_for_llama_with_lora(llama_dir, chat_file, tmp_path):
+    """4 ranks: 2 replicas (HSDP) of 2 cp ranks each; one data rank per replica, a row each."""
+    run = (*RUN, "train.max_steps=3", "lora.rank=8")
+    close(sft(llama_dir, chat_file, tmp_path / "hsdp", *run, "train.micro_batch_size=1", "parallel.dp_replicate=2",
+              "parallel.cp=2", nproc=4),
+          sft(llama_dir, chat_file, tmp_path / "one", *run, "train.micro_batch_size=2"))
+
+
+def bench_point(cfg) -> dict:
+    from finetune.bench import run_point
+    return run_point(cfg, 2, 1)
+
+
+def test_bench_on_cp_ranks_measures_the_same_steps_with_half_the_activations_per_rank(llama_dir, chat_file, tmp_path):
+    """bench's point on 2 cp ranks (what `finetune bench --nproc-per-node 2 parallel.cp=2` runs on each): the
+    losses of one process, and each rank keeps about half of what one process keeps for backward (its half of
+    every row), at a fixed row length."""
+    run = ("data.max_seq_len=512", "data.pad_to_max=true", "train.micro_batch_size=1", "train.grad_accum_steps=1")
+    one, = run_ranks(bench_point, 1, sft_config(llama_dir, chat_file, tmp_path / "one", *run))
+    two = run_ranks(bench_point, 2, sft_config(llama_dir, chat_file, tmp_path / "cp", *run, "parallel.cp=2"))
+    assert two[0]["losses"] == pytest.approx(one["losses"], rel=1e-5) and two[0]["cp"] == 2
+    for rank in two:
+        assert 0.45 < rank["saved_mb"] / one["saved_mb"] < 0.55, (rank["saved_mb"], one["saved_mb"])
+    assert two[0]["tokens_per_s"] == pytest.approx(512 / two[0]["step_time_s"] / 2)  # per device
 
 
 def test_split_keeps_every_target_and_pads_a_width_n_does_not_divide():
@@ -114,25 +141,37 @@ def test_models_and_layouts_cp_cannot_split_are_refused_in_one_line(llama_dir, c
         run_ranks(train_rank, 3, sft_config(llama_dir, chat_file, tmp_path / "run", "parallel.cp=3"))
 
 
-def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], float]:
-    """(bytes one forward keeps on the device, the gradients' norms, the loss) of a model with every block
-    checkpointed, its inputs offloaded or not: apply_ac on the CPU, where build_model would skip the offload."""
+def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], list[tuple[int, bool]]]:
+    """(bytes one forward keeps on the device, the gradients' norms, for each tensor the backward took back from
+    host memory: (its block, whether it was already fetched)) of a model with every block checkpointed, its inputs
+    offloaded or not: apply_ac (on the CPU, where build_model would skip the offload, copies without streams)."""
     from finetune.bench import saved_for_backward_mb
     from finetune.distributed import init_distributed
     from finetune.loss import label_targets
-    from finetune.model import apply_ac, build_model
+    from finetune.model import apply_ac, build_model, find_layers
     device, dims = init_distributed()
     model = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
     apply_ac(model, 1.0, "block", offload)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
-    ids = torch.randint(model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    taken = []
+    if offload:
+        blocks, host = [], find_layers(model)[0].offload
+        pack, unpack = host.pack, host.unpack
+        host.pack = lambda t: (blocks.append(host.block) if host.block not in blocks else None, pack(t))[1]
+        host.unpack = lambda s: (taken.append((blocks.index(s.block), s.fetched is not None)), unpack(s))[1]
+    ids = torch.randint(model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
     saved = saved_for_backward_mb(model, {"input_ids": ids, **label_targets(ids, None)})
-    return saved, [p.grad.norm().item() for p in model.parameters()]
+    return saved, [p.grad.norm().item() for p in model.parameters()], taken
 
 
 def test_ac_offload_trains_as_without_and_keeps_the_block_inputs_off_the_device(llama_dir):
-    (plain, grads), = run_ranks(offload_saved, 1, str(llama_dir), False)
-    (offloaded, grads_off), = run_ranks(offload_saved, 1, str(llama_dir), True)
+    (plain, grads, _), = run_ranks(offload_saved, 1, str(llama_dir), False)
+    (offloaded, grads_off, taken), = run_ranks(offload_saved, 1, str(llama_dir), True)
     assert grads_off == pytest.approx(grads, rel=1e-6)
     # the 4 blocks' inputs (2 rows x 64 tokens x hidden 64, fp32) and those they share once: RoPE's cos and sin
     # (1 x 64 x head_dim 16, fp32) and the position_ids (64, int64)
     assert (plain - offloaded) * 2**20 == 4 * 2 * 64 * 64 * 4 + 2 * 64 * 16 * 4 + 64 * 8
+    # the backward takes the blocks back last to first; each block's inputs were on their way back (fetched when
+    # the backward took the block after it), except the last block's, which the backward needs first
+    per_block = len(taken) // 4
+    assert per_block and [b for b, _ in taken] == [b for b in (3, 2, 1, 0) for _ in range(per_block)]
+    assert [f for _, f in taken] == [False] * per_block + [True] * 3 * per_block

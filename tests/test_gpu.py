@@ -84,3 +84,13 @@ def test_bench_sweeps_a_compiled_checkpointed_model(llama_dir, chat_file, tmp_pa
     rows = json.loads((tmp_path / "bench.json").read_text())["points"]
     assert [r["ac_ratio"] for r in rows] == [0, 1] and all("error" not in r for r in rows), rows
     assert rows[1]["saved_mb"] < rows[0]["saved_mb"] and rows[1]["saved_eager"], rows
+
+
+def test_ac_offload_on_streams_gives_the_gradients_without_it(llama_dir):
+    """The copy stream's D2H/H2D (finetune.offload) hand every checkpointed block its own inputs back, one block
+    ahead of the backward, and keep them off the GPU."""
+    from test_context import offload_saved
+    plain, grads, _ = fresh_process(offload_saved, str(llama_dir), False)
+    offloaded, grads_off, taken = fresh_process(offload_saved, str(llama_dir), True)
+    assert grads_off == pytest.approx(grads, rel=1e-5) and offloaded < plain
+    assert [f for _, f in taken].count(False) == len(taken) // 4  # only the last block's were not on their way

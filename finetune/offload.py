@@ -1,0 +1,81 @@
+"""ac.offload: the inputs a checkpointed block keeps for its recompute go to pinned host memory and come back for
+the backward, both on a side CUDA stream so the copies overlap compute: each block's inputs leave while the next
+blocks run forward, and come back one block ahead of the backward that needs them. (torch's save_on_cpu copies on
+the compute stream, where copies and kernels take turns.) Off CUDA (plan's fake tensors, tests) it copies in place
+of streaming."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .compat import ActivationWrapper
+
+
+class _Saved:
+    """One saved tensor: its device, its host copy, its device copy once fetched back, whether the backward used it."""
+    __slots__ = ("device", "host", "block", "fetched", "used")
+
+    def __init__(self, device, host, block):
+        self.device, self.host, self.block, self.fetched, self.used = device, host, block, None, False
+
+
+class _Block:
+    """What one call of an offloaded block saved, and (weakly: it is gone once its backward ran) the block before."""
+    __slots__ = ("saved", "prev", "__weakref__")
+
+    def __init__(self, prev: _Block | None):
+        self.saved, self.prev = [], weakref.ref(prev) if prev is not None else (lambda: None)
+
+
+class HostOffload:
+    """Saved-tensor hooks shared by the offloaded blocks of one model, and their copy stream (made at the first
+    CUDA tensor)."""
+
+    def __init__(self):
+        self.stream, self.block = None, None
+
+    def copy(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self.stream is None:
+            return t.to(device, copy=True)
+        with torch.cuda.stream(self.stream):  # queued after the stream's earlier copies (a tensor's D2H first)
+            out = torch.empty(t.size(), dtype=t.dtype, device=device, pin_memory=device.type == "cpu")
+            out.copy_(t, non_blocking=True)
+        return out
+
+    def pack(self, t: torch.Tensor) -> _Saved:
+        if t.is_cuda:
+            self.stream = self.stream or torch.cuda.Stream(t.device)
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written
+            t.record_stream(self.stream)  # its memory is not reused before the copy is done
+        saved = _Saved(t.device, self.copy(t, torch.device("cpu")), self.block)
+        self.block.saved.append(saved)
+        return saved
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        out = saved.fetched if saved.fetched is not None else self.copy(saved.host, saved.device)
+        saved.fetched, saved.used = None, True
+        if out.is_cuda:
+            compute = torch.cuda.current_stream(out.device)
+            compute.wait_stream(self.stream)
+            out.record_stream(compute)
+        prev = saved.block.prev()  # the block the backward reaches next: its inputs start coming back now
+        for s in prev.saved if prev is not None else ():
+            if s.fetched is None and not s.used:
+                s.fetched = self.copy(s.host, s.device)
+        return out
+
+
+class Offloaded(ActivationWrapper):
+    """A checkpointed block (checkpoint_wrapper) whose saved inputs go through `offload`'s hooks; the hooks inside
+    are the checkpoint's own, so only what the checkpoint keeps for its recompute is offloaded."""
+
+    def __init__(self, module: nn.Module, offload: HostOffload):
+        super().__init__(module)
+        self.offload = offload
+
+    def forward(self, *args, **kwargs):
+        self.offload.block = _Block(self.offload.block)
+        with torch.autograd.graph.saved_tensors_hooks(self.offload.pack, self.offload.unpack):
+            return self._checkpoint_wrapped_module(*args, **kwargs)
