@@ -13,6 +13,8 @@
 #   peers    benchmarks/compare_peers.py on CUDA, ONE alternating round (finetune defaults, TRL, HF Trainer) added to
 #            the rounds in outputs/peers/compare_peers.json when there is one (a machine starts bare: bring back
 #            $OUT/peers/compare_peers.json into outputs/peers/ and carry outputs/peers), written to $OUT/peers/
+#   offload  `finetune bench` of the 886M Llama on one long packed row (SEQ, default 32768), every block checkpointed,
+#            ac.offload=false / true alternating twice: peak memory and step time with and without (issue 24)
 #   lora8b   benchmarks/gpu_points.py lora8b: an 8B-class model with LoRA, against plan's memory figure
 #   full     benchmarks/gpu_points.py full: the largest full fine-tune plan says fits one GPU, against plan
 # The issue-22 "Done when" in five calls: `env tests`, `bench`, `peers`, `peers` (+ `lora8b`, `full` for the points).
@@ -30,6 +32,14 @@ if [ -z "${NO_WHL:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 FT="python3 -m finetune"
+m1b() {  # the 886M Llama-shaped model (random weights) of the bench stages
+  [ -d /tmp/m1b ] || python3 - <<'PY'
+import sys; sys.path.insert(0, "benchmarks")
+from load_and_export import make_model_dir
+from pathlib import Path
+print("params", make_model_dir(Path("/tmp/m1b"), layers=16, hidden=2048, intermediate=5632, vocab=32000))
+PY
+}
 stages=${*:-env tests bench}
 for s in $stages; do case $s in
 env)
@@ -43,12 +53,7 @@ tests)
 sft)
   /usr/bin/time -v $FT sft -o /tmp/gpu-sft-bf16 train.mixed_precision=bf16 2>&1 | grep -vE "^\s+(Average|Exit|Page|Swaps|File|Socket|Signals|Voluntary|Involuntary|Minor|Major|System time|User time|Percent)" | tee $OUT/sft-bf16.log | tail -25;;
 bench)
-  [ -d /tmp/m1b ] || python3 - <<'PY'
-import sys; sys.path.insert(0, "benchmarks")
-from load_and_export import make_model_dir
-from pathlib import Path
-print("params", make_model_dir(Path("/tmp/m1b"), layers=16, hidden=2048, intermediate=5632, vocab=32000))
-PY
+  m1b
   common="--model /tmp/m1b --dataset examples/data/tiny_chat.jsonl --steps 8 --warmup 3 data.packing=true data.max_seq_len=2048 train.micro_batch_size=8 train.mixed_precision=bf16"
   for name in ${VARIANTS:-auto sdpa}; do
     attn=sdpa; liger=false; comp=false
@@ -65,6 +70,14 @@ peers)
   python3 benchmarks/compare_peers.py --only peers --device cuda --rounds 1 --steps ${STEPS:-8} --warmup 3 \
     --systems defaults,trl,hf --append --output-dir /tmp/peers 2>&1 | tee -a $OUT/peers.log | tail -12
   mkdir -p $OUT/peers && cp /tmp/peers/compare_peers.json $OUT/peers/;;
+offload)
+  m1b
+  for round in 1 2; do for off in false true; do
+    $FT bench --model /tmp/m1b --dataset examples/data/tiny_chat.jsonl --steps 6 --warmup 2 --sac-ratios 1 \
+      data.packing=true data.max_seq_len=${SEQ:-32768} train.micro_batch_size=1 train.mixed_precision=bf16 \
+      ac.offload=$off -o /tmp/offload-$off-$round 2>&1 | tail -4
+    cp /tmp/offload-$off-$round/bench.md $OUT/offload-$off-$round.md 2>/dev/null
+  done; done;;
 lora8b|full)
   python3 benchmarks/gpu_points.py $s --output-dir /tmp/points 2>&1 | tee $OUT/$s.log | grep -v "^step"
   cp /tmp/points/gpu_points.json $OUT/$s.json 2>/dev/null;;

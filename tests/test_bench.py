@@ -71,8 +71,12 @@ def test_list_flags_parse_or_name_the_flag():
 
 def test_grad_accum_must_split_the_global_batch(llama_dir, chat_file, tmp_path):
     cfg = load_config(None, {"model.path": str(llama_dir), "data.path": str(chat_file), "train.micro_batch_size": 4})
-    with pytest.raises(ConfigError, match="--grad-accum 3 does not divide the global batch of 4 samples"):
+    with pytest.raises(ConfigError, match="--grad-accum 3 does not divide the 4 rows a data rank takes a step"):
         run_bench(cfg, [0.0], [1, 3], steps=1, warmup=0, out_dir=tmp_path, budget_mb=None)
+    cfg.parallel.cp = 2  # a layout the launched ranks cannot take, before any point runs
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not divide the 1 ranks of a replica"):
+        run_bench(cfg, [0.0], None, steps=1, warmup=0, out_dir=tmp_path / "cp", budget_mb=None)
+    assert not (tmp_path / "cp").exists()
 
 
 def point(ratio, tokens_per_s, mem_mb, accum=1):
