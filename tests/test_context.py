@@ -1,5 +1,5 @@
 """Context parallelism (parallel.cp) on in-process gloo ranks against one process: cp 2 on 2 ranks, FSDP 2 x cp 2
-on 4, a tied grouped-query Qwen2 with LoRA at cp 4 (fewer KV heads than ranks: repeated), HSDP 2 x cp 2 with LoRA on
+on 4, a tied grouped-query Qwen2 with LoRA at cp 4 (fewer KV heads than ranks: repeated), HSDP 2 x cp 2 with LoRA and AC on
 Llama, bench's point at cp 2 (half the activations per rank); resume cp 2 -> 1 -> 4; the
 split of a packed micro-batch (no target lost at a shard edge, a width N does not divide); layouts refused in one
 line. Activation offload (ac.offload) trains as without it and keeps less for backward."""
@@ -51,10 +51,11 @@ def test_cp_4_equals_one_process_for_a_tied_gqa_qwen2_with_lora(qwen_tied_dir, c
 
 
 def test_hsdp_2_x_cp_2_equals_one_process_for_llama_with_lora(llama_dir, chat_file, tmp_path):
-    """4 ranks: 2 replicas (HSDP) of 2 cp ranks each; one data rank per replica, a row each."""
+    """4 ranks: 2 replicas (HSDP) of 2 cp ranks each; one data rank per replica, a row each; half the blocks
+    checkpointed (their recompute exchanges again)."""
     run = (*RUN, "train.max_steps=3", "lora.rank=8")
     close(sft(llama_dir, chat_file, tmp_path / "hsdp", *run, "train.micro_batch_size=1", "parallel.dp_replicate=2",
-              "parallel.cp=2", nproc=4),
+              "parallel.cp=2", "ac.ratio=0.5", nproc=4),
           sft(llama_dir, chat_file, tmp_path / "one", *run, "train.micro_batch_size=2"))
 
 
