@@ -197,10 +197,11 @@ def apply_ac(model: nn.Module, ratio: float, mode: str = "block", offload: bool 
 
 
 def apply_compile(model: nn.Module, enabled: bool) -> None:
-    """Compile each decoder block in place (keeps parameter names; one graph reused by every block)."""
+    """Compile each decoder block in place (keeps parameter names; one graph reused by every block). An offloaded
+    block's hooks stay outside the compiled region (eager, as they are Python)."""
     if enabled:
         for layer in find_layers(model):
-            layer.compile()
+            (layer._checkpoint_wrapped_module if isinstance(layer, Offloaded) else layer).compile()
 
 
 def shard_dim(shape, shards: int) -> int:
