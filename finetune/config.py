@@ -270,10 +270,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for key, value in _flatten(table).items():
             set_key(cfg, key, value)
         for key in PATH_KEYS:  # the preset's relative paths (overrides are relative to the cwd)
-            if get_key(cfg, key):
-                set_key(cfg, key, resolve_path(get_key(cfg, key), preset.parent))
+            if value := get_key(cfg, key):
+                set_key(cfg, key, resolve_path(value, preset.parent))
         for src in cfg.data.sources:
-            src.path = src.path and resolve_path(src.path, preset.parent)
+            if src.path:
+                src.path = resolve_path(src.path, preset.parent)
     for key, value in (overrides or {}).items():
         set_key(cfg, key, value)
     validate(cfg)
