@@ -13,7 +13,7 @@ from typing import List, NoReturn, Optional
 
 import typer
 
-from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, load_config,
+from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key, load_config,
                      parse_shard_size, parse_value)
 from .launch import guarded, launch, set_threads
 from .lock import RUN_LOCK, hold_run_lock, release_lock
@@ -47,8 +47,12 @@ NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with tor
 DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 
 
+FLAGS = {"model.path": "--model", "data.path": "--dataset", "output_dir": "--output-dir"}  # what a command must have
+
+
 def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
-    """Preset + flags (--model etc.) + key=value overrides, validated (and its paths checked, unless check=False)."""
+    """Preset + flags (--model etc., by their config keys) + key=value overrides, validated, with a model, data and
+    output dir (FLAGS); with check, their paths too."""
     values = {key: value for key, value in flags.items() if value is not None}
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -56,6 +60,12 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], check: 
             raise ConfigError(f"override '{item}' must look like section.key=value")
         values[key.strip()] = parse_value(value.strip())
     cfg = load_config(config, values)
+    if cfg.data.path and cfg.data.sources:
+        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
+                          "preset's path)")
+    for key, flag in FLAGS.items():
+        if not get_key(cfg, key) and not (key == "data.path" and cfg.data.sources):
+            raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
     if check:
         check_paths(cfg)
     return cfg
@@ -158,61 +168,57 @@ def train_command(task: str):
                 resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint "
                                                           "dir"),
                 debug: bool = DEBUG):
-        run_training(task, overrides, config if config or task == "sft" else DPO_PRESET, model, dataset, output_dir,
-                     nproc_per_node, nnodes, rdzv_endpoint, no_resume, resume_from, debug)
+        def prepare():
+            check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir)
+            check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
+            check_flag("--rdzv-endpoint", nnodes == 1 or ":" in rdzv_endpoint, "host:port with --nnodes > 1",
+                       repr(rdzv_endpoint))
+            cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides,
+                               **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
+                                  "checkpoint.resume_from": resume_from})
+            if no_resume:
+                cfg.checkpoint.resume = False
+            num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
+            check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # each rank
+            lock = Path(cfg.output_dir) / RUN_LOCK
+            if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
+                return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
+            check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
+            if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
+                print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
+            # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
+            locks = nnodes == 1 or "RANK" in os.environ
+            # at once if another run may own it (exit 2); no new dir before preflight
+            if locks and lock.parent.is_dir():
+                hold_run_lock(lock, f"output dir {cfg.output_dir}")
+            try:
+                nothing_to_do = preflight(cfg, task)
+            except BaseException:
+                release_lock(lock)
+                raise
+            if locks:
+                hold_run_lock(lock, f"output dir {cfg.output_dir}")
+            return cfg, nothing_to_do, lock
+        cfg, nothing_to_do, lock = guarded(prepare, debug)
+        try:  # the lock goes with the process anyway; released here for callers that run commands in-process
+            if nothing_to_do:
+                if os.environ.get("RANK", "0") == "0":
+                    print(nothing_to_do, flush=True)
+                return
+            from .checkpoint import latest_complete
+            from .train import train
+            root = Path(cfg.output_dir) / "checkpoints"
+            before = latest_complete(root, report=False) if cfg.checkpoint.resume else None  # else moved aside
+            launch(train, (cfg, task), nproc_per_node, debug,
+                   on_signal=lambda: latest_complete(root, report=False) != before, nnodes=nnodes,
+                   rdzv_endpoint=rdzv_endpoint)
+        finally:
+            release_lock(lock)
     command.__doc__ = {"sft": "Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat "
                               "data, on CPU).",
                        "dpo": "Preference tuning, DPO or SimPO (dpo.*), on sft's loop (with no arguments: the "
                               "embedded tiny model on the bundled preference pairs, on CPU)."}[task]
     return command
-
-
-def run_training(task, overrides, config, model, dataset, output_dir, nproc_per_node, nnodes, rdzv_endpoint,
-                 no_resume, resume_from, debug):
-    def prepare():
-        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir) is made
-        check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
-        check_flag("--rdzv-endpoint", nnodes == 1 or ":" in rdzv_endpoint, "host:port with --nnodes > 1",
-                   repr(rdzv_endpoint))
-        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
-                                                 "checkpoint.resume_from": resume_from})
-        if no_resume:
-            cfg.checkpoint.resume = False
-        num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
-        check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # and each rank
-        lock = Path(cfg.output_dir) / RUN_LOCK
-        if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
-            return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
-        check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
-        if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
-            print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-        # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
-        locks = nnodes == 1 or "RANK" in os.environ
-        if locks and lock.parent.is_dir():  # at once if another run may own it (exit 2); no new dir before preflight
-            hold_run_lock(lock, f"output dir {cfg.output_dir}")
-        try:
-            nothing_to_do = preflight(cfg, task)
-        except BaseException:
-            release_lock(lock)
-            raise
-        if locks:
-            hold_run_lock(lock, f"output dir {cfg.output_dir}")
-        return cfg, nothing_to_do, lock
-    cfg, nothing_to_do, lock = guarded(prepare, debug)
-    try:  # the lock goes with the process anyway; released here for callers that run commands in-process
-        if nothing_to_do:
-            if os.environ.get("RANK", "0") == "0":
-                print(nothing_to_do, flush=True)
-            return
-        from .checkpoint import latest_complete
-        root = Path(cfg.output_dir) / "checkpoints"
-        before = latest_complete(root, report=False) if cfg.checkpoint.resume else None  # else moved aside
-        from .train import train
-        launch(train, (cfg, task), nproc_per_node, debug,
-               on_signal=lambda: latest_complete(root, report=False) != before, nnodes=nnodes,
-               rdzv_endpoint=rdzv_endpoint)
-    finally:
-        release_lock(lock)
 
 
 app.command("sft")(train_command("sft"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import re
 import tomllib
@@ -30,12 +31,16 @@ class ConfigError(FinetuneError, ValueError):
 class ModelConfig:
     path: str = ""  # HF hub id, HF model dir, or a prepared checkpoint dir
     arch: str = ""  # an HF config.json of the model, for `finetune plan` when model.path is not at hand (offline)
-    # auto: varlen on CUDA where the model allows (else sdpa), sdpa on CPU; or sdpa | eager | varlen (torch's
-    # FlashAttention varlen kernel, CUDA) | flash_attention_2 | flash_attention_3 | flex_attention
-    attn_implementation: str = "auto"
+    # auto: varlen on CUDA where the model allows (else sdpa), sdpa on CPU; varlen: torch's FlashAttention varlen
+    # kernel (CUDA)
+    attn_implementation: Literal["auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3",
+                                 "flex_attention"] = "auto"
     liger: bool | str = "auto"  # Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra); auto: on CUDA
     compile: bool | str = "auto"  # torch.compile each decoder block (regional compile); auto: on CUDA
     trust_remote_code: bool = False  # passed to from_pretrained
+
+
+Format = Literal["auto", "messages", "sharegpt", "alpaca", "pairs"]  # of data rows
 
 
 @dataclass
@@ -43,7 +48,7 @@ class SourceConfig:  # one entry of data.sources: [[data.sources]] tables in TOM
     path: str = ""  # as data.path
     split: str = "train"  # as data.split
     name: str = ""  # as data.name
-    format: Literal["auto", "messages", "sharegpt", "alpaca", "pairs"] = "auto"  # as data.format
+    format: Format = "auto"  # as data.format
     weight: float = 0.0  # share of an epoch's samples: the weighted sources share the samples they hold together
     samples: int = 0  # or: this many samples an epoch (the source repeated, or a fixed part of it)
     epochs: float = 0.0  # or: this many passes over the source an epoch (0.5: a fixed half); none of the 3 set: 1
@@ -55,7 +60,7 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture instead of path; one epoch interleaves them
     split: str = "train"  # dataset split when loading from the hub or a dataset dir
     name: str = ""  # dataset config name on the hub ("" = default)
-    format: Literal["auto", "messages", "sharegpt", "alpaca", "pairs"] = "auto"  # row format; auto detects from columns
+    format: Format = "auto"  # row format; auto detects from columns
     streaming: bool = False  # stream rows instead of loading them (file order, no shuffle)
     max_seq_len: int = 2048  # truncate samples (keeping the head) / pack to this many tokens
     packing: bool = True  # best-fit samples into rows of <= max_seq_len tokens (position_ids restart per sample)
@@ -160,7 +165,6 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-_ALIASES = {"async": "async_"}  # TOML keys that are Python keywords
 PATH_KEYS = ("model.path", "model.arch", "data.path", "data.chat_template", "eval.path")
 
 
@@ -206,13 +210,12 @@ def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
     parts = dotted.split(".")
     target, full = cfg, prefix + dotted
     for i, part in enumerate(parts):
-        name = _ALIASES.get(part, part)
-        names = {f.name for f in fields(target)}
-        if name not in names:
+        names = {f.name.rstrip("_"): f.name for f in fields(target)}  # async_ is TOML's `async` (a Python keyword)
+        if part not in names:
             where = (prefix + ".".join(parts[:i])).rstrip(".") or "the top level"
-            shown = sorted(n.rstrip("_") for n in names)
-            raise ConfigError(f"unknown config key '{full}'{_closest(part, shown)}; "
-                              f"keys in {where}: {', '.join(shown)}")
+            raise ConfigError(f"unknown config key '{full}'{_closest(part, names)}; "
+                              f"keys in {where}: {', '.join(sorted(names))}")
+        name = names[part]
         typ = get_type_hints(type(target))[name]
         if typ is dict and i < len(parts) - 1:  # one entry of a table (nested tables: one level per part)
             table = getattr(target, name)
@@ -248,6 +251,11 @@ def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def get_key(cfg, dotted: str) -> Any:
+    """cfg's value at `section.key`."""
+    return reduce(getattr, dotted.split("."), cfg)
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Preset (default: configs/tiny.toml) + overrides {dotted key: value} -> validated Config."""
     cfg = Config()
@@ -260,12 +268,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{preset}: invalid TOML ({e})") from e
         for key, value in _flatten(table).items():
-            if key in PATH_KEYS and value:
-                value = resolve_path(value, preset.parent)
-            if key == "data.sources" and isinstance(value, list):
-                value = [{**v, "path": resolve_path(v["path"], preset.parent)} if isinstance(v, dict) and
-                         isinstance(v.get("path"), str) and v["path"] else v for v in value]
             set_key(cfg, key, value)
+        for key in PATH_KEYS:  # the preset's relative paths (overrides are relative to the cwd)
+            if value := get_key(cfg, key):
+                set_key(cfg, key, resolve_path(value, preset.parent))
+        for src in cfg.data.sources:
+            if src.path:
+                src.path = resolve_path(src.path, preset.parent)
     for key, value in (overrides or {}).items():
         set_key(cfg, key, value)
     validate(cfg)
@@ -283,67 +292,45 @@ def resolve_path(value: str, base: Path) -> str:
     return value  # maybe a hub id
 
 
+RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key> must be <rule>"
+    ("> 0", lambda v: v > 0, "train.max_steps train.micro_batch_size train.grad_accum_steps train.log_interval "
+                             "data.max_seq_len data.num_proc lora.alpha dpo.beta eval.max_new_tokens"),
+    (">= 0", lambda v: v >= 0, "train.lr train.warmup_steps train.weight_decay train.max_grad_norm eval.num_samples"),
+    (">= 0 (0 = off)", lambda v: v >= 0, "train.tokens_per_step lora.rank"),
+    (">= 0 (0 = launched ranks / dp_replicate / cp)", lambda v: v >= 0, "parallel.dp_shard"),
+    (">= 0 (0 = no periodic checkpoint)", lambda v: v >= 0, "checkpoint.interval"),
+    (">= 0 (0 = keep all)", lambda v: v >= 0, "checkpoint.keep"),
+    (">= 1", lambda v: v >= 1, "parallel.dp_replicate parallel.cp"),
+    ("in [0, 1]", lambda v: 0 <= v <= 1, "train.min_lr_ratio ac.ratio"),
+    ("in [0, 1)", lambda v: 0 <= v < 1, "train.beta1 train.beta2 lora.dropout"),
+    ("in [0, 0.5)", lambda v: 0 <= v < 0.5, "dpo.label_smoothing"),
+    ('true, false or "auto"', lambda v: v in (True, False, "auto"), "model.liger model.compile"),
+]
+
+
 def validate(cfg: Config) -> None:
     """Range checks that types cannot express; each error names the key and the allowed range."""
-    t, d = cfg.train, cfg.data
-    attn = ("auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3", "flex_attention")
-    checks = [
-        ("train.max_steps", t.max_steps > 0, "> 0"),
-        ("train.micro_batch_size", t.micro_batch_size > 0, "> 0"),
-        ("train.grad_accum_steps", t.grad_accum_steps > 0, "> 0"),
-        ("train.lr", t.lr >= 0, ">= 0"),
-        ("train.warmup_steps", t.warmup_steps >= 0, ">= 0"),
-        ("train.min_lr_ratio", 0 <= t.min_lr_ratio <= 1, "in [0, 1]"),
-        ("train.weight_decay", t.weight_decay >= 0, ">= 0"),
-        ("train.beta1", 0 <= t.beta1 < 1, "in [0, 1)"),
-        ("train.beta2", 0 <= t.beta2 < 1, "in [0, 1)"),
-        ("train.max_grad_norm", t.max_grad_norm >= 0, ">= 0"),
-        ("train.log_interval", t.log_interval > 0, "> 0"),
-        ("train.tokens_per_step", t.tokens_per_step >= 0, ">= 0 (0 = off)"),
-        ("data.max_seq_len", d.max_seq_len > 0, "> 0"),
-        ("lora.rank", cfg.lora.rank >= 0, ">= 0 (0 = off)"),
-        ("lora.alpha", cfg.lora.alpha > 0, "> 0"),
-        ("dpo.beta", cfg.dpo.beta > 0, "> 0"),
-        ("dpo.label_smoothing", 0 <= cfg.dpo.label_smoothing < 0.5, "in [0, 0.5)"),
-        ("lora.dropout", 0 <= cfg.lora.dropout < 1, "in [0, 1)"),
-        ("data.num_proc", d.num_proc > 0, "> 0"),
-        ("ac.ratio", 0 <= cfg.ac.ratio <= 1, "in [0, 1]"),
-        ("parallel.dp_replicate", cfg.parallel.dp_replicate >= 1, ">= 1"),
-        ("parallel.dp_shard", cfg.parallel.dp_shard >= 0, ">= 0 (0 = launched ranks / dp_replicate / cp)"),
-        ("parallel.cp", cfg.parallel.cp >= 1, ">= 1"),
-        ("checkpoint.interval", cfg.checkpoint.interval >= 0, ">= 0 (0 = no periodic checkpoint)"),
-        ("checkpoint.keep", cfg.checkpoint.keep >= 0, ">= 0 (0 = keep all)"),
-        ("eval.num_samples", cfg.eval.num_samples >= 0, ">= 0"),
-        ("eval.max_new_tokens", cfg.eval.max_new_tokens > 0, "> 0"),
-        ("model.attn_implementation", cfg.model.attn_implementation in attn, f"one of {', '.join(attn)}"),
-        ("model.liger", cfg.model.liger in (True, False, "auto"), "true, false or \"auto\""),
-        ("model.compile", cfg.model.compile in (True, False, "auto"), "true, false or \"auto\""),
-    ]
-    for key, ok, rule in checks:
-        if not ok:
-            raise ConfigError(f"{key} must be {rule}, got {reduce(getattr, key.split('.'), cfg)!r}")
+    for rule, holds, keys in RANGES:
+        for key in keys.split():
+            if not holds(get_key(cfg, key)):
+                raise ConfigError(f"{key} must be {rule}, got {get_key(cfg, key)!r}")
+    tc, dc = cfg.train, cfg.data
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
-    if t.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py
-        for ok, why in ((d.packing, "needs data.packing=true (a step of unpacked samples has no token size)"),
-                        (t.tokens_per_step % d.max_seq_len == 0, f"must be a multiple of data.max_seq_len "
-                                                                  f"({d.max_seq_len}): rows of that many tokens"),
-                        (t.grad_accum_steps == 1, "sets the micro-batches per step; leave train.grad_accum_steps "
-                                                  f"at 1 (got {t.grad_accum_steps})")):
+    if tc.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py
+        for ok, why in ((dc.packing, "needs data.packing=true (a step of unpacked samples has no token size)"),
+                        (tc.tokens_per_step % dc.max_seq_len == 0, f"must be a multiple of data.max_seq_len "
+                                                                    f"({dc.max_seq_len}): rows of that many tokens"),
+                        (tc.grad_accum_steps == 1, "sets the micro-batches per step; leave train.grad_accum_steps "
+                                                   f"at 1 (got {tc.grad_accum_steps})")):
             if not ok:
-                raise ConfigError(f"train.tokens_per_step={t.tokens_per_step} {why}")
-    for j, src in enumerate(d.sources):
+                raise ConfigError(f"train.tokens_per_step={tc.tokens_per_step} {why}")
+    for j, src in enumerate(dc.sources):
         how = [k for k in ("weight", "samples", "epochs") if getattr(src, k)]
         for ok, why in ((src.path, "path is not set"), (len(how) <= 1, f"sets {' and '.join(how)}; set one"),
                         (min(src.weight, src.samples, src.epochs) >= 0, "weight, samples and epochs must be >= 0")):
             if not ok:
                 raise ConfigError(f"data.sources[{j}]: {why}")
-    if d.path and d.sources:
-        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
-                          "preset's path)")
-    for key, flag in (("model.path", "--model"), ("data.path", "--dataset"), ("output_dir", "--output-dir")):
-        if not reduce(getattr, key.split("."), cfg) and not (key == "data.path" and d.sources):
-            raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
 
 
 def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1) -> int:
@@ -361,33 +348,33 @@ def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1
     return dp_shard
 
 
-# A key changed since the checkpoint a run resumes takes effect from the resumed step (the optimizer settings and
-# the schedule too: optim.reapply_settings), except: a DATA_KEY changes what the checkpoint's data position (samples
-# seen) points at, which is announced; lora.* and the architecture are refused (checkpoint.check_compatible); and
-# where the run starts from is not compared. resume_note lists what changed, in one line.
+# On resume a changed key takes effect from the resumed step (the optimizer settings and the schedule too:
+# optim.reapply_settings), except: a changed DATA_KEY moves what the checkpoint's data position (samples seen) points
+# at, which is announced; lora.* and the architecture are refused (checkpoint.check_compatible); and where the run
+# starts from is not compared.
 DATA_KEYS = ("model.path", "data.path", "data.split", "data.name", "data.format", "data.streaming",
              "data.max_seq_len", "data.packing", "train.seed")
 NOT_COMPARED = ("output_dir", "model.arch", "checkpoint.resume", "checkpoint.resume_from")
 
 
 def resume_note(saved: dict, cfg: Config, samples_seen: int) -> str | None:
-    """The one line a resumed run prints about the keys whose value differs from its checkpoint's run (`saved`: the
-    config its marker records); None when none does."""
+    """The one line a resumed run prints about the keys whose value differs from `saved` (the config its checkpoint's
+    marker records); None when none does."""
     def value(key, v):  # the same local path, however written
         return str(Path(v).resolve()) if key in PATH_KEYS and v and Path(v).exists() else v
-    before, now = _flatten(saved), _flatten(dataclasses.asdict(cfg))
-    changed = [k for k in now if k in before and k not in NOT_COMPARED and not k.startswith("lora.")
-               and value(k, before[k]) != value(k, now[k])]
-    if not changed:
-        return None
 
     def listed(keys):
         return ", ".join(f"{k.rstrip('_')} {before[k]!r} -> {now[k]!r}" for k in keys)
-    effect, data = [k for k in changed if k not in DATA_KEYS], [k for k in changed if k in DATA_KEYS]
-    return "note: changed since the checkpoint: " + "; ".join(
-        ([f"{listed(effect)} (in effect from here)"] if effect else []) +
-        ([f"{listed(data)} (the data position, {samples_seen} samples, was counted under the checkpoint's values: "
-          f"what comes next is not what its run would have read)"] if data else []))
+    before, now = _flatten(saved), _flatten(dataclasses.asdict(cfg))
+    changed = [k for k in now if k in before and k not in NOT_COMPARED and not k.startswith("lora.")
+               and value(k, before[k]) != value(k, now[k])]
+    notes = []
+    if effect := [k for k in changed if k not in DATA_KEYS]:
+        notes.append(f"{listed(effect)} (in effect from here)")
+    if data := [k for k in changed if k in DATA_KEYS]:
+        notes.append(f"{listed(data)} (the data position, {samples_seen} samples, was counted under the checkpoint's "
+                     f"values: what comes next is not what its run would have read)")
+    return "note: changed since the checkpoint: " + "; ".join(notes) if notes else None
 
 
 def export_dtype_name(name: str) -> str:
@@ -410,23 +397,16 @@ def parse_shard_size(text: str) -> int:
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (what config.toml in the output dir holds)."""
     def fmt(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, dict):  # an inline table
+            return "{" + ", ".join(f"{fmt(str(k))} = {fmt(x)}" for k, x in v.items()) + "}"
         if isinstance(v, list):
             return "[" + ", ".join(map(fmt, v)) + "]"
-        if dataclasses.is_dataclass(v) or isinstance(v, dict):  # inline tables
-            items = dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) else v.items()
-            return "{" + ", ".join(f"{fmt(str(k))} = {fmt(x)}" for k, x in items) + "}"
-        return repr(v)
+        return json.dumps(v, ensure_ascii=False)  # TOML writes strings, numbers and booleans as JSON does
 
     top, sections = [], []
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            body = [f"{sf.name.rstrip('_')} = {fmt(getattr(v, sf.name))}" for sf in fields(v)]
-            sections.append(f"[{f.name}]\n" + "\n".join(body))
+    for name, v in dataclasses.asdict(cfg).items():
+        if isinstance(v, dict):
+            sections.append(f"[{name}]\n" + "\n".join(f"{k.rstrip('_')} = {fmt(x)}" for k, x in v.items()))
         else:
-            top.append(f"{f.name} = {fmt(v)}")
+            top.append(f"{name} = {fmt(v)}")
     return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"

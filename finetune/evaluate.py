@@ -7,28 +7,31 @@ from pathlib import Path
 
 import torch
 
-from .data import (IGNORE_INDEX, Conversation, detect_format, load_rows, pad_collate, prompt_text, row_of,
+from .data import (IGNORE_INDEX, detect_format, load_rows, pad_collate, prompt_text, row_of,
                    to_conversation, tokenize_messages)
 from .distributed import is_main, print0
 
 
-def load_eval_conversations(path: str, num_samples: int) -> list[Conversation]:
-    data = load_rows(path)
-    fmt = detect_format(data.columns)
-    rows = [row_of(item, path, i) for i, item in zip(range(num_samples), data.data)]
-    return [to_conversation(row, fmt, where) for row, where in rows]
+# a held-out conversation is scored whole up to this many tokens, not cut at the training data.max_seq_len
+MAX_EVAL_TOKENS = 4096
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, eval_cfg, device: torch.device, template_kwargs: dict | None = None) -> dict:
-    """Every rank runs the same conversations (FSDP needs every rank in every forward); fine for small sets.
-    The exact-match target is the last assistant turn's trained text (reasoning and tool calls included, so a
-    turn with null content is scored too), without special tokens."""
+def evaluate(model, tokenizer, path: str, num_samples: int, max_new_tokens: int, device: torch.device,
+             template_kwargs: dict | None = None, max_seq_len: int = MAX_EVAL_TOKENS) -> dict:
+    """Loss and exact match on the first `num_samples` conversations of `path`, each truncated to max_seq_len tokens.
+    Every rank runs them all (FSDP needs every rank in every forward); fine for small sets. The exact-match target
+    is the last assistant turn's trained text (reasoning and tool calls included, so a turn with null content is
+    scored too), without special tokens."""
     was_training = model.training
     model.eval()
     loss_sum, num_tokens, correct, scored = 0.0, 0, 0, 0
-    for i, (messages, tools) in enumerate(load_eval_conversations(eval_cfg.path, eval_cfg.num_samples)):
-        samples = tokenize_messages(tokenizer, messages, 4096, f"{eval_cfg.path} row {i}", tools, "drop",
+    data = load_rows(path)
+    fmt = detect_format(data.columns)
+    for i, item in zip(range(num_samples), data.data):
+        row, where = row_of(item, path, i)
+        messages, tools = to_conversation(row, fmt, where)
+        samples = tokenize_messages(tokenizer, messages, max_seq_len, f"{path} row {i}", tools, "drop",
                                     template_kwargs).samples  # a turn the template cannot hold is not scored
         for sample in samples:
             batch = pad_collate([sample], pad_id=tokenizer.pad_token_id)
@@ -42,7 +45,7 @@ def evaluate(model, tokenizer, eval_cfg, device: torch.device, template_kwargs: 
             continue
         prompt = prompt_text(tokenizer, messages[:last], tools, template_kwargs)
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=eval_cfg.max_new_tokens,
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id)
         answer = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
         # the last run of labels in that sample is the last turn (the one whose context is the prompt above)

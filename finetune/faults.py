@@ -12,6 +12,7 @@ A non-finite loss is injected by the tests themselves (a forward hook), not from
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -19,22 +20,19 @@ import time
 from typing import Callable
 
 KINDS = ("kill_at_step", "kill_in_save", "pause_at_step")
-_spec: dict[str, int] | None = None
 
 
+@functools.cache
 def spec() -> dict[str, int]:
     """{fault: step} from FINETUNE_TEST_FAULTS; a malformed entry is a ValueError (a broken test, not user input)."""
-    global _spec
-    if _spec is None:
-        parsed = {}
-        for item in filter(None, os.environ.get("FINETUNE_TEST_FAULTS", "").split(",")):
-            name, _, value = item.partition("=")
-            if name not in KINDS or not value.isdigit():
-                raise ValueError(f"FINETUNE_TEST_FAULTS: bad entry {item!r}; expected one of {', '.join(KINDS)} "
-                                 f"as name=step")
-            parsed[name] = int(value)
-        _spec = parsed
-    return _spec
+    parsed = {}
+    for item in filter(None, os.environ.get("FINETUNE_TEST_FAULTS", "").split(",")):
+        name, _, value = item.partition("=")
+        if name not in KINDS or not value.isdigit():
+            raise ValueError(f"FINETUNE_TEST_FAULTS: bad entry {item!r}; expected one of {', '.join(KINDS)} "
+                             f"as name=step")
+        parsed[name] = int(value)
+    return parsed
 
 
 def kill_if(kind: str, step: int) -> None:

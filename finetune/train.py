@@ -199,8 +199,9 @@ def train(cfg: Config, task: str = "sft") -> dict:
     flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)
     loss_fn, collate, evaluate_pairs = setup_dpo(cfg, model, tokenizer, dims, device, out, resume_dir) \
         if task == "dpo" else (None, None, None)
-    eval_before = evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs) \
-        if cfg.eval.path and state.step == 0 and task == "sft" else None
+    held_out = partial(evaluate, model, tokenizer, cfg.eval.path, cfg.eval.num_samples, cfg.eval.max_new_tokens,
+                       device, dc.chat_template_kwargs)
+    eval_before = held_out() if cfg.eval.path and state.step == 0 and task == "sft" else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
         with open_outputs(cfg, out, state.step, chat_template) as (logger, saver, bar):
@@ -238,8 +239,7 @@ def train(cfg: Config, task: str = "sft") -> dict:
         if evaluate_pairs is not None:
             record["eval"] = evaluate_pairs()
         elif cfg.eval.path:
-            record["eval"] = report_eval(evaluate(model, tokenizer, cfg.eval, device, dc.chat_template_kwargs),
-                                         eval_before, out)
+            record["eval"] = report_eval(held_out(), eval_before, out)
     return record
 
 

@@ -10,9 +10,9 @@ from finetune import faults
 def fault_env(monkeypatch):
     def set_spec(text):
         monkeypatch.setenv("FINETUNE_TEST_FAULTS", text)
-        monkeypatch.setattr(faults, "_spec", None)
+        faults.spec.cache_clear()
     yield set_spec
-    faults._spec = None
+    faults.spec.cache_clear()
 
 
 def test_steps_match_exactly_and_are_parsed_once(fault_env, monkeypatch):
