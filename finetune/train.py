@@ -33,10 +33,9 @@ class NonFiniteError(FinetuneError):
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
                        collate=None, cp: tuple[int, int] = (0, 1)):
-    """This rank's micro-batches for one optimizer step (model inputs, sample boundaries, label targets: see
-    loss.collate_labelled; or what `collate` makes of the items: dpo, no cp); and their number
-    of real tokens. With cp = (cp rank, N > 1), the rows are this data rank's, and this rank takes its slice of them
-    (context.split_batch; 1/N of the real tokens)."""
+    """This rank's micro-batches for one optimizer step (loss.collate_labelled, or `collate`: dpo) and their number
+    of real tokens. With cp = (cp rank, N > 1) this rank takes its slice of the data rank's rows
+    (context.split_batch: 1/N of the real tokens)."""
     batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
         items = [next(samples) for _ in range(micro_batch_size)]
@@ -71,17 +70,12 @@ DPO_KEYS = ("rewards_chosen", "rewards_rejected", "accuracy")  # the means dpo's
 
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
                skip_nonfinite: bool = False, stop: bool = False, loss_fn=None) -> tuple[torch.Tensor, bool]:
-    """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run).
-
-    Forward/backward each micro-batch on the summed token losses (gradient sync on the last), then ONE all_reduce
-    of [label tokens, loss sum, input tokens, stop, computed (padded) tokens] over the ranks; the gradients are
-    divided by the global label-token count on the device, so the loss is the mean over every label token of the
-    global batch, whatever the split into ranks and micro-batches. Then clip and step. Returns ([loss, grad_norm,
-    label tokens, input tokens, stop, computed tokens] as one float64 tensor on the device, never read here, and
-    whether the update was skipped).
-    `skip_nonfinite` (nan_policy "skip") reads loss and grad norm on the host to skip a non-finite update.
-    `loss_fn(model, batch)` (dpo) -> (loss sum, float64 [count, sums...]): the loss is normalised by the global
-    count instead, and the sums' global means follow the values above."""
+    """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run): forward/backward on the
+    summed token losses (gradient sync on the last), ONE all_reduce of the step's counts, gradients divided by the
+    global label-token count (the mean over every label token of the global batch, whatever the split), clip,
+    step. Returns (the float64 device tensor indexed by LOSS, GRAD_NORM, ... above: never read here, whether the
+    update was skipped: `skip_nonfinite`, nan_policy "skip", reads it). `loss_fn(model, batch)` (dpo) -> (loss sum,
+    float64 [count, sums...]): normalised by the global count instead; the sums' global means follow."""
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     sums = torch.zeros(0, device=device, dtype=torch.float64)  # loss_fn's [count, sums...] over the micro-batches
@@ -253,9 +247,8 @@ def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.Tra
 
 @contextmanager
 def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None):
-    """The run's outputs once it is accepted (model, checkpoint, data; a refused run rewrites nothing): config.toml,
-    and (the metrics logger, the checkpointer, the progress bar or None) closed on exit. Each checkpoint records the
-    config: export-hf finds the model (config, tokenizer) it trained through it."""
+    """Once the run is accepted (a refused run rewrites nothing): config.toml, and (the metrics logger, the
+    checkpointer, whose checkpoints record the config export-hf reads, the progress bar or None), closed on exit."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
@@ -301,11 +294,10 @@ def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, s
 
 def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, flops_tok: float,
                 peak: float | None) -> tuple[dict, bool]:
-    """Read the pending steps' results on the host (one read) and log each (saying which updates were skipped);
-    returns (the last record, whether a rank asked to stop). Results stay on the device until then: train reads
-    every step on CPU (free there), on GPU only on log and checkpoint steps (and every step under nan_policy
-    "skip"), so the GPU never waits for the host in between. Every record is still exact; on GPU a signal is acted
-    on (and a "stop" non-finite step raised) here, which always comes before a checkpoint is written."""
+    """Read the pending steps' results on the host (one read) and log each; returns (the last record, whether a
+    rank asked to stop). On GPU train calls it only on log and checkpoint steps (every step under nan_policy
+    "skip"), so the GPU never waits for the host in between; signals and "stop" non-finite steps are acted on
+    here, always before a checkpoint is written."""
     values = torch.stack([r for r, _ in pending]).tolist()  # the one host read
     for v, (_, timing) in zip(values, pending):
         if timing["skipped"]:  # only under nan_policy "skip", which reads every step at once
