@@ -1,8 +1,8 @@
 """Context parallelism (parallel.cp) on in-process gloo ranks against one process: cp 2 on 2 ranks, FSDP 2 x cp 2
-on 4, a tied grouped-query Qwen2 with LoRA at cp 4 (fewer KV heads than ranks: repeated), HSDP 2 x cp 2 with LoRA and AC on
-Llama, bench's point at cp 2 (half the activations per rank); resume cp 2 -> 1 -> 4; the
-split of a packed micro-batch (no target lost at a shard edge, a width N does not divide); layouts refused in one
-line. Activation offload (ac.offload) trains as without it and keeps less for backward."""
+on 4, a tied grouped-query Qwen2 with LoRA at cp 4 (fewer KV heads than ranks: repeated), HSDP 2 x cp 2 with LoRA
+and AC on Llama, bench's point at cp 2 (half the activations per rank); resume cp 2 -> 1 -> 4; the split of a packed
+micro-batch (no target lost at a shard edge, a width N does not divide); layouts refused in one line. Activation
+offload (ac.offload) trains as without it, keeps less for backward and fetches each block's inputs ahead."""
 from __future__ import annotations
 
 import pytest
