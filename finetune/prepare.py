@@ -57,8 +57,8 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
     out = Path(output_dir)
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    model = build_model(model_path, device, dims.mesh, mixed_precision="fp32", attn_implementation=attn_implementation,
-                        trust_remote_code=trust_remote_code)
+    model, _ = build_model(model_path, device, dims.mesh, mixed_precision="fp32",
+                           attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
     directory = local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
     with staging(out, MANIFEST) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)

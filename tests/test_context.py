@@ -122,7 +122,7 @@ def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], fl
     from finetune.loss import label_targets
     from finetune.model import apply_ac, build_model
     device, dims = init_distributed()
-    model = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
+    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
     apply_ac(model, 1.0, "block", offload)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
     ids = torch.randint(model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     saved = saved_for_backward_mb(model, {"input_ids": ids, **label_targets(ids, None)})
