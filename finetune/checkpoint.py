@@ -45,8 +45,8 @@ class CheckpointError(FinetuneError, ValueError):
 
 
 class SaveError(FinetuneError):
-    """A checkpoint could not be written (disk full, quota, read-only): exit 1, raised on every rank (DCP gathers
-    every rank's failure), reported by rank 0."""
+    """A checkpoint could not be written (disk full, quota, read-only): exit 1. Rank 0 always raises it (DCP gathers
+    every rank's failure) and alone prints it."""
 
     exit_code = 1
     on_rank0 = True
@@ -85,14 +85,13 @@ def check_intact(path: Path, key: str = "") -> None:
     if not is_complete(path):
         raise CheckpointError(f"{where} is an incomplete checkpoint (needs .metadata and {MARKER}; its save did not "
                               f"finish)")
-    problem = damage(path)
-    if problem:
+    if problem := damage(path):
         raise CheckpointError(f"{where} is damaged: {problem}")
 
 
 def write_marker(path: Path, marker: dict) -> None:
-    """Rank 0, once DCP's save has returned: every rank's files are fsynced before rank 0 writes .metadata
-    (state_dict_saver: all ranks' write_data, then finish on the coordinator), so their sizes are final."""
+    """Rank 0, once DCP's save has returned: every rank's files are fsynced before .metadata is written (DCP's
+    finish step, on the coordinator), so their sizes are final."""
     names = {f.name for f in path.iterdir() if f.is_file() and not f.name.startswith(MARKER)}
     # the files .metadata points into, by name: a shared filesystem's cached listing may lag other nodes' writes
     names |= {s.relative_path for s in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()}
@@ -125,9 +124,7 @@ def damage(path: Path) -> str | None:
 
 def step_dirs(root: Path) -> list[Path]:
     """step-N directories under root, oldest first."""
-    if not root.is_dir():
-        return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
+    dirs = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
     return sorted(dirs, key=lambda p: int(p.name[5:]))
 
 
@@ -138,8 +135,7 @@ def latest_complete(root: Path, report: bool = True) -> Path | None:
     if incomplete and report:
         print0(f"ignoring incomplete checkpoint(s) in {root}: {', '.join(incomplete)}")
     for path in reversed([p for p in dirs if p.name not in incomplete]):
-        problem = damage(path)
-        if problem is None:
+        if (problem := damage(path)) is None:
             return path
         if report:
             print0(f"skipping damaged checkpoint {path}: {problem}")
@@ -166,8 +162,8 @@ def keep_earlier_run(root: Path, resume: bool) -> None:
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
-    """The checkpoint `path` names: itself when it is a step dir (checked intact), the newest intact one of a
-    training output dir; None when it is neither."""
+    """The checkpoint `path` names: itself, a step dir (checked intact), or the newest intact one of a training
+    output dir; None when it is neither."""
     if (path / ".metadata").exists() or (path / MARKER).exists() or path.name.startswith("step-"):
         check_intact(path)
         return path
@@ -196,8 +192,7 @@ def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
 
 def check_arch(path: Path, hf_config) -> None:
     """Same architecture as the checkpoint (from its marker: cheap enough for the launcher's pre-flight check)."""
-    diffs = arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run")
-    if diffs:
+    if diffs := arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run"):
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 
 
@@ -291,10 +286,9 @@ class Checkpointer:
     def _finish(self, path: Path, marker: dict) -> None:
         """Rank 0 marks the checkpoint complete, then prunes: the last intact one survives until then."""
         faults.kill_if("kill_in_save", marker["step"])
-        if not is_main():
-            return
-        write_marker(path, marker)
-        prune(self.root, self.keep)
+        if is_main():
+            write_marker(path, marker)
+            prune(self.root, self.keep)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written; raises its error."""
