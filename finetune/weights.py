@@ -73,11 +73,9 @@ def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
     expected = skeleton.state_dict()
-    mapping = {}
-    for name in names:
-        key, converter = rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
-        mapping[name] = None if converter else key
-    return mapping
+    renamed = {name: rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
+               for name in names}
+    return {name: None if converter else key for name, (key, converter) in renamed.items()}
 
 
 def to_disk(skeleton: nn.Module, tensors: dict) -> dict:
