@@ -97,7 +97,7 @@ def load_child(sources: list[str], reps: int, warmup: bool) -> None:
 
     def build(src: str):  # "rank0=DIR": the HF dir through the rank-0 path
         io.locate_slices = (lambda *a: "forced by the benchmark") if src.startswith("rank0=") else locate_slices
-        return build_model(src.split("=", 1)[-1], device, mesh, mixed_precision="fp32")
+        return build_model(src.split("=", 1)[-1], device, mesh, mixed_precision="fp32")[0]
     times: dict[str, list[float]] = {src: [] for src in sources}
     for src in sources if warmup else ():  # untimed: first-use imports and allocator warm-up land here
         build(src)

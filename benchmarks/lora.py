@@ -47,7 +47,7 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     device, dims = init_distributed()
     torch.manual_seed(0)
     tok = load_tokenizer(model_dir)
-    model = build_model(model_dir, device, dims.mesh, mixed_precision="bf16", lora=asdict(cfg.lora), seed=0)
+    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="bf16", lora=asdict(cfg.lora), seed=0)
     optimizer = build_optimizer(model, 1e-4, 0.0, (0.9, 0.95), 1e-8)
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=100, min_lr_ratio=0.1)
     micro = GLOBAL_BATCH // dims.dp_size

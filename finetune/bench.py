@@ -66,7 +66,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok, _ = run_tokenizer(cfg)
-    model, optimizer = build_model_and_optimizer(cfg, device, dims)
+    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims)
     stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size)
     samples, loss_fn, collate = iter(stream), None, None
     if stream.sources[0].fmt == "pairs":  # dpo's step (a precomputed reference is read, not timed: zeros here)

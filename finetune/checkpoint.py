@@ -1,11 +1,10 @@
 """Sharded DCP checkpoints: save (sync or async), completeness marker, retention, resume, preemption signals.
 
-Layout: <output_dir>/checkpoints/step-<N>/ holds DCP's files (`.metadata` is written last, by rank 0) and our
-marker `finetune_complete.json` written after it: the size of every file, the sha256 of `.metadata`, and the config
-(model, tokenizer) the run trained with. Only an intact directory (marker readable, every file there at its saved
-size, `.metadata` unchanged) counts as a checkpoint; anything else is reported and passed over on resume. The state
-dict is world-size independent: model and optimizer as DTensors (DCP reshards on load), the scheduler, and
-TrainState (step, global samples seen, tokens, RNG).
+<output_dir>/checkpoints/step-<N>/ holds DCP's files (`.metadata` last, by rank 0), then our marker
+`finetune_complete.json`: every file's size, the sha256 of `.metadata`, the run's config and LoRA settings. Only an
+intact dir (marker readable, files at their saved sizes, `.metadata` unchanged) is a checkpoint; resume passes over
+the rest, saying so. The state is world-size independent: model and optimizer as DTensors (DCP reshards), the
+scheduler, TrainState.
 """
 from __future__ import annotations
 
@@ -15,9 +14,10 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -45,57 +45,53 @@ class CheckpointError(FinetuneError, ValueError):
 
 
 class SaveError(FinetuneError):
-    """A checkpoint could not be written (disk full, quota, read-only): the run failed (exit 1). Rank 0 always
-    raises it (DCP gathers every rank's failure; the marker is rank 0's)."""
+    """A checkpoint could not be written (disk full, quota, read-only): exit 1. Rank 0 always raises it (DCP gathers
+    every rank's failure) and alone prints it."""
 
     exit_code = 1
     on_rank0 = True
 
 
+@dataclass
 class TrainState(Stateful):
     """Loop counters and RNG: what besides model/optimizer/scheduler a resumed run needs to continue exactly."""
-
-    def __init__(self):
-        self.step = 0
-        self.samples_seen = 0  # global samples consumed: the data position, independent of world size
-        self.tokens_seen = 0
-        self.skipped_steps = 0
+    step: int = 0
+    samples_seen: int = 0  # global samples consumed: the data position, independent of world size
+    tokens_seen: int = 0
+    skipped_steps: int = 0
 
     def state_dict(self) -> dict:
-        sd = {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
-              "skipped_steps": self.skipped_steps, "rng_cpu": torch.get_rng_state()}
+        sd = {**asdict(self), "rng_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             sd["rng_cuda"] = torch.cuda.get_rng_state()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        self.step, self.samples_seen = int(sd["step"]), int(sd["samples_seen"])
-        self.tokens_seen, self.skipped_steps = int(sd["tokens_seen"]), int(sd["skipped_steps"])
+        for f in fields(self):
+            setattr(self, f.name, int(sd[f.name]))
         torch.set_rng_state(sd["rng_cpu"])
         if torch.cuda.is_available() and "rng_cuda" in sd:
             torch.cuda.set_rng_state(sd["rng_cuda"])
 
 
 def is_complete(path: Path) -> bool:
-    """The save finished (the marker is written last); whether the files are still intact is damage()'s question."""
+    """The save finished (the marker is written last); whether its files are intact is damage()'s question."""
     return (path / ".metadata").is_file() and (path / MARKER).is_file()
 
 
 def check_intact(path: Path, key: str = "") -> None:
-    """Raise a CheckpointError (prefixed with the setting `key`, if any) unless `path` is a complete, intact
-    checkpoint."""
+    """A CheckpointError (naming the setting `key`, if any) unless `path` is a complete, intact checkpoint."""
     where = f"{key}: {path}" if key else str(path)
     if not is_complete(path):
         raise CheckpointError(f"{where} is an incomplete checkpoint (needs .metadata and {MARKER}; its save did not "
                               f"finish)")
-    problem = damage(path)
-    if problem:
+    if problem := damage(path):
         raise CheckpointError(f"{where} is damaged: {problem}")
 
 
 def write_marker(path: Path, marker: dict) -> None:
-    """Rank 0, once DCP's save has returned: every rank's files are written and fsynced before rank 0 writes
-    .metadata (state_dict_saver: all ranks' write_data, then finish on the coordinator), so their sizes are final."""
+    """Rank 0, once DCP's save has returned: every rank's files are fsynced before .metadata is written (DCP's
+    finish step, on the coordinator), so their sizes are final."""
     names = {f.name for f in path.iterdir() if f.is_file() and not f.name.startswith(MARKER)}
     # the files .metadata points into, by name: a shared filesystem's cached listing may lag other nodes' writes
     names |= {s.relative_path for s in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()}
@@ -107,12 +103,11 @@ def write_marker(path: Path, marker: dict) -> None:
 
 
 def damage(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be trusted, in a few words (None: intact). Preemption, kill -9 and full
-    disks leave missing or truncated files, which the sizes catch at one stat per file; the sha256 covers only the
-    small .metadata. Bit rot inside a shard is not detected: hashing a 70B run's ~1 TB at every resume would take
-    longer than the resume itself."""
+    """Why the checkpoint at `path` cannot be trusted, in a few words (None: intact). Sizes catch what preemption,
+    kill -9 and full disks leave (missing, truncated files); the sha256 covers only .metadata: hashing a 70B run's
+    ~1 TB at every resume would take longer than the resume (bit rot inside a shard goes unseen)."""
     try:
-        marker = json.loads((path / MARKER).read_text())
+        marker = read_marker(path)
         files, digest = dict(marker["files"]), marker["metadata_sha256"]
         assert ".metadata" in files
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
@@ -129,9 +124,7 @@ def damage(path: Path) -> str | None:
 
 def step_dirs(root: Path) -> list[Path]:
     """step-N directories under root, oldest first."""
-    if not root.is_dir():
-        return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
+    dirs = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
     return sorted(dirs, key=lambda p: int(p.name[5:]))
 
 
@@ -142,8 +135,7 @@ def latest_complete(root: Path, report: bool = True) -> Path | None:
     if incomplete and report:
         print0(f"ignoring incomplete checkpoint(s) in {root}: {', '.join(incomplete)}")
     for path in reversed([p for p in dirs if p.name not in incomplete]):
-        problem = damage(path)
-        if problem is None:
+        if (problem := damage(path)) is None:
             return path
         if report:
             print0(f"skipping damaged checkpoint {path}: {problem}")
@@ -151,8 +143,8 @@ def latest_complete(root: Path, report: bool = True) -> Path | None:
 
 
 def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool = True) -> Path | None:
-    """The checkpoint this run starts from: --resume-from, else the newest intact one (none with --no-resume).
-    `report` prints the step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
+    """The checkpoint this run starts from: --resume-from, else the newest intact one (none with --no-resume);
+    `report`: print the step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
     if resume_from:
         check_intact(Path(resume_from), "checkpoint.resume_from")
         return Path(resume_from)
@@ -162,17 +154,16 @@ def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool =
 
 
 def keep_earlier_run(root: Path, resume: bool) -> None:
-    """A run that does not resume (checkpoint.resume=false, --no-resume) starts an empty checkpoints dir: rank 0
-    moves the one already there, with an earlier run's checkpoints, to `checkpoints.N` beside it (as metrics.jsonl
-    goes to metrics.jsonl.N), where retention never deletes them. Called once the run is accepted."""
+    """A run that does not resume starts an empty checkpoints dir: rank 0 moves an earlier run's to `checkpoints.N`
+    beside it (as metrics.jsonl.N), where retention never deletes them. Called once the run is accepted."""
     if not resume and is_main() and step_dirs(root):
         print0(f"checkpoint.resume=false: starting fresh; the checkpoints already in {root} were moved to "
                f"{outdir.keep_beside(root)}")
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
-    """The checkpoint `path` names: itself when it is a step dir (checked intact), the newest intact one of a
-    training output dir; None when it is neither."""
+    """The checkpoint `path` names: itself, a step dir (checked intact), or the newest intact one of a training
+    output dir; None when it is neither."""
     if (path / ".metadata").exists() or (path / MARKER).exists() or path.name.startswith("step-"):
         check_intact(path)
         return path
@@ -192,8 +183,7 @@ def read_marker(path: Path) -> dict:
 
 def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
     """What a checkpoint holds: model and optimizer state of the trainable parameters, the scheduler, TrainState.
-    ignore_frozen_params keeps the second name of a tied frozen weight (lm_head.weight of a tied LoRA base): such
-    names are dropped here."""
+    (ignore_frozen_params keeps the second name of a tied frozen weight, a tied LoRA base's lm_head: dropped here.)"""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
     frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd,
@@ -202,15 +192,14 @@ def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
 
 def check_arch(path: Path, hf_config) -> None:
     """Same architecture as the checkpoint (from its marker: cheap enough for the launcher's pre-flight check)."""
-    diffs = arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run")
-    if diffs:
+    if diffs := arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run"):
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 
 
-def check_compatible(path: Path, model, want: set[str], hf_config) -> None:
-    """Same architecture, LoRA settings and parameter names (`want`) as the checkpoint, or a one-line error saying
-    what differs."""
-    saved, run = read_marker(path).get("lora"), getattr(model, "lora", None)
+def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) -> None:
+    """Same architecture, LoRA settings (`run`: this run's, build_model's) and parameter names (`want`) as the
+    checkpoint, or a one-line error saying what differs."""
+    saved = read_marker(path).get("lora")
     if saved and run:
         diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {run.get(k)!r}" for k in saved
                  if k != "base_fingerprint" and saved[k] != run.get(k)]
@@ -232,7 +221,7 @@ def check_compatible(path: Path, model, want: set[str], hf_config) -> None:
 
 def check_base(path: Path, lora: dict, fingerprint: str, model_path: str) -> None:
     """The base at `model_path` (its weights' `fingerprint`) is the one the LoRA checkpoint `path` (its settings
-    `lora`) trained on; a checkpoint from before finetune recorded one passes with a note."""
+    `lora`) trained on; a checkpoint that records none (an older finetune's) passes with a note."""
     trained = read_marker(path).get("config", {}).get("model", {}).get("path")
     if "base_fingerprint" not in lora:
         print0(f"note: checkpoint {path} records no fingerprint of its LoRA base (saved by an older finetune): not "
@@ -243,9 +232,9 @@ def check_base(path: Path, lora: dict, fingerprint: str, model_path: str) -> Non
                               f"then, {fingerprint[:19]} now): the adapters fit only the base they trained on")
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config) -> None:
+def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config, lora: dict | None) -> None:
     sd = train_state_dict(model, optimizer, scheduler, state)
-    check_compatible(path, model, set(sd["model"]), hf_config)
+    check_compatible(path, lora, set(sd["model"]), hf_config)
     run_settings = settings(optimizer)  # the checkpoint gives the state; the run's config, its settings
     dcp.load(sd, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
@@ -257,9 +246,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, 
 class Checkpointer:
     """Saves step-N checkpoints; with use_async, at most one save in flight (a new save first waits for it)."""
 
-    def __init__(self, root: Path, keep: int, use_async: bool, run: dict | None = None):
-        # run: what the marker records about the run besides the step (its config: model, tokenizer)
-        self.root, self.keep, self.use_async, self.run = Path(root), keep, use_async, run or {}
+    def __init__(self, root: Path, keep: int, use_async: bool, lora: dict | None = None, run: dict | None = None):
+        # lora: the run's LoRA settings (build_model's); run: what else the marker records (its config, template)
+        self.root, self.keep, self.use_async, self.lora, self.run = Path(root), keep, use_async, lora, run or {}
         self.pending = None
         # async saves run collectives from a background thread: give them their own gloo group
         self.group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
@@ -275,22 +264,19 @@ class Checkpointer:
         sd = train_state_dict(model, optimizer, scheduler, state)
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
                   "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen,
-                  "lora": getattr(model, "lora", None), **self.run}
+                  "lora": self.lora, **self.run}
         if self.use_async:
-            fut = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group)
-            fut = getattr(fut, "upload_completion", fut)
-            done = threading.Event()
+            fut, finished = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group), Future()
 
             def on_done(f):  # rank 0's save ends after DCP's .metadata is written: the marker can follow
                 try:
-                    if f.exception() is None:
-                        self._finish(path, marker)
-                except Exception as e:  # noqa: BLE001 - raised by wait(), in the loop's thread
-                    done.error = e
-                finally:
-                    done.set()
-            fut.add_done_callback(on_done)
-            self.pending = (fut, done, path)
+                    f.result()
+                    self._finish(path, marker)
+                    finished.set_result(None)
+                except (Exception, CheckpointException) as e:  # raised by wait(), in the loop's thread
+                    finished.set_exception(e)
+            getattr(fut, "upload_completion", fut).add_done_callback(on_done)
+            self.pending = (finished, path)
         else:
             with removed_if_failed(path):
                 dcp.save(sd, checkpoint_id=str(path))
@@ -300,20 +286,16 @@ class Checkpointer:
     def _finish(self, path: Path, marker: dict) -> None:
         """Rank 0 marks the checkpoint complete, then prunes: the last intact one survives until then."""
         faults.kill_if("kill_in_save", marker["step"])
-        if not is_main():
-            return
-        write_marker(path, marker)
-        prune(self.root, self.keep)
+        if is_main():
+            write_marker(path, marker)
+            prune(self.root, self.keep)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written; raises its error."""
         if self.pending is not None:
-            (fut, done, path), self.pending = self.pending, None
+            (finished, path), self.pending = self.pending, None
             with removed_if_failed(path):
-                fut.result()
-                done.wait()
-                if getattr(done, "error", None):
-                    raise done.error
+                finished.result()
         barrier()
 
     def close(self) -> None:
@@ -326,9 +308,8 @@ class Checkpointer:
 
 @contextmanager
 def removed_if_failed(path: Path):
-    """A save that fails (a full disk, a quota, a read-only mount) stops the run with one line naming the step dir
-    and the cause, and leaves no half-written dir to fill the disk: rank 0 removes it; the older checkpoints stay.
-    Every rank gets the failure of any rank (DCP gathers them into one CheckpointException), so all stop together."""
+    """A failed save (full disk, quota, read-only mount) stops every rank (DCP gathers the failures into one
+    CheckpointException) with one line naming the step dir and cause; rank 0 removes the half-written dir."""
     try:
         yield
     except (Exception, CheckpointException) as e:
@@ -342,9 +323,8 @@ def removed_if_failed(path: Path):
 
 
 def save_failure(path: Path, causes: list[BaseException]) -> str:
-    """The cause of a failed save in a few words: an OS error of any rank (also one chained inside another error),
-    else the first error, with the free space where it is little: torch.save's zip writer reports a disk that
-    fills up under it as "unexpected pos N vs M", without the OSError."""
+    """The cause of a failed save in a few words: an OS error of any rank (also a chained one), else the first error,
+    with the free space where it is little (torch.save reports a disk filling up as "unexpected pos N vs M")."""
     for cause in causes:
         while cause is not None:
             if isinstance(cause, OSError) and cause.errno:
@@ -356,17 +336,16 @@ def save_failure(path: Path, causes: list[BaseException]) -> str:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` intact checkpoints (0: all). Only intact ones count and go: a damaged or incomplete
-    newer dir never pushes out the last intact one (and is left to look at)."""
-    intact = [p for p in step_dirs(root) if is_complete(p) and damage(p) is None]
+    """Keep the newest `keep` intact checkpoints (0: all): a damaged or incomplete newer dir never pushes out the last
+    intact one (and is left to look at)."""
+    intact = [p for p in step_dirs(root) if damage(p) is None]
     for old in intact[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
 class SignalFlag:
-    """Inside `with`: remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal)/SIGINT (Ctrl-C) so the loop can save at
-    the next step boundary; a second Ctrl-C exits at once. On exit the previous handlers are back. (With several
-    local ranks, the `finetune` process owns Ctrl-C: launch.)"""
+    """Inside `with`: remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal)/SIGINT so the loop can save at the next
+    step boundary; a second Ctrl-C exits at once. (With several local ranks, the `finetune` process owns Ctrl-C.)"""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

@@ -1,10 +1,8 @@
 """export-hf: a DCP checkpoint (training output dir, step dir or prepared dir) -> a verified Hugging Face model dir.
 
-export_hf builds the meta skeleton once and opens the checkpoint's tensors once, then hands both to writing and
-checking. Tensors stream from DCP one at a time into safetensors shards whose headers are known up front (from DCP's
-metadata), so writing needs host RAM for about one fp32 tensor and its cast, whatever the model or shard size.
-The check afterwards streams too (verify.py): one tensor, or one decoder block in fp32, at a time.
-Everything is written to a sibling temp dir and moved into place only once verified (outdir.staging).
+The meta skeleton is built once and the checkpoint's tensors opened once. Tensors stream one at a time into
+safetensors shards whose headers are known up front (from DCP's metadata), so writing, like the check (verify.py),
+needs host RAM for about one fp32 tensor whatever the model size. Nothing is published unless verified (staging).
 """
 from __future__ import annotations
 
@@ -73,9 +71,8 @@ def find_source(path: str) -> Source:
 
 
 def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
-    """({HF name: metadata} for exactly the tensors save_pretrained would keep of `stored`, and {on-disk name:
-    (HF name, shape)}: where transformers stores weights in another layout on disk than in memory (renamings such
-    as GPT-NeoX's embed_out, fused MoE experts), the names and shapes save_pretrained writes)."""
+    """({HF name: metadata} of the tensors of `stored` that save_pretrained keeps, {on-disk name: (HF name, shape)}
+    as save_pretrained writes them: renamed (GPT-NeoX's embed_out) or converted (fused MoE experts))."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
     expected = skeleton.state_dict()
     missing = [k for k in expected if k not in stored]
@@ -115,8 +112,8 @@ def trained_apart(skeleton, adapters: dict) -> list[str]:
 
 
 def open_merged(source: Source, skeleton, adapters: dict, load_adapter) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """{HF name: metadata} and name -> tensor of the merged model: W + alpha/r * B @ A in fp32 over the base weights
-    (a prepared or HF dir), read one at a time."""
+    """{HF name: metadata} and name -> tensor of the merged model (W + alpha/r * B @ A in fp32 over the base
+    weights of a prepared or HF dir)."""
     if is_prepared(source.model_path):
         metas, load_base = open_dcp(find_source(source.model_path).weights)
     else:
@@ -135,9 +132,8 @@ def open_merged(source: Source, skeleton, adapters: dict, load_adapter) -> tuple
 
 def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch.dtype, max_shard_size: int,
                  live: bool) -> dict:
-    """Shards named and split as save_pretrained does (model.safetensors, or model-0000i-of-0000N + index); with
-    several processes each writes whole files (is_my_file), rank 0 the index; `live`: load() is a collective every
-    rank takes part in. Returns {file: names} of all files."""
+    """Shards named and split as save_pretrained does, each process writing whole files (is_my_file), rank 0 the
+    index; `live`: load() is a collective every rank takes part in. Returns {file: names} of all files."""
     from huggingface_hub import split_torch_state_dict_into_shards
     metas = {d: torch.empty(shape, dtype=out_dtype_of(kept[k], dtype), device="meta") for d, (k, shape) in disk.items()}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
@@ -196,8 +192,8 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
 
 
 def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dtype: torch.dtype, verify: bool) -> dict:
-    """A LoRA checkpoint's PEFT adapter dir (adapter_config.json + adapter_model.safetensors, as
-    PeftModel.save_pretrained lays them out), checked by loading it with peft; returns what the marker records."""
+    """A LoRA checkpoint's PEFT adapter dir as PeftModel.save_pretrained lays it out, checked by loading it with
+    peft; returns what the marker records."""
     from safetensors.torch import save_file
     from .verify import check_adapter
     tensors = {k: load(k) for k in adapters}
@@ -214,10 +210,9 @@ def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dty
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
               verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None) -> Path:
-    """Write the HF model dir `output_dir` from `checkpoint` (with adapter=True: the PEFT adapter dir of a LoRA
-    checkpoint); returns it. Nothing lands there unless verified. `live`: the sharded model `checkpoint` was just
-    saved from, whose tensors are then gathered instead of read back (full models stored tensor by tensor; LoRA
-    merges and converted layouts read the checkpoint)."""
+    """Write the HF model dir (adapter=True: the PEFT adapter dir of a LoRA checkpoint) `output_dir` from
+    `checkpoint`; returns it. `live`: the sharded model `checkpoint` was just saved from, gathered instead of read
+    back where the layout allows (a full model stored tensor by tensor)."""
     dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
     out = Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
@@ -227,20 +222,18 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
     check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
-    # the base a LoRA checkpoint is merged onto must have the architecture it was trained on
-    diffs = arch_diffs(read_marker(source.weights).get("arch", {}), hf_config, "checkpoint", "base model") \
-        if source.lora else []
-    if diffs:
-        raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
-                         f"{'; '.join(diffs)}")
-    if source.lora:
+    if source.lora:  # the base it is merged onto must have the architecture and weights it trained on
+        diffs = arch_diffs(read_marker(source.weights).get("arch", {}), hf_config, "checkpoint", "base model")
+        if diffs:
+            raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
+                             f"{'; '.join(diffs)}")
         check_base(source.weights, source.lora, base_fingerprint(source.model_path), source.model_path)
     if adapter and world_size() > 1:
         raise ConfigError("--adapter writes one small file: use one process (no --nproc-per-node)")
     stored, load = open_dcp(source.weights)  # the checkpoint's tensors, opened once
     if not adapter:
         skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
-        apart = trained_apart(skeleton, stored) if source.lora else []
+        apart = trained_apart(skeleton, stored)  # only a LoRA checkpoint holds adapters or modules to save
         if apart:  # exported untied: the model is then another one
             hf_config.tie_word_embeddings = False
             print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "

@@ -1,12 +1,10 @@
-"""Fill a sharded model that has been built and materialised: per-rank slices of HF safetensors, rank-0 read and
-scatter, or a prepared DCP checkpoint. Handed the model (and a clean meta skeleton for the name map); builds none.
+"""Fill a sharded model that has been built and materialised (handed a clean meta skeleton for the name map; builds
+none): per-rank slices of HF safetensors, rank-0 read and scatter, or a prepared DCP checkpoint.
 
-`load_slices` reads, for each sharded parameter, the byte range of its local rows with one pread (no mmap: pages read
-are not left mapped into the process, so RSS holds the fp32 shard and one slice in flight, never a bf16 copy of the
-model), and casts it into the local shard. The local shape and offset come from the DTensor itself (its mesh and
-placements), so any FSDP/HSDP layout works, uneven sizes included. Names map from disk to memory exactly as
-from_pretrained does (transformers' renamings: GPT-NeoX's embed_out, legacy names, the base-model prefix); a checkpoint
-whose layout needs a real conversion (fused MoE experts) is left to the rank-0 path, and so is one without safetensors.
+Each rank reads its parameters' local rows with one pread each (no mmap: RSS holds the fp32 shard and one slice in
+flight, never a bf16 copy of the model); shape and offset come from the DTensor, so any FSDP/HSDP layout works.
+Names map from disk to memory as from_pretrained does; a layout that needs a real conversion (fused MoE experts), or
+one without safetensors, takes the rank-0 path.
 """
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def is_prepared(path: str | Path) -> bool:
 
 
 def base_fingerprint(path: str) -> str:
-    """weights.fingerprint of the model at `path`; a prepared checkpoint's is its source's (recorded when it was
-    prepared), so a base and its prepared copy have the same one."""
+    """weights.fingerprint of the model at `path`; a prepared checkpoint's is its source's, recorded when prepared."""
     if is_prepared(path):
         return json.loads((Path(path) / MANIFEST).read_text())["source"]["fingerprint"]
     return fingerprint(local_dir(path))
@@ -46,12 +43,15 @@ def check_manifest(path: str, hf_config) -> None:
         raise ModelError(f"prepared checkpoint '{path}' does not match its config.json: {'; '.join(diffs)}")
 
 
+def hf_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(HF key, parameter) for each parameter loaded from the base weights: all but the LoRA adapters."""
+    return [(hf_key(n), p) for n, p in model.named_parameters() if hf_key(n) is not None]
+
+
 def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, Entry] | str:
-    """Where each parameter of the sharded `model` is stored ({HF key: Entry}; skeleton: the same model unwrapped,
-    on the meta device), checked strictly; or a one-line reason to take the rank-0 path. Every rank reaches the same
-    answer."""
-    root = local_dir(path)
-    entries = open_dir(root)
+    """{HF key: Entry} for each parameter of the sharded `model` (`skeleton`: the same model unwrapped, on meta),
+    checked strictly; or a one-line reason to take the rank-0 path (the same on every rank)."""
+    entries = open_dir(local_dir(path))
     if entries is None:
         return f"'{path}' has no safetensors files"
     mapping = disk_to_memory(skeleton, entries)
@@ -68,10 +68,7 @@ def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str,
     for names in tied_groups(skeleton):  # a tied twin (lm_head) reads what its stored twin holds (a LoRA copy does)
         stored.update({n: stored[s] for s in names if s in stored for n in names if n not in stored})
     located = {}
-    for name, param in model.named_parameters():
-        key = hf_key(name)
-        if key is None:
-            continue
+    for key, param in hf_params(model):
         entry = stored.get(key)
         if entry is None:
             raise ModelError(f"'{path}' lacks the parameter {key}")
@@ -90,15 +87,12 @@ def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str,
 def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
     """Fill each parameter's local shard from its stored slice, cast to the parameter's dtype."""
     from torch.distributed.tensor import DTensor
-    for name, param in model.named_parameters():
-        key = hf_key(name)
-        if key is None:
-            continue
+    for key, param in hf_params(model):
         entry = located[key]
-        assert isinstance(param, DTensor), name  # fully_shard at the root makes every parameter a DTensor
+        assert isinstance(param, DTensor), key  # fully_shard at the root makes every parameter a DTensor
         local = param.to_local()
         shape, offset = local_shape_and_offset(param)
-        assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
+        assert tuple(local.shape) == tuple(shape), (key, local.shape, shape)
         if local.numel() == 0:
             continue
         if not entry.shape:  # a scalar
@@ -111,8 +105,7 @@ def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
 
 
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Every rank reads its own slices of the safetensors files, checked strictly first; a checkpoint that needs
-    converting on load, or has no safetensors, is read by rank 0 and scattered (load_hf_weights_rank0)."""
+    """Every rank reads its own slices (locate_slices), or rank 0 reads and scatters (load_hf_weights_rank0)."""
     located = locate_slices(model, skeleton, path)
     if isinstance(located, str):
         print0(f"loading on rank 0 and scattering: {located}")
@@ -122,8 +115,8 @@ def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remo
 
 @torch.no_grad()
 def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype (fp32 masters, or the frozen
-    base's dtype under LoRA) and scattered to its shards in turn. LoRA adapters are left to init_lora_weights."""
+    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards in
+    turn. LoRA adapters are left to init_lora_weights."""
     from collections import Counter
     from torch.distributed.tensor import DTensor, distribute_tensor
     full = None
@@ -132,7 +125,7 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
         src = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
         full = src.state_dict()
         del src
-    params = [(hf_key(n), p) for n, p in model.named_parameters() if hf_key(n) is not None]
+    params = hf_params(model)
     uses = Counter(key for key, _ in params)  # a module to save and its trained copy load the same tensor
     if is_main():
         missing = [key for key in uses if key not in full]
@@ -151,15 +144,14 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
 
 
 def load_prepared_weights(model: nn.Module, path: str) -> None:
-    """DCP-load a prepared checkpoint straight into the shards (any world size: DCP reshards; it casts to each
-    parameter's dtype). A module to save under LoRA loads into its frozen original, then its trained copy."""
+    """DCP-load a prepared checkpoint straight into the shards (DCP reshards and casts). A module to save under LoRA
+    loads into its frozen original, then its trained copy."""
     import torch.distributed.checkpoint as dcp
     targets, copies = {}, []
-    for name, param in model.named_parameters():
-        key = hf_key(name)
+    for key, param in hf_params(model):
         if key in targets:
             copies.append((param, key))
-        elif key is not None:
+        else:
             targets[key] = param
     dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
     with torch.no_grad():

@@ -1,6 +1,5 @@
-"""Ownership of output dirs: an exclusive OS lock (flock) held for a whole run and released however the process ends
-(kill -9 included, unlike a pid file; its file is removed on a normal release), and removal of what interrupted
-exports left behind. Imports no torch."""
+"""Ownership of output dirs: an exclusive flock held for a whole run, released however the process ends (kill -9
+included, unlike a pid file); and removal of what interrupted exports left behind. Imports no torch."""
 from __future__ import annotations
 
 import fcntl
@@ -22,8 +21,8 @@ class LockError(FinetuneError):
 
 
 def hold_lock(path: Path, what: str) -> None:
-    """Take the exclusive lock at `path` (creating it) for the rest of this process, or raise LockError naming the
-    holder, whose pid, host and command the lock file holds."""
+    """Take the lock at `path` (creating it) for the rest of this process, or raise LockError naming the holder
+    (the pid, host and command its file holds)."""
     path = Path(path).resolve()
     if str(path) in _held:
         return
@@ -49,8 +48,8 @@ def hold_lock(path: Path, what: str) -> None:
 
 
 def release_lock(path: Path) -> None:
-    """Release the lock and remove its file (still holding it: whoever opened that file meanwhile finds it gone once
-    they get the lock, and takes it again on a new one), so no `.<name>.lock` files pile up."""
+    """Release the lock and remove its file, so none pile up (removed while held: whoever opened it meanwhile finds
+    it gone once they get the lock, and takes a new one)."""
     key = str(Path(path).resolve())
     fd = _held.pop(key, None)
     if fd is not None:
@@ -95,9 +94,8 @@ def is_free(path: Path) -> bool:
 
 
 def remove_stale_partials(parent: Path, own: str) -> None:
-    """Remove `.<name>.partial-<pid>` dirs in `parent` that no running export is writing: those of `own` (whose lock
-    this process holds) and those whose `.<name>.lock` is free. A kill -9 during an export leaves one behind, holding
-    a full copy of the weights (~140 GB at 70B)."""
+    """Remove the `.<name>.partial-<pid>` dirs in `parent` that no running export writes (`own`'s, whose lock we
+    hold, and those whose `.<name>.lock` is free): a kill -9 leaves one holding a full copy of the weights."""
     removed, num_bytes = [], 0
     for partial in sorted(parent.glob(".*.partial-*")):
         name = partial.name[1:].rsplit(".partial-", 1)[0]

@@ -14,8 +14,8 @@ from .weights import is_adapter
 
 
 def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:
-    """"all-linear": a regex naming every Linear inside the decoder blocks (peft's own "all-linear" is every Linear
-    but the output layer); a list of names: checked to match at least one module each, and Linear layers only."""
+    """"all-linear" -> a regex naming every Linear inside the decoder blocks (peft's "all-linear" would adapt any
+    Linear but the output layer); a list of names: checked to match Linear layers only, each at least one."""
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
@@ -44,9 +44,8 @@ def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:
 
 def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float, dropout: float, target_modules,
                modules_to_save: list, base_dtype: torch.dtype) -> dict | None:
-    """Inject peft LoRA layers (and trainable copies of modules_to_save) into the meta skeleton, whose decoder
-    blocks are `layers`; freeze the rest and keep it in base_dtype. Returns the settings a checkpoint records (None
-    when rank is 0)."""
+    """Inject peft LoRA layers (and trainable copies of modules_to_save) into the meta skeleton (decoder blocks
+    `layers`); freeze the rest, in base_dtype. Returns the settings a checkpoint records (None when rank is 0)."""
     if rank == 0:
         return None
     from peft import inject_adapter_in_model
@@ -75,8 +74,8 @@ def peft_config(lora: dict, **kwargs):
 
 @torch.no_grad()
 def init_lora_weights(model: nn.Module, seed: int) -> None:
-    """As peft initialises them (A kaiming-uniform, B zeros, so training starts at the base model), from `seed`:
-    every rank draws the same full tensors in the same order, so any world size starts identically."""
+    """As peft does (A kaiming-uniform, B zeros: training starts at the base model), from `seed`: every rank draws
+    the same full tensors in the same order, so any world size starts identically."""
     from torch.distributed.tensor import distribute_tensor
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
@@ -96,7 +95,7 @@ def peft_key(fqn: str) -> str:
 
 def merge_lora_tensor(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
     """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target, the trained copy of a module to save,
-    else the base tensor. load_adapter(checkpoint key) returns that tensor, or None when the checkpoint has none."""
+    else the base tensor; load_adapter(checkpoint key) returns that tensor, or None."""
     module, leaf = name.rsplit(".", 1)
     copy = load_adapter(f"{module}.modules_to_save.default.{leaf}")
     if copy is not None:

@@ -270,11 +270,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lor
 def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_precision: str = "bf16",
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool | str = False, liger: bool | str = False,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False, lora: dict | None = None,
-                seed: int = 0, packing: bool = False, cp_group=None, ac_offload: bool = False) -> nn.Module:
+                seed: int = 0, packing: bool = False, cp_group=None,
+                ac_offload: bool = False) -> tuple[nn.Module, dict | None]:
     """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
-    bf16 (fp32 when mixed_precision is fp32). `model.lora` holds the LoRA settings its checkpoints record (None
-    without LoRA) and the base weights' fingerprint: set here only, read by checkpoint.py. "auto" for the
+    bf16 (fp32 when mixed_precision is fp32); and the LoRA settings its checkpoints record (None without LoRA),
+    with the base weights' fingerprint, which checkpoints record to tie adapters to their base. "auto" for the
     attention, Liger and compile picks by device (one line says what); `packing`: refuse attention that cannot keep
     packed samples apart (attention.check_packing); `cp_group`: split each row over its ranks (context.apply_cp);
     `ac_offload`: checkpointed blocks keep their inputs in host memory (apply_ac; a no-op on CPU)."""
@@ -292,19 +293,19 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
         apply_cp(model, find_layers(model), cp_group)
     if ac_offload and device.type != "cuda":
         print0("note: ac.offload is a no-op on CPU: activations already live in host memory")
-    model.lora = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
-                             ac_mode=ac_mode, ac_offload=ac_offload and device.type == "cuda", compile=compile,
-                             liger=liger)
+    settings = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
+                           ac_mode=ac_mode, ac_offload=ac_offload and device.type == "cuda", compile=compile,
+                           liger=liger)
     _materialize(model, device)
     if is_prepared(path):
         load_prepared_weights(model, path)
     else:  # the name map comes from a clean skeleton: the model's own is wrapped by now
         load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code)
-    if model.lora:
+    if settings:
         init_lora_weights(model, seed)
-        model.lora["base_fingerprint"] = base_fingerprint(path)  # which base weights the adapters belong to
+        settings["base_fingerprint"] = base_fingerprint(path)  # which base weights the adapters belong to
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
         assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype
     model.train()
-    return model
+    return model, settings

@@ -24,10 +24,9 @@ def check_output_dir(out: Path, marker: str, kind: str) -> None:
 
 
 def publish_dir(new: Path, out: Path, marker: str) -> None:
-    """Move the finished `new` to `out`, its `marker` (JSON) listing the names in it as ours ("files"). An empty or
-    earlier `out` is replaced (the old one removed only after), but what the user added there (a README, an extra/
-    dir: names the earlier marker does not list) is moved into the new one first, and named. (An earlier dir whose
-    marker lists no names, by an older finetune, is ours whole.)"""
+    """Move the finished `new` to `out`, its `marker` (JSON) listing the names in it as ours ("files"), replacing an
+    empty or earlier `out` (removed only after) but moving into it first what the user added there (names the
+    earlier marker does not list: an older finetune's, listing none, is ours whole)."""
     ours = sorted(p.name for p in new.iterdir())
     (new / marker).write_text(json.dumps({**json.loads((new / marker).read_text()), "files": ours}, indent=2) + "\n")
     old = None
@@ -51,10 +50,10 @@ def publish_dir(new: Path, out: Path, marker: str) -> None:
 
 @contextmanager
 def staging(out: Path, marker: str):
-    """Run on every rank: yields the sibling temp dir `.<name>.partial-<pid>` (rank 0's) that all of them write `out`
-    into, `marker` last; once the block has ended on every rank, rank 0 moves it into place (publish_dir). Rank 0
-    holds the lock `.<name>.lock` beside `out` meanwhile (unless this command's launcher holds it) and first removes
-    the temp dirs that runs killed -9 left. On an error the temp dir is removed and nothing is published."""
+    """On every rank: yields rank 0's sibling temp dir `.<name>.partial-<pid>`, which they all write `out` into
+    (`marker` last); once the block has ended everywhere, rank 0 publishes it (publish_dir), holding the lock
+    `.<name>.lock` meanwhile (unless the launcher does) and first removing the temp dirs of runs killed -9. On an
+    error the temp dir is removed and nothing is published."""
     from .distributed import barrier, broadcast, is_main  # here: the CLI checks paths with this module before torch
     if not is_main():
         yield broadcast(None)
@@ -77,9 +76,8 @@ def staging(out: Path, marker: str):
 
 
 def check_writable(path: Path, what: str) -> None:
-    """New files can be made in `path` (or, where it does not exist yet, in its nearest existing parent, where it
-    will be made): checked at start-up by making one, so a read-only, full or forbidden place is one line now, not
-    an OSError after the model and data are loaded. (Not os.access: root passes it where a write still fails.)"""
+    """New files can be made in `path` (or its nearest existing parent): checked at start-up by making one, so a
+    read-only, full or forbidden place is one line now, not an OSError later. (Not os.access: root passes it.)"""
     where = Path(path).absolute()
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -92,8 +90,8 @@ def check_writable(path: Path, what: str) -> None:
 
 
 def keep_beside(path: Path) -> Path | None:
-    """Rename an earlier run's `path` (file or dir) to the first free `<path>.N`, N = 1, 2, ..., so that a fresh
-    run overwrites and deletes nothing; returns the new name (None: nothing was there)."""
+    """Rename an earlier run's `path` (file or dir) to the first free `<path>.N`, so that a fresh run deletes
+    nothing; returns the new name (None: nothing was there)."""
     if not path.exists():
         return None
     n = 1

@@ -1,10 +1,8 @@
 """prepare-checkpoint: load a HF model once through the training load path (fp32, sharded) and save it as DCP.
 
-Layout of a prepared dir P: P/weights/ (DCP, state dict {"model": <HF-named fp32 tensors>}), config.json,
-generation_config.json, tokenizer files, and P/finetune_manifest.json, written last: its presence marks P as
-prepared. Everything is written into a sibling temp dir first and renamed to P at the end (outdir.staging), so P is
-either the old or the new prepared checkpoint, never half of one. `build_model(P, ...)` then loads straight into the
-shards at any world size (DCP reshards).
+A prepared dir P holds P/weights/ (DCP, {"model": <HF-named fp32 tensors>}), config.json, generation_config.json,
+tokenizer files and, written last, P/finetune_manifest.json, which marks it. It is published whole (outdir.staging);
+`build_model(P, ...)` loads it straight into the shards at any world size (DCP reshards).
 """
 from __future__ import annotations
 
@@ -57,8 +55,8 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
     out = Path(output_dir)
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    model = build_model(model_path, device, dims.mesh, mixed_precision="fp32", attn_implementation=attn_implementation,
-                        trust_remote_code=trust_remote_code)
+    model, _ = build_model(model_path, device, dims.mesh, mixed_precision="fp32",
+                           attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
     directory = local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
     with staging(out, MANIFEST) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)

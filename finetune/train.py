@@ -134,14 +134,14 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
 
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, dims):
-    """The model and its AdamW as configured (what `sft` and `bench` both train) on the ParallelDims' meshes."""
+    """The model, its AdamW and its LoRA settings (build_model's) as configured: what `sft` and `bench` train."""
     tc = cfg.train
-    model = build_model(cfg.model.path, device, dims.mesh, mixed_precision=tc.mixed_precision, ac_ratio=cfg.ac.ratio,
-                        ac_mode=cfg.ac.mode, compile=cfg.model.compile, liger=cfg.model.liger,
-                        attn_implementation=cfg.model.attn_implementation,
-                        trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed,
-                        packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload)
-    return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    model, lora = build_model(cfg.model.path, device, dims.mesh, mixed_precision=tc.mixed_precision,
+                              ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
+                              liger=cfg.model.liger, attn_implementation=cfg.model.attn_implementation,
+                              trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed,
+                              packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload)
+    return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 
 def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir):
@@ -179,12 +179,12 @@ def train(cfg: Config, task: str = "sft") -> dict:
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
     tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
-    model, optimizer = build_model_and_optimizer(cfg, device, dims)
+    model, optimizer, lora = build_model_and_optimizer(cfg, device, dims)
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
     if resume_dir is not None:
-        resume(resume_dir, cfg, model, optimizer, scheduler, state)
+        resume(resume_dir, cfg, model, optimizer, scheduler, state, lora)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen)
@@ -198,7 +198,7 @@ def train(cfg: Config, task: str = "sft") -> dict:
     eval_before = held_out() if cfg.eval.path and state.step == 0 and task == "sft" else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
-        with open_outputs(cfg, out, state.step, chat_template) as (logger, saver, bar):
+        with open_outputs(cfg, out, state.step, chat_template, lora) as (logger, saver, bar):
             while state.step < tc.max_steps:
                 step = state.step + 1
                 faults.kill_if("kill_at_step", step)
@@ -237,18 +237,19 @@ def train(cfg: Config, task: str = "sft") -> dict:
     return record
 
 
-def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.TrainState) -> None:
+def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.TrainState, lora: dict | None) -> None:
     """Load the checkpoint at `path` into the run; say where it continues, and what differs from the run saved."""
-    ckpt.load_checkpoint(path, model, optimizer, scheduler, state, hf_config=model.config)
+    ckpt.load_checkpoint(path, model, optimizer, scheduler, state, model.config, lora)
     print0(f"resumed from {path} at step {state.step} ({state.samples_seen} samples seen)")
     if note := resume_note(ckpt.read_marker(path).get("config", {}), cfg, state.samples_seen):
         print0(note)
 
 
 @contextmanager
-def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None):
+def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None):
     """Once the run is accepted (a refused run rewrites nothing): config.toml, and (the metrics logger, the
-    checkpointer, whose checkpoints record the config export-hf reads, the progress bar or None), closed on exit."""
+    checkpointer, whose checkpoints record the config export-hf reads and `lora`, the progress bar or None), closed
+    on exit."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
@@ -258,7 +259,7 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
-                              run={"config": run, "chat_template": chat_template})
+                              lora=lora, run={"config": run, "chat_template": chat_template})
     bar = progress_bar(cfg.train.max_steps, start_step, cfg.log.progress)
     try:
         yield logger, saver, bar

@@ -1,10 +1,10 @@
-"""The checks of an export-hf output dir, handed what the export wrote from: the meta skeleton, the planned tensors and
-name -> source tensor. check_files reads one tensor at a time, check_logits runs one decoder block at a time (fp32),
-so neither ever holds the model; check_adapter loads a PEFT adapter dir with peft.
+"""The checks of an export-hf output dir, handed what the export wrote from (meta skeleton, planned tensors, name ->
+source tensor): one tensor, or one decoder block in fp32, at a time, never the model; an adapter dir: loaded by peft.
 """
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -26,9 +26,8 @@ class VerifyError(FinetuneError):
 def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, kept: dict,
                   disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
                   trust_remote_code: bool = False) -> float:
-    """`out` (written from `load` as `kept`/`disk`/`shards` say, config.json from hf_config, the config of the meta
-    `skeleton`) holds exactly that, bit for bit, and reads back as the same model. `live`: load() is a collective
-    that every rank takes part in. Returns the max abs logit difference (0.0 on ranks other than 0)."""
+    """`out` holds, bit for bit, what `kept`/`disk`/`shards` planned from `load` (a collective if `live`) and
+    config.json from hf_config, and reads back as the same model; returns the max abs logit diff (0.0 off rank 0)."""
     entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
@@ -38,9 +37,8 @@ def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Te
 @torch.no_grad()
 def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dtype: torch.dtype, shards: dict,
                 live: bool) -> dict[str, Entry]:
-    """The files and index hold exactly the planned tensors and dtypes, and each tensor of this rank's files equals
-    the source's, rounded to dtype (tensors transformers converts on load, e.g. fused MoE experts, piece by piece).
-    Returns {stored name: Entry} of the export."""
+    """The files and index hold exactly the planned tensors and dtypes, and those of this rank's files equal the
+    source's rounded to dtype (converted ones piece by piece); returns {stored name: Entry} of the export."""
     try:
         entries = open_dir(out) or {}  # strict: the index names existing files that hold what it lists
     except ModelError as e:
@@ -108,32 +106,27 @@ def check_logits(out: Path, skeleton: nn.Module, load, hf_config, kept: dict, di
 
 @torch.no_grad()
 def streamed_logits(model: nn.Module, fetch, input_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of the meta `model` on `input_ids`, its weights fetched by fetch(in-memory name) just before the
-    module that owns them runs and dropped right after (a decoder block as a whole, every other module with
-    parameters on its own): RAM holds one block's weights at a time, never the model. `model` is left as it was."""
+    """fp32 logits of the meta `model` (left as it was) on `input_ids`, each decoder block's (or other module's)
+    weights fetched by fetch(in-memory name) just before it runs and dropped right after."""
     canonical = {id(p): name for name, p in model.named_parameters()}  # a tied weight: the name it is stored by
     layers = set(find_layers(model))
     inside = {id(m) for layer in layers for m in layer.modules()}
     units = [m for m in model.modules() if m in layers or (id(m) not in inside and m._parameters)]
 
-    def owners(unit):  # (module, attribute, meta parameter) for each parameter the unit runs with
-        mods = unit.modules() if unit in layers else [unit]
-        return [(m, a, p) for m in mods for a, p in m._parameters.items() if p is not None]
+    def load(params, module, args):
+        for m, a, p in params:
+            m._parameters[a] = nn.Parameter(fetch(canonical[id(p)]).float(), requires_grad=False)
 
-    def hooks(params):
-        def load(module, args):
-            for m, a, p in params:
-                m._parameters[a] = nn.Parameter(fetch(canonical[id(p)]).float(), requires_grad=False)
-
-        def drop(module, args, output):
-            for m, a, p in params:
-                m._parameters[a] = p  # back to meta: the weights are freed
-        return load, drop
+    def drop(params, module, args, output):
+        for m, a, p in params:
+            m._parameters[a] = p  # back to meta: the weights are freed
 
     handles, was_training = [], model.training
-    for unit in units:
-        load, drop = hooks(owners(unit))
-        handles += [unit.register_forward_pre_hook(load), unit.register_forward_hook(drop)]
+    for unit in units:  # (module, attribute, meta parameter) for each parameter the unit runs with
+        params = [(m, a, p) for m in (unit.modules() if unit in layers else [unit])
+                  for a, p in m._parameters.items() if p is not None]
+        handles += [unit.register_forward_pre_hook(partial(load, params)),
+                    unit.register_forward_hook(partial(drop, params))]
     try:
         return model.eval()(input_ids=input_ids).logits
     finally:
@@ -143,9 +136,8 @@ def streamed_logits(model: nn.Module, fetch, input_ids: torch.Tensor) -> torch.T
 
 
 def check_adapter(out: Path, tensors: dict, hf_config, dtype: torch.dtype, trust_remote_code: bool) -> None:
-    """PeftModel.from_pretrained loads every adapter tensor of `out` under its name (no missing or unexpected keys)
-    with the checkpoint's value, rounded to dtype. On a base built from the config: the check is about names and
-    adapter values."""
+    """PeftModel.from_pretrained, on a base built from the config, loads exactly the adapter tensors of `out`, with
+    the checkpoint's values rounded to dtype."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)

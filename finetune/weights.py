@@ -1,13 +1,8 @@
-"""The bottom of the weights path: parameter names, safetensors bytes and tensor sources; no model building.
-
-- Names: `hf_key` is the one answer to "which HF tensor is this parameter" (AC/compile wrapper prefixes and peft's
-  wrappers dropped; None for a LoRA adapter); `disk_to_memory`/`to_disk` map stored names as transformers does.
-- safetensors: a u64 header length, a JSON header ({name: dtype, shape, data_offsets}) and the raw little-endian
-  data, each tensor row-major, so a run of dim-0 rows is one contiguous byte range (`read_rows`: one pread, no mmap).
-- Sources, each {name: metadata} plus name -> one full tensor: a DCP dir, an HF dir's safetensors, the live model.
-- The architecture fingerprint a checkpoint or prepared dir records, and how a config differs from it; the weights'
-  fingerprint (`fingerprint`) a LoRA checkpoint records of its base.
-Imports nothing of ours but errors.
+"""The bottom of the weights path (imports nothing of ours but errors): parameter names (`hf_key`: which HF tensor a
+parameter loads from), safetensors bytes, tensor sources ({name: metadata} plus name -> one full tensor: a DCP dir,
+an HF dir's safetensors, the live model), and the architecture and weights fingerprints checkpoints record.
+safetensors is a u64 header length, a JSON header ({name: dtype, shape, data_offsets}) and raw little-endian
+row-major data, so a run of dim-0 rows is one contiguous byte range (`read_rows`: one pread, no mmap).
 """
 from __future__ import annotations
 
@@ -78,11 +73,9 @@ def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
     expected = skeleton.state_dict()
-    mapping = {}
-    for name in names:
-        key, converter = rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
-        mapping[name] = None if converter else key
-    return mapping
+    renamed = {name: rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
+               for name in names}
+    return {name: None if converter else key for name, (key, converter) in renamed.items()}
 
 
 def to_disk(skeleton: nn.Module, tensors: dict) -> dict:
@@ -112,8 +105,8 @@ def read_header(file: Path) -> dict[str, Entry]:
 
 
 def local_dir(path: str) -> Path:
-    """The local directory of `path` (a dir, or a hub id downloaded once per node: local rank 0 fetches the
-    safetensors and json files while the other ranks wait; everyone learns of a failed download)."""
+    """The local directory of `path`: a dir, or a hub id downloaded once per node (local rank 0 fetches its
+    safetensors and json files; every rank learns of a failed download)."""
     if Path(path).is_dir():
         return Path(path)
     import torch.distributed as dist
@@ -135,10 +128,9 @@ def local_dir(path: str) -> Path:
 
 
 def fingerprint(directory: Path, num_reads: int = 64) -> str:
-    """sha256 of the weight files' names and sizes and of `num_reads` reads of 4 KiB spread over each file: another
-    model of the same architecture (a fine-tune, another download or seed at the same path) has the same names and
-    sizes but other bytes there. ~256 KiB read per file (<1 s for a 70B model) where hashing every byte of the
-    weights takes minutes; only a change confined to bytes between the reads (one tensor of many) goes unseen."""
+    """sha256 of the weight files' names and sizes and of `num_reads` 4 KiB reads spread over each: another model
+    of the same architecture has other bytes there. <1 s for a 70B model where hashing every byte takes minutes;
+    only a change confined to bytes between the reads (one tensor of many) goes unseen."""
     h = hashlib.sha256()
     for f in sorted(directory.rglob("*")):
         if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name in (".metadata", INDEX)):
@@ -152,8 +144,8 @@ def fingerprint(directory: Path, num_reads: int = 64) -> str:
 
 
 def open_dir(root: Path) -> dict[str, Entry] | None:
-    """{stored name: Entry} of a model dir's safetensors (None: it has none). Strict about the index: a file it
-    names must exist and hold the tensors it lists, and no file may hold a tensor twice."""
+    """{stored name: Entry} of a model dir's safetensors (None: it has none). Strict: the index's files exist and
+    hold the tensors it lists; no tensor is stored twice."""
     index = root / INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -202,9 +194,8 @@ def read_tensor(entry: Entry) -> torch.Tensor:
 
 
 def write_safetensors(path: Path, specs: dict, fetch) -> None:
-    """A safetensors file (u64 header length, JSON header, raw little-endian data) written tensor by tensor:
-    specs is {name: (shape, dtype)}, fetch(name) returns the tensor. safetensors' save_file needs the whole shard
-    in memory; here only one tensor is."""
+    """A safetensors file of `specs` ({name: (shape, dtype)}) written tensor by tensor from fetch(name): one tensor
+    in memory at a time, where safetensors' save_file holds the whole shard."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, (shape, dtype) in specs.items():
         num_bytes = math.prod(shape) * dtype.itemsize
@@ -262,8 +253,8 @@ def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
 
 
 def open_live(model: nn.Module) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """open_dcp for the sharded model in memory: load(name) gathers the full tensor (a collective: every rank must
-    ask for the same names in the same order)."""
+    """open_dcp for the sharded model in memory: load(name) gathers the full tensor, a collective (every rank asks
+    for the same names in the same order)."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
     from torch.distributed.tensor import DTensor
     tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them

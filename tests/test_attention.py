@@ -57,7 +57,7 @@ def packed_and_unpacked(model_dir: str, data: str, attentions: list[str] = ATTEN
     device, dims = init_distributed()
     tok = load_tokenizer(model_dir)
     packed = list(build_samples(data, tok, max_seq_len=256, packing=True, shuffle=False, epoch_limit=1))
-    model = build_model(model_dir, device, dims.mesh, mixed_precision=mixed_precision, attn_implementation="sdpa")
+    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision=mixed_precision, attn_implementation="sdpa")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights never change
     results = {}
     for micro_batch_size in (1, 4):

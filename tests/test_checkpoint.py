@@ -39,7 +39,7 @@ def train_with_nan_at(cfg, step: int):
     build = T.build_model
 
     def build_model(*args, **kwargs):
-        model = build(*args, **kwargs)
+        model, lora = build(*args, **kwargs)
         calls = []
 
         def poison(module, inputs, output):
@@ -48,7 +48,7 @@ def train_with_nan_at(cfg, step: int):
                 output.logits = output.logits * float("nan")  # the loss is computed from them (loss.py)
             return output
         model.register_forward_hook(poison)
-        return model
+        return model, lora
     T.build_model = build_model
     return T.train(cfg)
 
@@ -212,11 +212,11 @@ def loaded_settings(cfg, step_dir, step: int) -> tuple[list[dict], list[dict]]:
     tc = cfg.train
     found = []
     for load in (True, False):
-        model, optimizer = build_model_and_optimizer(cfg, device, dims)
+        model, optimizer, lora = build_model_and_optimizer(cfg, device, dims)
         scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                     min_lr_ratio=tc.min_lr_ratio)
         if load:
-            ckpt.load_checkpoint(step_dir, model, optimizer, scheduler, ckpt.TrainState(), model.config)
+            ckpt.load_checkpoint(step_dir, model, optimizer, scheduler, ckpt.TrainState(), model.config, lora)
         else:
             with warnings.catch_warnings():  # stepped without optimizer steps, on purpose
                 warnings.simplefilter("ignore", UserWarning)

@@ -151,7 +151,7 @@ def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], li
     from finetune.loss import label_targets
     from finetune.model import apply_ac, build_model, find_layers
     device, dims = init_distributed()
-    model = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
+    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
     apply_ac(model, 1.0, "block", offload)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
     taken = []
     if offload:

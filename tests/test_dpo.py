@@ -122,7 +122,7 @@ def lora_reference(model_dir, data):
         cfg = build_config(None, [*BASE, f"lora.rank={rank}", "data.packing=false", "data.max_seq_len=512"],
                            **{"model.path": str(model_dir), "data.path": str(data), "output_dir": "unused"})
         tok, _ = run_tokenizer(cfg)
-        model, _ = build_model_and_optimizer(cfg, device, dims)
+        model, _, _ = build_model_and_optimizer(cfg, device, dims)
         torch.manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():

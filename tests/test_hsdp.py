@@ -56,7 +56,7 @@ def fsdp_layout(model_dir: str, dp_replicate: int, liger: bool = False) -> dict:
     from finetune.model import build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed(dp_replicate)
-    model = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", liger=liger)
+    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", liger=liger)
     units, seen = {}, set()
     for name, mod in reversed(list(model.named_modules())):  # innermost first: a unit owns what no inner unit owns
         if isinstance(mod, FSDPModule):

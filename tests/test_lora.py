@@ -201,7 +201,7 @@ def train_on_prepared_base(llama_dir, tmp_path):
     mesh = dims.mesh
     prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
     lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-    model = build_model(str(prepared), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
+    model, settings = build_model(str(prepared), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
     optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.95), 1e-8)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == 2 * 7 * 4  # A and B on 7 linears x 4 blocks
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if is_adapter(n)}
@@ -221,7 +221,7 @@ def train_on_prepared_base(llama_dir, tmp_path):
             assert p.dtype == torch.bfloat16 and not p.requires_grad and p.grad is None, name
             assert torch.equal(p.full_tensor(), source[base_name(clean_fqn(name))]), name
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=3, min_lr_ratio=1.0)
-    saver = Checkpointer(tmp_path / "run" / "checkpoints", keep=1, use_async=False,
+    saver = Checkpointer(tmp_path / "run" / "checkpoints", keep=1, use_async=False, lora=settings,
                          run={"config": {"model": {"path": str(prepared)}}})  # as train() names the model
     step = saver.save(3, model, optimizer, scheduler, TrainState(), model.config)
     return prepared, step

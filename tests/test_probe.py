@@ -57,7 +57,7 @@ def expert_placements(model_dir: str) -> dict:
     from finetune.distributed import init_distributed
     from finetune.model import build_model
     device, dims = init_distributed()
-    model = build_model(model_dir, device, dims.mesh, mixed_precision="fp32")
+    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32")
     return {n: (str(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()
             if "experts" in n or "gate.weight" in n}
 
