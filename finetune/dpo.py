@@ -1,10 +1,8 @@
 """`finetune dpo`: preference tuning on train.py's loop, with a loss over pairs instead of tokens.
 
 A pair is ONE sample, chosen then rejected (data/pairs.py), so both sides are always in one micro-batch; packed rows
-hold whole pairs. The collate adds, on the host, `label_seq`: the sequence (2 x pair + side) of each label target,
-so the per-target log-probs of loss.token_loss_sum (the "loss only at label positions" path) sum per sequence. The
-loss returns its sum over the micro-batch's pairs and [pairs, reward sums, correct]: train_step divides by the
-global pair count (one all_reduce, as for tokens).
+hold whole pairs. loss.token_loss_sum's per-target log-probs sum per side by `label_seq` (collate_pairs). The loss
+is a sum over pairs: train_step divides by the global pair count (one all_reduce, as for tokens).
 
 The reference (dpo.reference): "adapters" (LoRA) runs the same model with its adapters off under no_grad: no memory
 beyond one more forward's transient activations. "precomputed" runs the initial model over the data once before

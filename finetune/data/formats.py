@@ -275,14 +275,14 @@ def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
         if not isinstance(m, dict):
             raise DataError(f"{where}: message {j} is a {type(m).__name__}, not an object")
         raw_role = _first(m, "role", "from")
-        key = raw_role.strip().lower() if isinstance(raw_role, str) else None
-        role = _ROLES.get(key)
+        tag = raw_role.strip().lower() if isinstance(raw_role, str) else None
+        role = _ROLES.get(tag)
         if role is None:
             raise DataError(f"{where}: unknown role {raw_role!r} in message {j} (allowed: system, user, assistant, "
                             f"tool; also human, gpt, function_call, observation, function)")
         content = _first(m, "content", "value")
         msg = {"role": role}
-        if key == "function_call":  # ShareGPT: the value is the call as JSON
+        if tag == "function_call":  # ShareGPT: the value is the call as JSON
             calls, content = content, None
         else:
             calls = m.get("tool_calls") or m.get("function_call")
