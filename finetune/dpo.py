@@ -1,10 +1,8 @@
 """`finetune dpo`: preference tuning on train.py's loop, with a loss over pairs instead of tokens.
 
 A pair is ONE sample, chosen then rejected (data/pairs.py), so both sides are always in one micro-batch; packed rows
-hold whole pairs. The collate adds, on the host, `label_seq`: the sequence (2 x pair + side) of each label target,
-so the per-target log-probs of loss.token_loss_sum (the "loss only at label positions" path) sum per sequence. The
-loss returns its sum over the micro-batch's pairs and [pairs, reward sums, correct]: train_step divides by the
-global pair count (one all_reduce, as for tokens).
+hold whole pairs. loss.token_loss_sum's per-target log-probs sum per side by `label_seq` (collate_pairs). The loss
+is a sum over pairs: train_step divides by the global pair count (one all_reduce, as for tokens).
 
 The reference (dpo.reference): "adapters" (LoRA) runs the same model with its adapters off under no_grad: no memory
 beyond one more forward's transient activations. "precomputed" runs the initial model over the data once before
@@ -50,13 +48,11 @@ def collate_pairs(items: list[dict], pad_id: int, pad_to: int | None = None, tab
     """(host) loss.collate_labelled, and per pair: label_seq (2 x pair + side of each target), seq_tokens
     (P, 2) its label counts, pair_keys (source, row), and from `table` its reference log-probs ref_logps (P, 2)."""
     batch = collate_labelled(items, pad_id, pad_to)
-    seq, offset = torch.full_like(batch["position_ids"], -1), 0
-    for i, item in enumerate(items):  # each sequence (side) starts where its position_ids restart
-        n = len(item["input_ids"])
-        seq[i, :n] = torch.cumsum(batch["position_ids"][i, :n] == 0, 0) - 1 + offset
-        offset = int(seq[i, n - 1]) + 1
+    pos = batch["position_ids"]
+    real = torch.arange(pos.shape[1]) < torch.tensor([len(item["input_ids"]) for item in items])[:, None]
+    seq = torch.cumsum(((pos == 0) & real).flatten(), 0) - 1  # each side starts where its position_ids restart
     keys = [(s["source"], s["row"]) for item in items for s in item["sources"]]
-    batch["label_seq"] = seq.flatten()[batch["label_index"]]
+    batch["label_seq"] = seq[batch["label_index"]]
     batch["seq_tokens"] = torch.bincount(batch["label_seq"], minlength=2 * len(keys)).view(-1, 2).double()
     batch["pair_keys"] = keys
     if table is not None:

@@ -1,15 +1,12 @@
-"""Token loss only where labels are: lm_head and the cross-entropy see the positions that have a target, never the
-B x S x vocab logits.
+"""Token loss only where labels are: lm_head and the cross-entropy see the N positions that have a target, never the
+B x S x vocab logits, so the loss's peak memory grows with N, not with B x S.
 
-Contract. The collate hands each micro-batch, computed on the host: `label_index` (N,) int64, the positions of the
-flattened B x S tokens that have a target, and `label_targets` (N,) the token each must predict (the next token's
-label; none across a packed-sample boundary; N >= 1: a micro-batch without labels keeps one ignored position).
+Contract. Each micro-batch carries `label_index` and `label_targets` (label_targets, on the host).
 `token_loss_sum(model, batch)` runs the causal LM's own forward on the rest of the batch (so FSDP's root hooks
 gather the root unit: final norm, tied embeddings) with the decoder's last hidden states gathered at label_index
-before lm_head, and returns the SUM over the N targets of the fp32 cross-entropy, a 0-dim tensor. What a model does
-to its logits after lm_head (soft-capping, logit scales) applies to the kept rows as it would to all. A model
-patched with Liger's fused linear cross-entropy computes it on the kept rows, without materialising their logits.
-Peak memory of the loss grows with N, not with B x S. (dpo.py sums its per-target losses per sequence.)
+before lm_head, and returns the SUM of the fp32 cross-entropy over the N targets, a 0-dim tensor. What a model does
+to its logits after lm_head (soft-capping, logit scales) applies to the kept rows as it would to all; a model patched
+with Liger's fused linear cross-entropy computes it on the kept rows without their logits.
 """
 from __future__ import annotations
 
@@ -21,8 +18,8 @@ LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss
 
 
 def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """(host) The positions with a target and their targets: the next position's label, none where a packed sample
-    starts (position_ids restart at 0). Positions are indices into the flattened (batch x seq) tokens."""
+    """(host) label_index (N,) int64: the positions of the flattened (batch x seq) tokens that have a target, and
+    label_targets (N,): the next position's label, none where a packed sample starts (position_ids restart at 0)."""
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
     if position_ids is not None:

@@ -36,10 +36,9 @@ def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> 
 
 
 def sample_boundaries(lengths: list[int]) -> dict:
-    """The attention kwargs that keep each sample of a batch to itself, from the lengths of the segments of the
-    flattened (batch x seq) tokens in order (each row's samples, then its padding as one segment): cumulative
-    offsets `cu_seq_lens_q`/`_k` (int32) and the longest `max_length_q`/`_k` (a Python int), as flash-attention's
-    varlen kernels take them. Computed once per micro-batch on the host (see finetune.attention)."""
+    """(host) The attention kwargs that keep each sample to itself, from the lengths of the segments of the flattened
+    (batch x seq) tokens (each row's samples, then its padding as one): cumulative offsets `cu_seq_lens_q`/`_k`
+    (int32) and the longest `max_length_q`/`_k` (int), as flash-attention's varlen kernels take them."""
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
 

@@ -72,7 +72,7 @@ def _split_files(path: str, split: str, name: str | None) -> list[str]:
     return splits[split]
 
 
-def _local_files(path: str, split: str = "train", name: str | None = None) -> list[str] | None:
+def _local_files(path: str, split: str, name: str | None) -> list[str] | None:
     """The data files behind a local path, or None when `path` should be tried as a hub dataset id."""
     if os.path.isdir(path):
         return _split_files(path, split, name)
@@ -188,23 +188,25 @@ def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
 
 
 def detect_format(columns: list[str], fmt: str = "auto") -> str:
-    """'messages' | 'sharegpt' | 'alpaca', detected from the column names (Rows.columns) when fmt == 'auto'."""
-    has_conv = "messages" in columns or "conversations" in columns
-    has_alpaca = "instruction" in columns and "output" in columns
-    if fmt in ("auto", "pairs") and "chosen" in columns and "rejected" in columns:
-        return "pairs"  # preference pairs (data/pairs.py): `finetune dpo`
+    """fmt ('messages' | 'sharegpt' | 'alpaca' | 'pairs') checked against the column names (Rows.columns), or with
+    fmt='auto' the first of them that they fit (pairs: preference pairs for `finetune dpo`, see data/pairs.py)."""
+    cols = set(columns)
+    fits = {"pairs": {"chosen", "rejected"} <= cols, "messages": "messages" in cols,
+            "sharegpt": "conversations" in cols, "alpaca": {"instruction", "output"} <= cols}
     if fmt == "auto":
-        if "messages" in columns:
-            return "messages"
-        if "conversations" in columns:
-            return "sharegpt"
-        if has_alpaca:
-            return "alpaca"
-    elif (fmt in ("messages", "sharegpt") and has_conv) or (fmt == "alpaca" and has_alpaca):
+        fmt = next((f for f, ok in fits.items() if ok), fmt)
+    elif fmt in ("messages", "sharegpt"):  # either reads either column
+        fits[fmt] = fits["messages"] or fits["sharegpt"]
+    if fits.get(fmt):
         return fmt
     raise DataError(f"cannot use format {fmt!r} with columns {list(columns)}; valid formats: messages (column "
                     f"'messages'), sharegpt (column 'conversations'), alpaca (columns 'instruction' and 'output'), "
                     f"pairs (columns 'chosen' and 'rejected')")
+
+
+def _first(d: dict, *keys):
+    """The value of the first of `keys` that is set (not None) in d, else None."""
+    return next((d[k] for k in keys if d.get(k) is not None), None)
 
 
 def _text(value, where: str, what: str) -> str:
@@ -265,21 +267,22 @@ def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
                             None)
     if fmt not in FORMATS:
         raise DataError(f"{where}: unknown format {fmt!r}; valid formats: {', '.join(FORMATS)}")
-    conv = row.get("messages") if row.get("messages") is not None else row.get("conversations")
+    conv = _first(row, "messages", "conversations")
     if not isinstance(conv, list):
         raise DataError(f"{where}: expected a list of messages, got {type(conv).__name__}")
     out = []
     for j, m in enumerate(conv):
         if not isinstance(m, dict):
             raise DataError(f"{where}: message {j} is a {type(m).__name__}, not an object")
-        raw_role = m.get("role") if m.get("role") is not None else m.get("from")
-        role = _ROLES.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
+        raw_role = _first(m, "role", "from")
+        tag = raw_role.strip().lower() if isinstance(raw_role, str) else None
+        role = _ROLES.get(tag)
         if role is None:
             raise DataError(f"{where}: unknown role {raw_role!r} in message {j} (allowed: system, user, assistant, "
                             f"tool; also human, gpt, function_call, observation, function)")
-        content = m.get("content") if m.get("content") is not None else m.get("value")
+        content = _first(m, "content", "value")
         msg = {"role": role}
-        if raw_role.strip().lower() == "function_call":  # ShareGPT: the value is the call as JSON
+        if tag == "function_call":  # ShareGPT: the value is the call as JSON
             calls, content = content, None
         else:
             calls = m.get("tool_calls") or m.get("function_call")
@@ -289,7 +292,7 @@ def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
             raise DataError(f"{where}: message {j} has tool calls but role {raw_role!r}")
         # null content next to tool calls stays null: templates test for it
         msg["content"] = None if content is None and calls else _text(content, where, f"message {j} content")
-        reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking") if m.get(k) is not None), None)
+        reasoning = _first(m, "reasoning_content", "reasoning", "thinking")
         if reasoning is not None:
             msg["reasoning_content"] = _text(reasoning, where, f"message {j} reasoning")
         for key in ("tool_call_id", "name"):

@@ -38,13 +38,11 @@ def prompt_text(tokenizer, messages: list[dict], tools=None, template_kwargs: di
 
 
 def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
-    """Where message i's answer starts in `upto` when `upto` does not extend `prompt` because the template renders
-    the history differently once message i follows (GPT-OSS drops the analysis of tool calls before a final
-    answer, Mistral shows the system prompt only in the last user turn): right after the generation prompt that
-    `upto` writes for message i (without one: after prompt's last character). That is the place whose preceding text
-    ends as `prompt` does the longest, through the previous message's text at least, and after which `upto` holds
-    nothing of the previous message as rendered (so never an earlier turn that answers the same question); None
-    when no place is."""
+    """Where message i's answer starts in `upto` (the rendering through message i) when `upto` does not extend
+    `prompt` because the history renders differently once message i follows (GPT-OSS drops tool-call analysis,
+    Mistral moves the system prompt): of the places after which `upto` holds nothing of the previous message (so
+    never an earlier turn answering the same question), the one whose preceding text ends as `prompt` does the
+    longest, through the previous message's text at least; None if there is none."""
     history = t.render(msgs[:i], tools, False)
     if not prompt.startswith(history):
         return None
@@ -84,10 +82,9 @@ def _check_kept(m: dict, i: int, completion: str) -> None:
 
 
 def _tokens(tokenizer, t: Template, text: str, where: str, base=None, shared: int = 0) -> tuple[list, tuple, tuple]:
-    """(ids, start offsets, end offsets) of `text`, exactly what apply_chat_template(tokenize=True) feeds the model
-    (checked on the first row). base: the same of a text whose first `shared` characters `text` shares; its tokens
-    before the last added token ending within them are kept and only the rest is encoded (text left of an added
-    token tokenizes on its own; checked once per template against a whole encode)."""
+    """(ids, start offsets, end offsets) of `text`, as apply_chat_template(tokenize=True) gives them (checked on the
+    first row). base: the same of a text sharing `text`'s first `shared` characters: its tokens before the last
+    added token within them are reused (checked once per template against a whole encode)."""
     if base is not None and t.reuse is not False:
         ids, starts, ends = base
         k = bisect.bisect_right(ends, shared)
@@ -159,8 +156,10 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     return prompt, completion + stop, stop
 
 
-def _refusal(where: str, e: Unsupported, what: str) -> str:
-    return f'{where}: {e} ({e.reason}); data.on_unsupported="drop" leaves such {what} untrained and trains the rest'
+def refuse(e: Unsupported, where: str, on_unsupported: str, then: str) -> None:
+    """Raise e as a DataError naming `where` unless on_unsupported="drop" (`then`: what "drop" would do)."""
+    if on_unsupported != "drop":
+        raise DataError(f'{where}: {e} ({e.reason}); data.on_unsupported="drop" {then}') from e
 
 
 def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: str = "", tools=None,
@@ -185,8 +184,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
         if e.reason == "template_error":  # name the first message it fails on
             k = next((k for k in range(len(msgs)) if try_render(tokenizer, msgs[: k + 1], tools, t.extra) is None), 0)
             e = Unsupported(e.reason, f"message {k}: {e}")
-        if on_unsupported != "drop":
-            raise DataError(_refusal(where, e, "rows")) from e
+        refuse(e, where, on_unsupported, "leaves such rows untrained and trains the rest")
         return Labelled([], e.reason, [])
     main, alone, left_out = [], [], []
     for i in trained:
@@ -195,8 +193,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
                                              first if i == trained[0] else None)
         except Unsupported as e:
             e = e if str(e).startswith("message") else Unsupported(e.reason, f"message {i}: {e}")
-            if on_unsupported != "drop":
-                raise DataError(_refusal(where, e, "turns")) from e
+            refuse(e, where, on_unsupported, "leaves such turns untrained and trains the rest")
             left_out.append(e)  # the turn stays in the rendering, as context of the later turns
             continue
         span = (i, len(prompt), len(prompt) + len(completion))

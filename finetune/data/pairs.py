@@ -10,7 +10,7 @@ apply to both. A pair fits data.max_seq_len: each side is cut at max_seq_len // 
 from __future__ import annotations
 
 from .formats import DataError, to_conversation
-from .labels import Labelled, tokenize_messages
+from .labels import Labelled, refuse, tokenize_messages
 from .template import Unsupported
 
 PAIR_REASONS = ("missing_side", "prompt_mismatch", "empty_completion")
@@ -45,9 +45,7 @@ def label_pair(tokenizer, row: dict, where: str, max_seq_len: int, on_unsupporte
         if chosen[:-1] != rejected[:-1]:
             raise Unsupported("prompt_mismatch", "chosen and rejected differ before their final assistant turn")
     except Unsupported as e:
-        if on_unsupported != "drop":
-            raise DataError(f'{where}: {e} ({e.reason}); data.on_unsupported="drop" drops and counts such rows') \
-                from e
+        refuse(e, where, on_unsupported, "drops and counts such rows")
         return Labelled([], e.reason, [])
     sides = [tokenize_messages(tokenizer, msgs, max_seq_len // 2, where, tools, on_unsupported, template_kwargs)
              for msgs in (chosen, rejected)]

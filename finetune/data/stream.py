@@ -16,7 +16,7 @@ from .labels import DROP_REASONS, tokenize_messages
 from .pairs import label_pair
 from .template import require_chat_template
 
-_META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _count for left_out)
+_META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _entries)
 PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
 
 
@@ -76,24 +76,37 @@ def _new_counts() -> dict:
     return dict(rows=0, kept=0, samples=0, turns_trained=0, **{f"dropped_{r}": 0 for r in DROP_REASONS})
 
 
-def _count(counts: dict, samples: list[dict], dropped: str | None, left_out: list[str]) -> None:
-    """Count one row: its samples, or why it is dropped; left_out: "<reason> message <i>: <why>" of each turn left
-    untrained (counted by reason per turn and per row)."""
+def _entries(labelled, row: int, source: int) -> list[dict]:
+    """A row's samples with _META, length and drop (why the row is dropped, or "": then one empty entry); its turns
+    left untrained ("<reason> message <i>: <why>") go with the first."""
+    left_out = [f"{e.reason} {e}" for e in labelled.left_out]
+    samples = labelled.samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]
+    return [{"starts": [], **s, "length": len(s["input_ids"]), "drop": labelled.dropped or "", "row": row,
+             "left_out": [] if n else left_out, "source": source} for n, s in enumerate(samples)]
+
+
+def _add(counts: dict, key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
+
+
+def _count(counts: dict, entries) -> None:
+    """Count one row from its _entries: samples, or why it is dropped; turns left untrained by reason, per turn and
+    per row."""
     counts["rows"] += 1
-    reasons = [x.split(" ", 1)[0] for x in left_out]
+    reasons = [x.split(" ", 1)[0] for x in entries[0]["left_out"]]
     for r in reasons:
-        counts[f"turns_unsupported_{r}"] = counts.get(f"turns_unsupported_{r}", 0) + 1
+        _add(counts, f"turns_unsupported_{r}")
     for r in dict.fromkeys(reasons):
-        counts[f"rows_unsupported_{r}"] = counts.get(f"rows_unsupported_{r}", 0) + 1
-    if dropped:
-        counts[f"dropped_{dropped}"] = counts.get(f"dropped_{dropped}", 0) + 1
+        _add(counts, f"rows_unsupported_{r}")
+    if entries[0]["drop"]:
+        _add(counts, f"dropped_{entries[0]['drop']}")
         return
     counts["kept"] += 1
-    counts["samples"] += len(samples)
-    counts["turns_trained"] += sum(len(s["turns"]) for s in samples)
-    for s in samples:
+    counts["samples"] += len(entries)
+    counts["turns_trained"] += sum(len(s["turns"]) for s in entries)
+    for s in entries:
         if s["split"]:
-            counts[f"turns_split_{s['split']}"] = counts.get(f"turns_split_{s['split']}", 0) + 1
+            _add(counts, f"turns_split_{s['split']}")
 
 
 def describe_counts(counts: dict) -> str:
@@ -129,11 +142,13 @@ class SampleStream(torch.utils.data.IterableDataset):
     num_workers=0): counts for streaming data are filled in as it goes. `tokenizers[k](item, idx)` labels a row of
     sources[k] (a labels.Labelled)."""
 
-    def __init__(self, sources: list[Source], tokenizers, *, streaming, shuffle, packing, max_seq_len, seed, rank,
-                 world_size, start_sample, epoch_limit, num_proc=1, pack_window=PACK_WINDOW):
+    def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,
+                 shuffle=True, seed=0, rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1,
+                 pack_window=PACK_WINDOW):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.streaming, self.shuffle, self.packing, self.max_seq_len = streaming, shuffle, packing, max_seq_len
+        self.streaming, self.shuffle, self.packing = streaming, shuffle and not streaming, packing
+        self.max_seq_len = max_seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.start_sample, self.epoch_limit, self.pack_window = start_sample, epoch_limit, pack_window
         self.sources, self._tokenizers = sources, tokenizers
@@ -150,14 +165,10 @@ class SampleStream(torch.utils.data.IterableDataset):
             "left_out": getattr(datasets, "List", datasets.Sequence)(datasets.Value("string")),
             "source": datasets.Value("int32"), "starts": ints})
 
-        def tokenize_batch(batch, indices, k):  # one output per sample, or one placeholder naming why a row is dropped
+        def tokenize_batch(batch, indices, k):
             out = {name: [] for name in features}
             for j, idx in enumerate(indices):
-                labelled = tokenizers[k]({c: v[j] for c, v in batch.items()}, idx)
-                left_out = [f"{e.reason} {e}" for e in labelled.left_out]
-                for n, s in enumerate(labelled.samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]):
-                    entry = {"starts": [], **s, "length": len(s["input_ids"]), "drop": labelled.dropped or "",
-                             "row": idx, "left_out": [] if n else left_out, "source": k}
+                for entry in _entries(tokenizers[k]({c: v[j] for c, v in batch.items()}, idx), idx, k):
                     for name in features:
                         out[name].append(entry[name])
             return out
@@ -174,19 +185,18 @@ class SampleStream(torch.utils.data.IterableDataset):
     def _epoch_units(self):
         """Count the tokenized rows, choose each source's samples of an epoch and interleave them; pack them (in that
         order) or not: (units, their real token counts)."""
-        cols = {k: self._tok[k] for k in ("drop", "row", "turns", "split", "left_out", "source")}
+        names = ("drop", "turns", "split", "left_out", "row", "source")
+        entries = (dict(zip(names, values)) for values in zip(*(self._tok[c] for c in names)))
         lengths = np.asarray(self._tok["length"], dtype=np.int64)
         kept = [[] for _ in self.sources]
-        entries = zip(range(len(lengths)), *cols.values())
-        for (k, _), group in itertools.groupby(entries, key=lambda e: (e[6], e[2])):  # (source, row)
-            group = list(group)
-            _count(self.source_counts[k], [{"turns": e[3], "split": e[4]} for e in group], group[0][1],
-                   group[0][5])
-            if not group[0][1]:
-                kept[k] += [e[0] for e in group]
+        for (k, _), group in itertools.groupby(enumerate(entries), key=lambda e: (e[1]["source"], e[1]["row"])):
+            ids, group = zip(*group)
+            _count(self.source_counts[k], group)
+            if not group[0]["drop"]:
+                kept[k] += ids
         for counts in self.source_counts:
             for key, v in counts.items():
-                self.counts[key] = self.counts.get(key, 0) + v
+                _add(self.counts, key, v)
         for src, counts, ids in zip(self.sources, self.source_counts, kept):
             if not ids:
                 raise DataError(f"{src.spec['path']}: no usable samples ({describe_counts(counts)})")
@@ -213,11 +223,10 @@ class SampleStream(torch.utils.data.IterableDataset):
         """Start-up lines: the files read, what became of the rows, and a mixture's share of each source."""
         lines = []
         for src in self.sources:
-            path, files = src.spec["path"], src.rows.files
+            path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
             shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-            lines.append(f"read {path}" if files == [path] else f"read {path} split "
-                         f"{src.spec.get('split') or 'train'}: {len(files)} file(s): {shown}" if files
-                         else f"read {path} split {src.spec.get('split') or 'train'} from the hub")
+            where = f": {len(files)} file(s): {shown}" if files else " from the hub"
+            lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
         if self.num_samples is not None or self.counts["rows"]:  # streaming: counted as rows are read
             lines.append(("streamed so far: " if self.num_samples is None else "") + describe_counts(self.counts))
         total_samples, total_tokens = (sum(x) for x in zip(*self.shares)) if self.shares else (0, 0)
@@ -261,12 +270,11 @@ class SampleStream(torch.utils.data.IterableDataset):
 
         def kept():
             for idx, item in enumerate(self.sources[0].rows.data):
-                labelled = self._tokenizers[0](item, idx)
-                left_out = [f"{e.reason} {e}" for e in labelled.left_out]
+                entries = _entries(self._tokenizers[0](item, idx), idx, 0)
                 if first_pass:
-                    _count(self.counts, labelled.samples, labelled.dropped, left_out)
-                for n, s in enumerate(labelled.samples):
-                    yield {**s, "row": idx, "left_out": [] if n else left_out, "source": 0}, len(s["input_ids"])
+                    _count(self.counts, entries)
+                if not entries[0]["drop"]:
+                    yield from ((s, s["length"]) for s in entries)
 
         units = (_best_fit_packs(kept(), self.max_seq_len, self.pack_window) if self.packing
                  else ([s] for s, _ in kept()))
@@ -294,20 +302,14 @@ class SampleStream(torch.utils.data.IterableDataset):
 
 
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, streaming=False,
-                  max_seq_len=2048, packing=False, shuffle=True, seed=0, rank=0, world_size=1, start_sample=0,
-                  epoch_limit=None, on_unsupported="error", num_proc=1, pack_window=PACK_WINDOW,
-                  chat_template_kwargs=None) -> SampleStream:
-    """This rank's tokenized (optionally packed) samples; see SampleStream for the order contract.
+                  max_seq_len=2048, on_unsupported="error", chat_template_kwargs=None, **order) -> SampleStream:
+    """This rank's tokenized (optionally packed) samples in SampleStream's order (`order`: its keyword arguments).
     `data`: a path (hub id, file or dataset dir; fmt, split and name apply), or a mixture: dicts with a path and
     optionally split, name, format and one of weight, samples, epochs (see mixture_sizes; no streaming).
     Non-streaming data is tokenized up front (num_proc workers) and shuffled per epoch (seed + epoch) when shuffle;
-    streaming data is read lazily in file order (never shuffled), so it matches non-streaming with shuffle=False.
-    A turn the chat template cannot hold stops with a DataError (on_unsupported="error") or is left untrained and
-    counted ("drop"); chat_template_kwargs go to every render (data.chat_template_kwargs)."""
+    streaming data is read lazily in file order, never shuffled. A turn the chat template cannot hold raises a
+    DataError (on_unsupported="error") or is left untrained and counted ("drop")."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = open_sources(data, fmt=fmt, split=split, name=name, streaming=streaming)
     tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs) for src in sources]
-    return SampleStream(sources, tokenizers, streaming=streaming, shuffle=shuffle and not streaming, packing=packing,
-                        max_seq_len=max_seq_len, seed=seed, rank=rank, world_size=world_size,
-                        start_sample=start_sample, epoch_limit=epoch_limit, num_proc=num_proc,
-                        pack_window=pack_window)
+    return SampleStream(sources, tokenizers, streaming=streaming, max_seq_len=max_seq_len, **order)

@@ -44,8 +44,7 @@ def read_chat_template(path: str) -> str | dict:
 
 
 class Template:
-    """What we learn once per tokenizer + template: its control tokens, how it wants tool-call arguments, and the
-    text it writes after a turn (cached by the shape of the message)."""
+    """One tokenizer + template + template kwargs, learned once (see the module docstring; template_of caches it)."""
 
     def __init__(self, tokenizer, extra: dict):
         self.text, self.extra = tokenizer.chat_template, extra  # extra: data.chat_template_kwargs
