@@ -15,14 +15,16 @@ from .compat import ActivationWrapper
 
 class _Saved:
     """One saved tensor: its device, its host copy, its device copy once fetched back, whether the backward used it."""
-    __slots__ = ("device", "host", "block", "fetched", "used")
+    __slots__ = ("device", "host", "block", "fetched", "used", "__weakref__")
 
     def __init__(self, device, host, block):
         self.device, self.host, self.block, self.fetched, self.used = device, host, block, None, False
 
 
 class _Block:
-    """What one call of an offloaded block saved, and (weakly: it is gone once its backward ran) the block before."""
+    """What one call of an offloaded block saved and the block called before it, both weakly: autograd holds the
+    saved tensors, they hold their block, and all of it is freed (no cycle, no wait for the garbage collector) once
+    the backward has used them."""
     __slots__ = ("saved", "prev", "__weakref__")
 
     def __init__(self, prev: _Block | None):
@@ -50,7 +52,7 @@ class HostOffload:
             self.stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written
             t.record_stream(self.stream)  # its memory is not reused before the copy is done
         saved = _Saved(t.device, self.copy(t, torch.device("cpu")), self.block)
-        self.block.saved.append(saved)
+        self.block.saved.append(weakref.ref(saved))
         return saved
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
@@ -61,8 +63,8 @@ class HostOffload:
             compute.wait_stream(self.stream)
             out.record_stream(compute)
         prev = saved.block.prev()  # the block the backward reaches next: its inputs start coming back now
-        for s in prev.saved if prev is not None else ():
-            if s.fetched is None and not s.used:
+        for s in (ref() for ref in prev.saved) if prev is not None else ():
+            if s is not None and s.fetched is None and not s.used:
                 s.fetched = self.copy(s.host, s.device)
         return out
 

@@ -5,6 +5,9 @@ micro-batch (no target lost at a shard edge, a width N does not divide); layouts
 offload (ac.offload) trains as without it, keeps less for backward and fetches each block's inputs ahead."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -153,14 +156,28 @@ def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], li
     device, dims = init_distributed()
     model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
     apply_ac(model, 1.0, "block", offload)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
-    taken = []
+    taken, entries, blocks = [], [], []
     if offload:
-        blocks, host = [], find_layers(model)[0].offload
+        host = find_layers(model)[0].offload
         pack, unpack = host.pack, host.unpack
-        host.pack = lambda t: (blocks.append(host.block) if host.block not in blocks else None, pack(t))[1]
-        host.unpack = lambda s: (taken.append((blocks.index(s.block), s.fetched is not None)), unpack(s))[1]
+
+        def logged_pack(t):
+            if host.block not in blocks:
+                blocks.append(host.block)
+            entries.append(weakref.ref(saved := pack(t)))
+            return saved
+
+        def logged_unpack(saved):
+            taken.append((blocks.index(saved.block), saved.fetched is not None))
+            return unpack(saved)
+        host.pack, host.unpack = logged_pack, logged_unpack
     ids = torch.randint(model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
-    saved = saved_for_backward_mb(model, {"input_ids": ids, **label_targets(ids, None)})
+    gc.disable()  # the host copies are freed with the graph, not by a later collection
+    try:
+        saved = saved_for_backward_mb(model, {"input_ids": ids, **label_targets(ids, None)})
+        assert all(ref() is None for ref in entries)
+    finally:
+        gc.enable()
     return saved, [p.grad.norm().item() for p in model.parameters()], taken
 
 
