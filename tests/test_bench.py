@@ -69,6 +69,19 @@ def test_list_flags_parse_or_name_the_flag():
             parse_list(bad, "--grad-accum", int, lambda a: a > 0, "integers > 0")
 
 
+def test_a_point_on_two_cp_ranks_runs_through_the_launcher(llama_dir, chat_file, tmp_path):
+    """--nproc-per-node 2: each point is 2 ranks started by torch's elastic launcher; rank 0 writes the result."""
+    out = tmp_path / "bench"
+    result = invoke("bench", "--model", llama_dir, "--dataset", chat_file, "--sac-ratios", "0", "--steps", 1,
+                    "--warmup", 0, "--output-dir", out, "--nproc-per-node", 2, "parallel.cp=2",
+                    "data.max_seq_len=64", "train.micro_batch_size=2", "train.mixed_precision=fp32")
+    assert result.exit_code == 0, (result.output, result.exception)
+    point, = json.loads((out / "bench.json").read_text())["points"]
+    assert "error" not in point and (point["num_ranks"], point["cp"]) == (2, 2), point
+    assert point["tokens_per_s"] == pytest.approx(2 * 64 / point["step_time_s"] / 2)  # per device
+    assert "2 ranks (cp 2), rank 0's memory" in (out / "bench.md").read_text()
+
+
 def test_grad_accum_must_split_the_global_batch(llama_dir, chat_file, tmp_path):
     cfg = load_config(None, {"model.path": str(llama_dir), "data.path": str(chat_file), "train.micro_batch_size": 4})
     with pytest.raises(ConfigError, match="--grad-accum 3 does not divide the 4 rows a data rank takes a step"):
