@@ -244,7 +244,7 @@ def recommend(rows: list[dict], budget_mb: float, cuda: bool) -> str:
 def format_table(rows: list[dict], meta: dict) -> str:
     mem = "peak alloc / reserved (MB)" if meta["cuda"] else "peak RSS (MB)"
     base = min(r["ac_ratio"] for r in rows)
-    ranks = "one device" if meta.get("ranks", 1) == 1 else f"{meta['ranks']} ranks (cp {meta['cp']}), rank 0's memory"
+    ranks = "one device" if meta["ranks"] == 1 else f"{meta['ranks']} ranks (cp {meta['cp']}), rank 0's memory"
     lines = [f"AC sweep: {meta['model']} on {meta['device']}; seq {meta['seq_len']}, global batch "
              f"{meta['global_batch']}, {meta['mixed_precision']}, ac.mode={meta['ac_mode']}, median of "
              f"{meta['steps']} steps after {meta['warmup']} warm-up; {ranks}; {MFU_CONVENTION}", "",

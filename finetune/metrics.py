@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from .compat import storage_key
-from .offload import Offloaded
 from .distributed import is_main, print0
+from .offload import Offloaded
 from .outdir import keep_beside
 
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here

@@ -48,7 +48,8 @@ class HostOffload:
 
     def pack(self, t: torch.Tensor) -> _Saved:
         if t.is_cuda:
-            self.stream = self.stream or torch.cuda.Stream(t.device)
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(t.device)
             self.stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written
             t.record_stream(self.stream)  # its memory is not reused before the copy is done
         saved = _Saved(t.device, self.copy(t, torch.device("cpu")), self.block)
