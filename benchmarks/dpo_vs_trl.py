@@ -29,7 +29,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
 
     from finetune.config import load_config
     from finetune.distributed import init_distributed
-    from finetune.dpo import collate_pairs, make_loss
+    from finetune.ext.dpo import collate_pairs, make_loss
     from finetune.train import build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer, \
         train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",

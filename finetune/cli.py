@@ -141,7 +141,7 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
                               "them with `finetune dpo`" if task == "sft" else "`finetune dpo` needs preference "
                               "pairs: columns 'chosen' and 'rejected' (and optionally 'prompt')"))
     if task == "dpo":
-        from .dpo import reference_kind
+        from .ext.dpo import reference_kind
         reference_kind(cfg)
     step = read_marker(resume)["step"] if resume is not None else 0
     if step >= cfg.train.max_steps:
@@ -335,7 +335,7 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
           nproc_per_node: int = NPROC, debug: bool = DEBUG):
     """Measure step time, tokens/s, MFU and memory across activation-checkpointing ratios (fresh processes each)."""
     def run():
-        from .bench import run_bench
+        from .ext.bench import run_bench
         from .model import load_hf_config
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
@@ -367,7 +367,7 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
     def run():
         import contextlib
         import json
-        from .plan import format_plan, format_seq_search, load_arch, parse_gpu_memory, run_plan, run_seq_search
+        from .ext.plan import format_plan, format_seq_search, load_arch, parse_gpu_memory, run_plan, run_seq_search
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         mbs = parse_list(micro_batch_sizes, "--micro-batch-sizes", int, lambda m: m > 0, "integers > 0")
         check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)

@@ -140,7 +140,7 @@ class LogConfig:
 
 
 @dataclass
-class DPOConfig:  # `finetune dpo` (finetune/dpo.py)
+class DPOConfig:  # `finetune dpo` (finetune/ext/dpo.py)
     loss: Literal["sigmoid", "simpo"] = "sigmoid"  # DPO's sigmoid loss, or SimPO (reference-free, length-normalised)
     beta: float = 0.1  # scale of the log-prob ratios (SimPO: of the mean log-probs; its paper uses ~2)
     label_smoothing: float = 0.0  # sigmoid: the chance a label is flipped (conservative DPO)

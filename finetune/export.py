@@ -22,7 +22,7 @@ from .config import ConfigError, export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
 from .load import MANIFEST, base_fingerprint, is_prepared
-from .lora import merge_lora_tensor, peft_config, peft_key
+from .ext.lora import merge_lora_tensor, peft_config, peft_key
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
@@ -166,7 +166,7 @@ def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch
 def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, kept: dict, disk: dict,
                 load, dtype_name: str, shard_bytes: int, verify: bool, live: bool) -> dict:
     """The merged/full HF model dir, written and verified; returns what the export marker records."""
-    from .verify import verify_export
+    from .ext.verify import verify_export
     t0, dtype = time.perf_counter(), parse_dtype(dtype_name)
     num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in kept.values())
     largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
@@ -195,7 +195,7 @@ def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dty
     """A LoRA checkpoint's PEFT adapter dir as PeftModel.save_pretrained lays it out, checked by loading it with
     peft; returns what the marker records."""
     from safetensors.torch import save_file
-    from .verify import check_adapter
+    from .ext.verify import check_adapter
     tensors = {k: load(k) for k in adapters}
     peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
     save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},

@@ -13,7 +13,7 @@ import torch
 
 from .compat import storage_key
 from .distributed import is_main, print0
-from .offload import Offloaded
+from .ext.offload import Offloaded
 from .outdir import keep_beside
 
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here

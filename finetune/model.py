@@ -27,12 +27,12 @@ from torch.distributed.tensor import Shard
 
 from .attention import check_packing, resolve_attn_implementation
 from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
-from .context import apply_cp
+from .ext.context import apply_cp
 from .distributed import print0
 from .errors import ModelError, one_line
 from .load import base_fingerprint, check_manifest, is_prepared, load_hf_weights, load_prepared_weights
-from .lora import apply_lora, init_lora_weights
-from .offload import HostOffload, Offloaded
+from .ext.lora import apply_lora, init_lora_weights
+from .ext.offload import HostOffload, Offloaded
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):

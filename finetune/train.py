@@ -11,13 +11,14 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from . import dpo, faults
+from . import faults
+from .ext import dpo
 from .config import Config, ConfigError, resume_note, to_toml
-from .context import cp_width, split_batch
+from .ext.context import cp_width, split_batch
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
-from .evaluate import evaluate, report_eval
+from .ext.evaluate import evaluate, report_eval
 from .export import export_hf
 from .loss import collate_labelled, token_loss_sum
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report

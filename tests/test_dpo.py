@@ -58,7 +58,7 @@ def test_one_step_matches_trl_dpo_trainer(llama_dir, tmp_path):
     from trl import DPOConfig, DPOTrainer
 
     from finetune.data import IGNORE_INDEX
-    from finetune.data.pairs import label_pair
+    from finetune.ext.pairs import label_pair
     rows = make_pairs(8, seed=1)
     data = tmp_path / "pairs.jsonl"
     write_jsonl(data, rows)
@@ -114,7 +114,7 @@ def lora_reference(model_dir, data):
     plain model without LoRA: all under FSDP2."""
     from finetune.cli import build_config
     from finetune.distributed import init_distributed
-    from finetune.dpo import adapters_off, collate_pairs, pair_logps
+    from finetune.ext.dpo import adapters_off, collate_pairs, pair_logps
     from finetune.train import build_model_and_optimizer, build_run_samples, run_tokenizer
     device, dims = init_distributed(1, 0)
     results = []
@@ -185,7 +185,7 @@ def test_losses_and_rewards_follow_their_formulas(monkeypatch):
     """sigmoid with label smoothing against the precomputed reference; SimPO on mean log-probs with its margin."""
     import torch.nn.functional as F
 
-    from finetune import dpo
+    from finetune.ext import dpo
     from finetune.config import DPOConfig
     logps = torch.tensor([[-3.0, -5.0], [-4.0, -2.0]])
     monkeypatch.setattr(dpo, "pair_logps", lambda model, batch: logps)
@@ -209,7 +209,7 @@ def test_pairs_without_reference_log_probs_stop_in_one_line(llama_dir, pairs_fil
 
     from finetune.config import ConfigError
     from finetune.data import build_samples
-    from finetune.dpo import collate_pairs
+    from finetune.ext.dpo import collate_pairs
     from finetune.model import load_tokenizer
     tok = load_tokenizer(str(llama_dir))
     items = list(build_samples(str(pairs_file), tok, max_seq_len=256, shuffle=False, epoch_limit=1))[:2]

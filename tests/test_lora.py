@@ -249,7 +249,7 @@ def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit
 
 def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
     from finetune.config import ConfigError, load_config, to_toml
-    from finetune.lora import apply_lora
+    from finetune.ext.lora import apply_lora
     from finetune.model import build_skeleton, find_layers, load_hf_config
     base = {"model.path": str(llama_dir), "data.path": "x.jsonl", "output_dir": str(tmp_path)}
     with pytest.raises(ConfigError, match=r"lora.rank must be >= 0 \(0 = off\), got -1"):

@@ -61,7 +61,7 @@ def test_label_positions_loss_equals_full_logits_loss(model_name, chat_file, req
 
 
 def test_label_positions_loss_with_lora_and_a_trained_lm_head(llama_dir, chat_file):
-    from finetune.lora import apply_lora
+    from finetune.ext.lora import apply_lora
     from finetune.model import find_layers
     model = load(llama_dir)
     apply_lora(model, find_layers(model), rank=4, alpha=8, dropout=0.0, target_modules="all-linear",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from finetune.config import load_config
-from finetune.plan import GIB, load_arch, run_plan
+from finetune.ext.plan import GIB, load_arch, run_plan
 from helpers import REPO, invoke, run_ranks
 
 
@@ -19,7 +19,7 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
                  lora_rank: int = 0) -> dict:
     """On each rank: bench's bytes saved for backward of the real sharded model at each AC ratio, then the bytes of
     the sharded parameters, gradients and AdamW state after one optimizer step (keys as the planner's)."""
-    from finetune.bench import saved_for_backward_mb
+    from finetune.ext.bench import saved_for_backward_mb
     from finetune.distributed import init_distributed
     from finetune.loss import label_targets
     from finetune.model import build_model
@@ -143,8 +143,8 @@ def test_json_is_the_whole_stdout_with_lora_and_tied_embeddings(qwen_tied_dir):
 
 def saved_at_cp(path: str, cp: int, seq_len: int) -> float:
     """Bench's bytes saved for backward on this rank of a one-row (one-sample) micro-batch split over cp ranks."""
-    from finetune.bench import saved_for_backward_mb
-    from finetune.context import split_batch
+    from finetune.ext.bench import saved_for_backward_mb
+    from finetune.ext.context import split_batch
     from finetune.data.collate import sample_boundaries
     from finetune.distributed import init_distributed
     from finetune.loss import label_targets

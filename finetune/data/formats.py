@@ -189,7 +189,7 @@ def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
 
 def detect_format(columns: list[str], fmt: str = "auto") -> str:
     """fmt ('messages' | 'sharegpt' | 'alpaca' | 'pairs') checked against the column names (Rows.columns), or with
-    fmt='auto' the first of them that they fit (pairs: preference pairs for `finetune dpo`, see data/pairs.py)."""
+    fmt='auto' the first of them that they fit (pairs: preference pairs for `finetune dpo`, see ext/pairs.py)."""
     cols = set(columns)
     fits = {"pairs": {"chosen", "rejected"} <= cols, "messages": "messages" in cols,
             "sharegpt": "conversations" in cols, "alpaca": {"instruction", "output"} <= cols}

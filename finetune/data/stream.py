@@ -13,7 +13,7 @@ import torch
 
 from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
-from .pairs import label_pair
+from ..ext.pairs import label_pair
 from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _entries)

@@ -11,10 +11,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .distributed import is_main, is_my_file
-from .errors import FinetuneError, ModelError
-from .model import build_skeleton, find_layers
-from .weights import SAFETENSORS_CODES, Entry, disk_to_memory, open_dir, out_dtype_of, read_tensor, to_disk
+from ..distributed import is_main, is_my_file
+from ..errors import FinetuneError, ModelError
+from ..model import build_skeleton, find_layers
+from ..weights import SAFETENSORS_CODES, Entry, disk_to_memory, open_dir, out_dtype_of, read_tensor, to_disk
 
 
 class VerifyError(FinetuneError):

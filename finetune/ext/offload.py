@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 
-from .compat import ActivationWrapper
+from ..compat import ActivationWrapper
 
 
 class _Saved:

@@ -9,9 +9,9 @@ apply to both. A pair fits data.max_seq_len: each side is cut at max_seq_len // 
 
 from __future__ import annotations
 
-from .formats import DataError, to_conversation
-from .labels import Labelled, refuse, tokenize_messages
-from .template import Unsupported
+from ..data.formats import DataError, to_conversation
+from ..data.labels import Labelled, refuse, tokenize_messages
+from ..data.template import Unsupported
 
 PAIR_REASONS = ("missing_side", "prompt_mismatch", "empty_completion")
 

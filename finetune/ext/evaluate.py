@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .data import (IGNORE_INDEX, detect_format, load_rows, pad_collate, prompt_text, row_of,
+from ..data import (IGNORE_INDEX, detect_format, load_rows, pad_collate, prompt_text, row_of,
                    to_conversation, tokenize_messages)
-from .distributed import is_main, print0
+from ..distributed import is_main, print0
 
 
 # a held-out conversation is scored whole up to this many tokens, not cut at the training data.max_seq_len

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
-from .config import Config, ConfigError
-from .errors import one_line
+from ..compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
+from ..config import Config, ConfigError
+from ..errors import one_line
 
 SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
 GIB = 2**30
@@ -41,7 +41,7 @@ def load_arch(cfg: Config, model_dir: str | None):
     else model.path from the hub."""
     from transformers import AutoConfig
 
-    from .model import load_hf_config
+    from ..model import load_hf_config
     if model_dir or Path(cfg.model.path).expanduser().is_dir() or not cfg.model.arch:
         return load_hf_config(model_dir or cfg.model.path, cfg.model.trust_remote_code)
     try:
@@ -57,7 +57,7 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: in
     fake tensor mode everything is measured in; this process is rank 0."""
     import torch.distributed as dist
 
-    from .distributed import build_parallel_dims
+    from ..distributed import build_parallel_dims
     store, fake_mode = fake_world_parts()
     dist.init_process_group("fake", store=store, rank=0, world_size=world_size)
     try:
@@ -69,7 +69,7 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: in
 def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, liger: bool):
     """build_model's parallelize (LoRA -> AC -> FSDP; no kernels or compile) on the meta device (fully_shard is slow
     on fake tensors), then fake storage."""
-    from .model import build_skeleton, parallelize
+    from ..model import build_skeleton, parallelize
     # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
@@ -104,9 +104,9 @@ def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     (final norm, lm_head, loss) from there through its backward to the last block's output gradient. The loss is
     train_step's (loss.token_loss_sum) with a target at every position: an upper bound, as only label tokens reach
     lm_head."""
-    from .loss import token_loss_sum
-    from .metrics import count_saved
-    from .model import find_layers
+    from ..loss import token_loss_sum
+    from ..metrics import count_saved
+    from ..model import find_layers
     ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
     index = torch.arange(ids.numel()).view_as(ids)[:, :-1].flatten()  # every position but a row's last
     batch = {"input_ids": ids, "label_index": index, "label_targets": torch.zeros_like(index)}
@@ -163,7 +163,7 @@ def measure_state(model) -> dict:
 def sharded_bytes(params: list, world_size: int) -> int:
     """fully_shard's chunks (model.shard_dim): rank 0 holds ceil(rows / world) rows of each parameter (and its
     grad, state)."""
-    from .model import shard_dim
+    from ..model import shard_dim
 
     def rows(shape):
         return shape[shard_dim(shape, world_size)] if shape else 1
@@ -197,7 +197,7 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     """Measure everything on fake tensors; which (ratio, micro-batch) points fit; the smallest world that would.
     With parallel.cp = N a rank holds ceil(S / N) tokens of each row (its heads' attention over the whole row after
     the all-to-all keeps as many bytes as all heads over its tokens) and FSDP shards over dp_shard x cp."""
-    from .model import resolve_auto
+    from ..model import resolve_auto
     world, cp = nnodes * nproc, cfg.parallel.cp
     liger = resolve_auto(cfg.model.liger, False, cuda=True)[0]  # as build_model does on the planned GPUs
     local_seq = -(-cfg.data.max_seq_len // cp)
@@ -241,7 +241,7 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
     (within a node, dividing the heads). A rank's bytes are a line in its tokens S / cp (attention keeps O(seq) per
     head; the logits/loss bound too; the FSDP state does not depend on cp, which shards over the same ranks): two
     fake forwards per ratio give the line; the longest answer is then measured, in steps of 1024 tokens per rank."""
-    from .model import resolve_auto
+    from ..model import resolve_auto
     world, unit, lengths = nnodes * nproc, 1024, (1024, 2048)
     heads = hf_config.get_text_config().num_attention_heads
     cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if nproc % c == 0 and heads % c == 0]

@@ -8,9 +8,9 @@ import re
 import torch
 from torch import nn
 
-from .config import ConfigError
-from .distributed import print0
-from .weights import is_adapter
+from ..config import ConfigError
+from ..distributed import print0
+from ..weights import is_adapter
 
 
 def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:

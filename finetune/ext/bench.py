@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, ConfigError, load_config, to_toml
-from .errors import one_line
-from .metrics import MFU_CONVENTION, count_saved
+from ..config import Config, ConfigError, load_config, to_toml
+from ..errors import one_line
+from ..metrics import MFU_CONVENTION, count_saved
 
 
 def device_name() -> str:
@@ -46,7 +46,7 @@ def default_budget_mb() -> float:
 
 def saved_for_backward_mb(model, batch: dict, loss_fn=None) -> float:
     """MB that one forward keeps for backward (count_saved), the loss as train_step computes it."""
-    from .loss import token_loss_sum
+    from ..loss import token_loss_sum
     with count_saved(model) as storages:
         loss = token_loss_sum(model, batch) if loss_fn is None else loss_fn(model, batch)[0]
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
@@ -57,10 +57,10 @@ def saved_for_backward_mb(model, batch: dict, loss_fn=None) -> float:
 
 def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
-    from .distributed import init_distributed
-    from .metrics import flops_per_token, peak_flops, peak_mem_mb
-    from .model import ac_layer_ids, resolve_auto
-    from .train import (LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
+    from ..distributed import init_distributed
+    from ..metrics import flops_per_token, peak_flops, peak_mem_mb
+    from ..model import ac_layer_ids, resolve_auto
+    from ..train import (LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
                         train_step)
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     tc, dc = cfg.train, cfg.data
@@ -114,7 +114,7 @@ def run_worker(job: dict) -> None:
     """One sweep point in a child process (each rank's); rank 0's result (or a one-line error) goes to
     job["result"]."""
     import os
-    from .distributed import teardown
+    from ..distributed import teardown
     try:
         result = run_point(load_config(job["config"], job["overrides"]), job["steps"], job["warmup"])
     except torch.OutOfMemoryError:
@@ -151,7 +151,7 @@ def launch_point(job: dict, nproc: int) -> int:
     """One point on `nproc` fresh ranks through torch's elastic launcher; the first failed rank's exit code, or 0."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-    from .launch import local_launch_config
+    from ..launch import local_launch_config
     try:
         elastic_launch(local_launch_config(nproc), run_worker)(job)
     except ChildFailedError as e:
@@ -165,11 +165,11 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
               out_dir: Path, budget_mb: float | None, nproc: int = 1) -> list[dict]:
     """Run every (ratio, accumulation) point in fresh processes (`nproc` ranks each); write bench.json/md/png;
     print the table."""
-    from .config import check_parallel
+    from ..config import check_parallel
     p = cfg.parallel
     data_ranks = p.dp_replicate * check_parallel(p.dp_replicate, p.dp_shard, nproc, p.cp)
     if cfg.train.tokens_per_step:  # the rows of a step as sft takes them on these ranks, as accumulation
-        from .train import accum_steps
+        from ..train import accum_steps
         cfg.train.grad_accum_steps = accum_steps(cfg.train.micro_batch_size, 1, cfg.train.tokens_per_step,
                                                  cfg.data.max_seq_len, data_ranks)
         cfg.train.tokens_per_step = 0
@@ -181,7 +181,7 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
                               f"(train.micro_batch_size * train.grad_accum_steps)")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.toml").write_text(to_toml(cfg))
-    from .model import load_hf_config
+    from ..model import load_hf_config
     ctx = start_workers(load_hf_config(cfg.model.path, cfg.model.trust_remote_code).model_type) if nproc == 1 else None
     rows = []
     for accum in accums:

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .attention import VARLEN, mixing_problem, varlen_attention
-from .config import ConfigError
-from .data import IGNORE_INDEX
+from ..attention import VARLEN, mixing_problem, varlen_attention
+from ..config import ConfigError
+from ..data import IGNORE_INDEX
 
 CP_ATTENTION = "varlen_cp"  # its name in transformers' attention interface
 SPLIT_KEYS = ("input_ids", "position_ids", "attention_mask")  # (rows, seq) entries each cp rank takes a slice of

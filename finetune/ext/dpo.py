@@ -1,6 +1,6 @@
 """`finetune dpo`: preference tuning on train.py's loop, with a loss over pairs instead of tokens.
 
-A pair is ONE sample, chosen then rejected (data/pairs.py), so both sides are always in one micro-batch; packed rows
+A pair is ONE sample, chosen then rejected (ext/pairs.py), so both sides are always in one micro-batch; packed rows
 hold whole pairs. loss.token_loss_sum's per-target log-probs sum per side by `label_seq` (collate_pairs). The loss
 is a sum over pairs: train_step divides by the global pair count (one all_reduce, as for tokens).
 
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
-from .distributed import is_main, print0, world_size
-from .errors import FinetuneError
-from .loss import collate_labelled, token_loss_sum
+from ..config import ConfigError
+from ..distributed import is_main, print0, world_size
+from ..errors import FinetuneError
+from ..loss import collate_labelled, token_loss_sum
 
 PAIR_KEYS = ("label_seq", "pair_keys", "seq_tokens", "ref_logps")  # batch entries the model never sees
 REF_FILE = "ref_logps.pt"
