@@ -29,7 +29,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
 
     from finetune.config import load_config
     from finetune.distributed import init_distributed
-    from finetune.ext.dpo import collate_pairs, make_loss
+    from finetune.ext.dpo import LABELLERS, MEANS, collate_pairs, make_loss
     from finetune.train import build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer, \
         train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
@@ -37,15 +37,16 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
                              "train.mixed_precision": "fp32", "eval.path": "", "model.attn_implementation": attn})
     device, dims = init_distributed(1, 0)
     tok, _ = run_tokenizer(cfg)
-    model, optimizer = build_model_and_optimizer(cfg, device, dims)
-    samples, loss_fn = iter(build_run_samples(cfg, tok)), make_loss(cfg.dpo, "precomputed")
+    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims)
+    samples = iter(build_run_samples(cfg, tok, labellers=LABELLERS))
+    loss_fn = make_loss(cfg.dpo, "precomputed")
     collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))
     times = []
     for _ in range(warmup + steps):  # the batch is made before the clock starts, as Trainer's is
         micro_batches, num_input_tokens = next_micro_batches(samples, pairs, 1, tok.pad_token_id, None, collate)
         t0 = time.perf_counter()
         train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens, max_grad_norm=1.0,
-                   loss_fn=loss_fn)
+                   loss_fn=loss_fn, means=MEANS)
         times.append(time.perf_counter() - t0)
     return times[warmup:]
 

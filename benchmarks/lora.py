@@ -14,7 +14,6 @@ in the order full, LoRA at 1 rank, then at 2. Peak RSS is each rank's VmHWM, sum
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 import json
 import re
 import statistics
@@ -47,7 +46,10 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     device, dims = init_distributed()
     torch.manual_seed(0)
     tok = load_tokenizer(model_dir)
-    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="bf16", lora=asdict(cfg.lora), seed=0)
+    from finetune.ext import lora_transforms
+    from finetune.ext.lora import lora_settings
+    model, _ = build_model(model_dir, device, dims.mesh, lora_transforms(lora_settings(cfg), seed=0, path=model_dir),
+                           mixed_precision="bf16")
     optimizer = build_optimizer(model, 1e-4, 0.0, (0.9, 0.95), 1e-8)
     scheduler = build_scheduler(optimizer, warmup_steps=0, max_steps=100, min_lr_ratio=0.1)
     micro = GLOBAL_BATCH // dims.dp_size

@@ -49,6 +49,50 @@ DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 
 FLAGS = {"model.path": "--model", "data.path": "--dataset", "output_dir": "--output-dir"}  # what a command must have
 
+# The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
+# need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
+EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
+                  "model.liger": "liger"}
+
+
+def extension(name: str, what: str):
+    """finetune.ext (name "") or finetune.ext.<name>, for `what` (a command or key); a ConfigError when this
+    installation lacks it."""
+    import importlib
+    import importlib.util
+    module = "finetune.ext" + (f".{name}" if name else "")
+    if importlib.util.find_spec("finetune.ext") is None or importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{what} needs the extension {module.replace('.', '/')}{'.py' * bool(name)}, which this "
+                          f"installation lacks")
+    return importlib.import_module(module)
+
+
+def check_extensions(cfg: Config) -> None:
+    """Each config key set away from its default ("auto" and false aside) needs its extension (EXTENSION_KEYS)."""
+    default = Config()
+    for key, name in EXTENSION_KEYS.items():
+        if get_key(cfg, key) != get_key(default, key) and get_key(cfg, key) not in ("auto", False):
+            extension(name, f"{key}={get_key(cfg, key)!r}")
+
+
+def run_recipe(cfg: Config, task: str):
+    """What a run of `task` passes to train.train: finetune.ext's recipe, or (without extensions) the core's sft."""
+    import importlib.util
+
+    from .train import Recipe
+    check_extensions(cfg)
+    if task != "sft":
+        extension(task, f"finetune {task}")
+    elif importlib.util.find_spec("finetune.ext") is None:
+        return Recipe()
+    return extension("", f"finetune {task}").recipe(cfg, task)
+
+
+def export_hooks() -> dict:
+    """export_hf's hooks (LoRA checkpoints, the check) where the extensions are installed."""
+    import importlib.util
+    return {} if importlib.util.find_spec("finetune.ext") is None else extension("", "export-hf").export_hooks()
+
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
     """Preset + flags (--model etc., by their config keys) + key=value overrides, validated, with a model, data and
@@ -141,8 +185,7 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
                               "them with `finetune dpo`" if task == "sft" else "`finetune dpo` needs preference "
                               "pairs: columns 'chosen' and 'rejected' (and optionally 'prompt')"))
     if task == "dpo":
-        from .ext.dpo import reference_kind
-        reference_kind(cfg)
+        extension("dpo", "finetune dpo").reference_kind(cfg)
     step = read_marker(resume)["step"] if resume is not None else 0
     if step >= cfg.train.max_steps:
         return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
@@ -154,7 +197,8 @@ DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedde
 
 
 def train_command(task: str):
-    """The `sft` or `dpo` command: the same flags, presets, output dir, lock and launch; train.train(cfg, task)."""
+    """The `sft` or `dpo` command: the same flags, presets, output dir, lock and launch; train.train(cfg, the task's
+    recipe)."""
     def command(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
                 model: Optional[str] = MODEL, dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT,
                 nproc_per_node: int = NPROC,
@@ -178,11 +222,12 @@ def train_command(task: str):
                                   "checkpoint.resume_from": resume_from})
             if no_resume:
                 cfg.checkpoint.resume = False
+            recipe = run_recipe(cfg, task)
             num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
             check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # each rank
             lock = Path(cfg.output_dir) / RUN_LOCK
             if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
-                return cfg, None, lock  # a rank our launcher started: it checked all this and holds the lock
+                return cfg, recipe, None, lock  # a rank our launcher started: it checked this and holds the lock
             check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
@@ -198,8 +243,8 @@ def train_command(task: str):
                 raise
             if locks:
                 hold_run_lock(lock, f"output dir {cfg.output_dir}")
-            return cfg, nothing_to_do, lock
-        cfg, nothing_to_do, lock = guarded(prepare, debug)
+            return cfg, recipe, nothing_to_do, lock
+        cfg, recipe, nothing_to_do, lock = guarded(prepare, debug)
         try:  # the lock goes with the process anyway; released here for callers that run commands in-process
             if nothing_to_do:
                 if os.environ.get("RANK", "0") == "0":
@@ -209,7 +254,7 @@ def train_command(task: str):
             from .train import train
             root = Path(cfg.output_dir) / "checkpoints"
             before = latest_complete(root, report=False) if cfg.checkpoint.resume else None  # else moved aside
-            launch(train, (cfg, task), nproc_per_node, debug,
+            launch(train, (cfg, recipe), nproc_per_node, debug,
                    on_signal=lambda: latest_complete(root, report=False) != before, nnodes=nnodes,
                    rdzv_endpoint=rdzv_endpoint)
         finally:
@@ -223,10 +268,6 @@ def train_command(task: str):
 
 app.command("sft")(train_command("sft"))
 app.command("dpo")(train_command("dpo"))
-SPLIT_WHY = {"history": "the full conversation renders this turn differently",
-             "context": "the full conversation renders what precedes it differently"}
-
-
 @app.command("preview-data")
 def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
                  model: Optional[str] = MODEL, dataset: Optional[str] = DATASET,
@@ -235,27 +276,10 @@ def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Pa
                  debug: bool = DEBUG):
     """Show the first samples in dataset order as the trainer sees them: text with trained tokens highlighted."""
     def run():
-        import json
-        from .data import format_preview
-        from .train import build_run_samples, run_tokenizer
+        preview = extension("preview", "finetune preview-data")
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         check_flag("--num", num >= 1, ">= 1", num)
-        tok, _ = run_tokenizer(cfg)
-        samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1)
-        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        for i, sample in zip(range(num), samples):
-            if json_out:
-                print(json.dumps({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])}))
-                continue
-            where = "; ".join((f"source {s['source']} " if len(cfg.data.sources) > 1 else "")
-                              + f"row {s['row']} turns {','.join(map(str, s['turns']))}"
-                              + (f" (own sample: {SPLIT_WHY[s['split']]})" if s["split"] else "")
-                              for s in sample["sources"])
-            untrained = "".join(f"\n    left untrained: {x.split(' ', 1)[1]} ({x.split(' ', 1)[0]})"
-                                for s in sample["sources"] for x in s["left_out"])
-            print(f"--- sample {i}: {where}{untrained}\n{format_preview(tok, sample, color=color)}")
-        if not json_out:  # streamed data is counted as it is read: the summary covers the rows read so far
-            print("\n".join(f"--- {line}" for line in samples.summary()))
+        preview.preview(cfg, num, json_out)
     guarded(run, debug)
 
 
@@ -318,7 +342,9 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
         check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
     guarded(check, debug)
     from .export import export_hf as export  # VerifyError: exit 1, nothing written
-    launch(export, (checkpoint, output_dir, dtype, max_shard_size, verify, adapter), nproc_per_node, debug)
+    hooks = guarded(export_hooks, debug)
+    launch(lambda *args: export(*args, **hooks), (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),
+           nproc_per_node, debug)
 
 
 @app.command()
@@ -335,8 +361,8 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
           nproc_per_node: int = NPROC, debug: bool = DEBUG):
     """Measure step time, tokens/s, MFU and memory across activation-checkpointing ratios (fresh processes each)."""
     def run():
-        from .ext.bench import run_bench
         from .model import load_hf_config
+        run_bench = extension("bench", "finetune bench").run_bench
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
         check_flag("--steps", steps > 0, "> 0", steps)
@@ -367,17 +393,19 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
     def run():
         import contextlib
         import json
-        from .ext.plan import format_plan, format_seq_search, load_arch, parse_gpu_memory, run_plan, run_seq_search
+        p = extension("plan", "finetune plan")
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         mbs = parse_list(micro_batch_sizes, "--micro-batch-sizes", int, lambda m: m > 0, "integers > 0")
         check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
-        gpu_bytes = parse_gpu_memory(gpu_memory)
+        gpu_bytes = p.parse_gpu_memory(gpu_memory)
         cfg = build_config(config, overrides, check=False, **{"model.path": model, "data.path": "-"})
         with contextlib.redirect_stdout(sys.stderr):  # notes of the model build (once per ratio) stay off the table
-            result = run_seq_search(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios) \
-                if max_seq_len else run_plan(cfg, load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios, mbs)
-        print(json.dumps(result, indent=2) if json_out else (format_seq_search if max_seq_len else format_plan)(result))
+            result = p.run_seq_search(cfg, p.load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios) \
+                if max_seq_len else p.run_plan(cfg, p.load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios,
+                                               mbs)
+        print(json.dumps(result, indent=2) if json_out else (p.format_seq_search if max_seq_len else p.format_plan)(
+            result))
         return result["best"] is not None
     if not guarded(run, debug):
         raise SystemExit(1)

@@ -13,7 +13,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -22,11 +21,10 @@ from .config import ConfigError, export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
 from .load import MANIFEST, base_fingerprint, is_prepared
-from .ext.lora import merge_lora_tensor, peft_config, peft_key
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .weights import INDEX, arch_diffs, open_dcp, open_live, open_safetensors, out_dtype_of, to_disk, write_safetensors
+from .weights import INDEX, arch_diffs, open_dcp, open_live, out_dtype_of, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 
@@ -102,34 +100,6 @@ def embedding_names(skeleton) -> tuple[str, str | None]:
     return names[id(skeleton.get_input_embeddings())], names.get(id(skeleton.get_output_embeddings()))
 
 
-def trained_apart(skeleton, adapters: dict) -> list[str]:
-    """The tied embeddings that LoRA changed apart from their twin (modules_to_save, or an adapter on one)."""
-    head = skeleton.get_output_embeddings()
-    if head is None or head.weight is not skeleton.get_input_embeddings().weight:
-        return []
-    return [n for n in embedding_names(skeleton) if f"{n[:-len('.weight')]}.modules_to_save.default.weight" in adapters
-            or f"{n[:-len('.weight')]}.lora_A.default.weight" in adapters]
-
-
-def open_merged(source: Source, skeleton, adapters: dict, load_adapter) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """{HF name: metadata} and name -> tensor of the merged model (W + alpha/r * B @ A in fp32 over the base
-    weights of a prepared or HF dir)."""
-    if is_prepared(source.model_path):
-        metas, load_base = open_dcp(find_source(source.model_path).weights)
-    else:
-        metas, load_base = open_safetensors(source.model_path, "LoRA base model")
-    on_disk = set(metas)
-    embedding, head = embedding_names(skeleton)
-    if head and head not in on_disk:  # a tied base stores its embedding once; an untied export's head starts there
-        metas[head] = metas[embedding]
-    scale = source.lora["alpha"] / source.lora["rank"]
-
-    def load(name: str) -> torch.Tensor:
-        return merge_lora_tensor(name, load_base(name if name in on_disk else embedding),
-                                 lambda k: load_adapter(k) if k in adapters else None, scale)
-    return metas, load
-
-
 def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch.dtype, max_shard_size: int,
                  live: bool) -> dict:
     """Shards named and split as save_pretrained does, each process writing whole files (is_my_file), rank 0 the
@@ -164,9 +134,9 @@ def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch
 
 
 def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, kept: dict, disk: dict,
-                load, dtype_name: str, shard_bytes: int, verify: bool, live: bool) -> dict:
-    """The merged/full HF model dir, written and verified; returns what the export marker records."""
-    from .ext.verify import verify_export
+                load, dtype_name: str, shard_bytes: int, check, live: bool) -> dict:
+    """The merged/full HF model dir, written and checked (`check`: verify.verify_export, or None); returns what the
+    export marker records."""
     t0, dtype = time.perf_counter(), parse_dtype(dtype_name)
     num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in kept.values())
     largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
@@ -180,9 +150,9 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
            f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "
            f"tensor {largest_mb:.0f} MB)")
     diff = None
-    if verify:
-        diff = verify_export(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
-                             trust_remote_code=source.trust_remote_code)
+    if check is not None:
+        diff = check(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
+                     trust_remote_code=source.trust_remote_code)
         print0(f"verified: {len(kept)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
                f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
     return {"source": str(Path(checkpoint).resolve()),
@@ -191,28 +161,14 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
             "verified_max_abs_logit_diff": diff, "lora": source.lora}
 
 
-def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dtype: torch.dtype, verify: bool) -> dict:
-    """A LoRA checkpoint's PEFT adapter dir as PeftModel.save_pretrained lays it out, checked by loading it with
-    peft; returns what the marker records."""
-    from safetensors.torch import save_file
-    from .ext.verify import check_adapter
-    tensors = {k: load(k) for k in adapters}
-    peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
-    save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
-              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    if verify:
-        check_adapter(out, tensors, hf_config, dtype, source.trust_remote_code)
-    print0(f"exported the LoRA adapter of {source.label}: {len(tensors)} tensors "
-           f"({sum(t.numel() for t in tensors.values()) / 1e6:.3f}M params){', verified with peft' if verify else ''}")
-    return {"source": str(source.weights.resolve()), "base_model": source.model_path, "adapter": True,
-            "dtype": str(dtype).split(".")[1], "lora": source.lora}
-
-
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
-              verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None) -> Path:
+              verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
+              check=None) -> Path:
     """Write the HF model dir (adapter=True: the PEFT adapter dir of a LoRA checkpoint) `output_dir` from
     `checkpoint`; returns it. `live`: the sharded model `checkpoint` was just saved from, gathered instead of read
-    back where the layout allows (a full model stored tensor by tensor)."""
+    back where the layout allows (a full model stored tensor by tensor). The extensions' hooks: `adapters`
+    (ext/lora_export: LoRA checkpoints; without it they are refused) and `check` (ext/verify.verify_export: the
+    streamed check, when `verify`; without it the export is written unchecked, with a note)."""
     dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
     out = Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
@@ -220,6 +176,11 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     source = find_source(checkpoint)
     if adapter and not source.lora:
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
+    if source.lora and adapters is None:
+        raise CheckpointError(f"{source.label} is a LoRA checkpoint: exporting it needs the LoRA extension "
+                              f"(finetune/ext/lora_export.py), which this installation lacks")
+    if verify and check is None:
+        print0("note: the export is not checked: the export check (finetune/ext/verify.py) is not installed")
     check_output_dir(out, EXPORT_MARKER, "an earlier export")
     hf_config = load_hf_config(source.model_path, source.trust_remote_code)
     if source.lora:  # the base it is merged onto must have the architecture and weights it trained on
@@ -233,14 +194,14 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     stored, load = open_dcp(source.weights)  # the checkpoint's tensors, opened once
     if not adapter:
         skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
-        apart = trained_apart(skeleton, stored)  # only a LoRA checkpoint holds adapters or modules to save
+        apart = adapters.trained_apart(skeleton, stored) if source.lora else []  # adapters or modules to save
         if apart:  # exported untied: the model is then another one
             hf_config.tie_word_embeddings = False
             print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "
                    f"(tie_word_embeddings=false)")
             skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
         if source.lora:
-            stored, load = open_merged(source, skeleton, stored, load)
+            stored, load = adapters.open_merged(source, skeleton, stored, load)
         kept, disk = export_layout(source, skeleton, stored)
         gathered = live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk)
         if gathered:
@@ -248,10 +209,10 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
     with staging(out, EXPORT_MARKER) as tmp:
         if adapter:
-            record = save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
+            record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
         else:
             record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, kept, disk, load, dtype_name,
-                                 shard_bytes, verify, gathered)
+                                 shard_bytes, check if verify else None, gathered)
         if is_main():  # marks the dir as our export
             (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
     return out

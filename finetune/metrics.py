@@ -6,14 +6,11 @@ import math
 import os
 import resource
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from .compat import storage_key
 from .distributed import is_main, print0
-from .ext.offload import Offloaded
 from .outdir import keep_beside
 
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
@@ -60,39 +57,6 @@ def peak_rss_mb() -> float:
             return int(line.split()[1]) / 1024
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20  # macOS: bytes
-
-
-@contextmanager
-def count_saved(model):
-    """Inside: the storages the forward keeps for backward, in the yielded dict: tensors autograd saves (and
-    op-level AC caches) outside checkpointed regions, plus the inputs a checkpointed block holds for its recompute.
-    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway); what
-    ac.offload sends to host memory is not counted (its hooks are inside these)."""
-    storages = {}
-
-    def keep(t):
-        if isinstance(t, torch.Tensor):
-            base = t._base if t._base is not None else t
-            if not (base.is_leaf and base.requires_grad):
-                s = t.untyped_storage()
-                storages[storage_key(s)] = s
-        return t
-
-    def hold_inputs(module, args, kwargs):
-        for v in (*args, *kwargs.values()):
-            for t in (v if isinstance(v, tuple) else (v,)):
-                keep(t)
-
-    offloaded = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, Offloaded)}
-    ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")  # not what is in host memory:
-            and not isinstance(m, Offloaded) and id(m) not in offloaded]
-    handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            yield storages
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def repair_metrics(path: Path, start_step: int) -> None:

@@ -1,13 +1,13 @@
-"""Build the sharded training model: skeleton, kernels -> LoRA -> activation checkpointing -> compile -> FSDP, weights.
+"""Build the sharded training model: skeleton -> `parallelize` (its transforms in one stated order) -> weights.
 
-`parallelize` is the one place where the order lives (build_model and plan's fake model both call it):
-  1. apply_kernels  patches modules (Liger) while they are plain HF modules;
-     apply_lora     injects peft adapters into the Linear layers (before AC/compile/FSDP wrap the blocks, so each
-                    block's FSDP unit holds its adapters too: every parameter is a DTensor);
-  2. apply_ac       wraps whole decoder blocks with torch's non-reentrant checkpoint (not HF's
-                    gradient_checkpointing, which under FSDP all-gathers each block again on recompute);
-  3. apply_compile  compiles each block (regional compile must see the block before FSDP hooks it);
-  4. apply_fsdp     shards each block, then the root (fp32 params, bf16 compute when mixed precision);
+`parallelize` is the one place where the order lives (build_model and plan's fake model both call it). Each step is
+a named slot; the core fills AC, compile and FSDP, and an extension fills the others through `Transforms` (the
+caller passes them: finetune.ext.transforms(cfg)); an empty slot does nothing:
+  kernels -> tensor parallel -> context parallel -> expert parallel -> float8 -> adapters
+    (all on the plain HF modules, so every later wrapper and each block's FSDP unit holds what they add)
+  -> activation checkpointing (torch's non-reentrant checkpoint around whole blocks, optionally wrapped again:
+     offload) -> compile (each block: regional compile must see the block before FSDP hooks it)
+  -> FSDP (each block, then the root; fp32 params, bf16 compute when mixed precision)
 then `build_model` materialises the shards and load.py fills them: each rank reads its own slices of the HF
 safetensors (rank 0 reads and scatters a layout that needs converting on load), or a prepared DCP checkpoint.
 """
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -26,13 +27,26 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from .attention import check_packing, resolve_attn_implementation
-from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
-from .ext.context import apply_cp
+from .compat import CheckpointImpl, checkpoint_wrapper
 from .distributed import print0
 from .errors import ModelError, one_line
-from .load import base_fingerprint, check_manifest, is_prepared, load_hf_weights, load_prepared_weights
-from .ext.lora import apply_lora, init_lora_weights
-from .ext.offload import HostOffload, Offloaded
+from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_weights
+
+
+@dataclass
+class Transforms:
+    """What extensions do to the model, by slot, in the order parallelize calls the filled ones. Each is
+    fn(model, layers) (layers: the decoder blocks), run on the meta skeleton; the caller binds what else it needs."""
+    kernels: Callable | None = None  # fused kernels patched into the plain HF modules (Liger)
+    tensor_parallel: Callable | None = None  # (not built yet)
+    context_parallel: Callable | None = None  # each row split over the cp ranks
+    expert_parallel: Callable | None = None  # (not built yet)
+    float8: Callable | None = None  # Linear layers swapped for float8 ones
+    adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
+    ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
+    after_load: Callable | None = None  # (model, settings) once the weights are in (the adapters' init)
+    lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
+    note: str = "Liger off"  # what the kernels slot does, for the start-up line
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -129,35 +143,9 @@ def clean_child(mod: nn.Module) -> nn.Module:
     return mod
 
 
-def resolve_auto(liger: bool | str, compile: bool | str, cuda: bool) -> tuple[bool, bool]:
-    """model.liger / model.compile "auto": both on CUDA (Liger where liger-kernel is installed), both off on CPU."""
-    import importlib.util
-    if liger == "auto":
-        liger = cuda and importlib.util.find_spec("liger_kernel") is not None
-    return liger, cuda if compile == "auto" else compile
-
-
-def apply_kernels(model: nn.Module, liger: bool, compile: bool = False) -> None:
-    """Swap in Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy). CUDA, or on CPU under
-    Triton's interpreter (TRITON_INTERPRET=1, for tests) only RoPE and the fused linear cross-entropy: the
-    interpreter cannot run the others. With regional compile only the fused linear cross-entropy (outside the
-    blocks): Liger dispatches RoPE through a torch.compiler.disable'd function, which splits every compiled block's
-    graph (3 breaks a Llama block), and inductor fuses norms, SwiGLU and RoPE itself."""
-    if not liger:
-        return
-    interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
-    if not torch.cuda.is_available() and not interpret:
-        raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels; on CPU only "
-                         "under TRITON_INTERPRET=1, for tests)")
-    # RoPE and fused linear cross-entropy are on by default; the interpreter gets no others (each arch's apply
-    # function takes the switches it has)
-    off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm"), False) if interpret else {}
-    if compile:  # outside the compiled blocks only (apply_kernels' docstring)
-        off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm", "rope"), False)
-    try:
-        apply_liger_kernels(model, **off)
-    except ImportError as e:
-        raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
+def resolve_compile(compile: bool | str, cuda: bool) -> bool:
+    """model.compile "auto": on CUDA, off on CPU."""
+    return cuda if compile == "auto" else compile
 
 
 def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
@@ -180,28 +168,27 @@ def _op_sac_policy():
     return partial(create_selective_checkpoint_contexts, policy)
 
 
-def apply_ac(model: nn.Module, ratio: float, mode: str = "block", offload: bool = False) -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices. `offload`: the
-    inputs each keeps for its recompute go to host memory and back, overlapped with compute (finetune.offload)."""
+def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None) -> list[int]:
+    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices. `wrap` (the
+    ac_wrap slot: offload) goes around each checkpointed block."""
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
     # respect_saved_tensors_hooks: the outputs op-level AC keeps go through the caller's saved_tensors_hooks
     # (save_on_cpu, the bench's saved-bytes count) like any saved tensor; torch's legacy default bypasses them
     kwargs = {"context_fn": _op_sac_policy(), "respect_saved_tensors_hooks": True} if mode == "op" else {}
-    host = HostOffload() if offload else None  # one copy stream and block order for the whole model
     for i in ids:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
-        if offload:
-            layers[i] = Offloaded(layers[i], host)
+        if wrap is not None:
+            layers[i] = wrap(layers[i])
     return ids
 
 
 def apply_compile(model: nn.Module, enabled: bool) -> None:
-    """Compile each decoder block in place (keeps parameter names; one graph reused by every block). An offloaded
-    block's hooks stay outside the compiled region (eager, as they are Python)."""
+    """Compile each decoder block in place (keeps parameter names; one graph reused by every block). A wrapper that
+    asks for it (`compile_inside`: offload's Python hooks) stays outside the compiled region."""
     if enabled:
         for layer in find_layers(model):
-            (layer._checkpoint_wrapped_module if isinstance(layer, Offloaded) else layer).compile()
+            (layer._checkpoint_wrapped_module if getattr(layer, "compile_inside", False) else layer).compile()
 
 
 def shard_dim(shape, shards: int) -> int:
@@ -251,59 +238,49 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             b.copy_(buffers[n])
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lora: dict | None = None,
-                ac_ratio: float = 0.0, ac_mode: str = "block", ac_offload: bool = False, compile: bool = False,
-                liger: bool = False, kernels: bool = True) -> dict | None:
-    """apply_* in their order (module docstring) on the meta skeleton; returns the LoRA settings a checkpoint records
-    (None without LoRA). With `lora` (rank, alpha, dropout, target_modules, modules_to_save) the frozen base is
-    kept in bf16 (fp32 when mixed_precision is fp32). kernels=False leaves Liger's kernels out but keeps the FSDP
-    layout they need (plan's fake model: the kernels cannot run on fake tensors)."""
-    apply_kernels(model, liger and kernels, compile)
-    base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    settings = apply_lora(model, find_layers(model), **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
-    apply_ac(model, ac_ratio, ac_mode, ac_offload)
+def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: Transforms, *, mixed_precision: str,
+                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False) -> dict | None:
+    """The transforms in their order (module docstring) on the meta skeleton; returns the settings the adapters slot
+    gives a checkpoint to record (None without adapters)."""
+    t, layers = transforms, find_layers(model)
+    for slot in (t.kernels, t.tensor_parallel, t.context_parallel, t.expert_parallel, t.float8):
+        if slot is not None:
+            slot(model, layers)
+    settings = t.adapters(model, layers) if t.adapters is not None else None
+    apply_ac(model, ac_ratio, ac_mode, t.ac_wrap)
     apply_compile(model, compile)
-    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not liger)
+    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not t.lm_head_in_root)
     return settings
 
 
-def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_precision: str = "bf16",
-                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool | str = False, liger: bool | str = False,
-                attn_implementation: str = "sdpa", trust_remote_code: bool = False, lora: dict | None = None,
-                seed: int = 0, packing: bool = False, cp_group=None,
-                ac_offload: bool = False) -> tuple[nn.Module, dict | None]:
-    """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
-    with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
-    bf16 (fp32 when mixed_precision is fp32); and the LoRA settings its checkpoints record (None without LoRA),
-    with the base weights' fingerprint, which checkpoints record to tie adapters to their base. "auto" for the
-    attention, Liger and compile picks by device (one line says what); `packing`: refuse attention that cannot keep
-    packed samples apart (attention.check_packing); `cp_group`: split each row over its ranks (context.apply_cp);
-    `ac_offload`: checkpointed blocks keep their inputs in host memory (apply_ac; a no-op on CPU)."""
+def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: Transforms | None = None, *,
+                mixed_precision: str = "bf16", ac_ratio: float = 0.0, ac_mode: str = "block",
+                compile: bool | str = False, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                packing: bool = False) -> tuple[nn.Module, dict | None]:
+    """A sharded model ready to train over `mesh`, with the weights of `path` (HF dir/id
+    or prepared dir): fp32 masters, or with adapters (the transforms' adapters slot: LoRA) trainable adapters on a
+    frozen base in bf16 (fp32 when mixed_precision is fp32); and the settings its checkpoints record (None without
+    adapters). "auto" attention and compile pick by device (one line says what); `packing`: refuse attention that
+    cannot keep packed samples apart (attention.check_packing)."""
+    transforms = transforms or Transforms()
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
-    asked = "auto" in (attn_implementation, liger, compile)
-    liger, compile = resolve_auto(liger, compile, device.type == "cuda")
+    asked = "auto" in (attn_implementation, compile)
+    compile = resolve_compile(compile, device.type == "cuda")
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     attn = model.config._attn_implementation
-    kernels = "fused loss only (compiled blocks)" if liger and compile else "on" if liger else "off"
-    print0(f"kernels: attention {attn}, Liger {kernels}, regional compile {'on' if compile else 'off'} "
-           f"({'auto on ' if asked else ''}{device.type})")
+    print0(f"kernels: attention {attn}, {transforms.note}, regional compile "
+           f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
     if packing:
         check_packing(model, find_layers(model), attn)
-    if cp_group is not None:
-        apply_cp(model, find_layers(model), cp_group)
-    if ac_offload and device.type != "cuda":
-        print0("note: ac.offload is a no-op on CPU: activations already live in host memory")
-    settings = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
-                           ac_mode=ac_mode, ac_offload=ac_offload and device.type == "cuda", compile=compile,
-                           liger=liger)
+    settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
+                           ac_mode=ac_mode, compile=compile)
     _materialize(model, device)
     if is_prepared(path):
         load_prepared_weights(model, path)
     else:  # the name map comes from a clean skeleton: the model's own is wrapped by now
         load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code)
-    if settings:
-        init_lora_weights(model, seed)
-        settings["base_fingerprint"] = base_fingerprint(path)  # which base weights the adapters belong to
+    if transforms.after_load is not None:
+        transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
         assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype

@@ -4,25 +4,22 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
-from functools import partial
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
 from . import checkpoint as ckpt
 from . import faults
-from .ext import dpo
 from .config import Config, ConfigError, resume_note, to_toml
-from .ext.context import cp_width, split_batch
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
-from .ext.evaluate import evaluate, report_eval
 from .export import export_hf
 from .loss import collate_labelled, token_loss_sum
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
-from .model import build_model, load_tokenizer
+from .model import Transforms, build_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 
 
@@ -32,21 +29,62 @@ class NonFiniteError(FinetuneError):
     exit_code = 1
 
 
+class Run(NamedTuple):
+    """What a task's setup may use: the built run, before its first step."""
+    model: torch.nn.Module
+    tokenizer: object
+    dims: object  # distributed.ParallelDims
+    device: torch.device
+    out: Path
+    resume_dir: Path | None
+
+
+def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The summed token loss at the label positions; normalised by the global label-token count (no "count")."""
+    return token_loss_sum(model, batch), {}
+
+
+@dataclass
+class Task:
+    """What a task does on the loop, as plain functions (the defaults: sft). `loss(model, batch)` -> (the loss summed
+    over the batch, {statistic: 0-dim sum}); train_step divides the loss's gradient by the global "count" of those
+    sums (default: label tokens) and reports each statistic in `means` as its global mean per count."""
+    loss: Callable = sft_loss
+    collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
+    means: tuple = ()
+    evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
+    evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
+
+
+def sft_task(cfg: Config, run: Run) -> Task:
+    return Task()
+
+
+def no_transforms(cfg: Config, dims, device: torch.device) -> Transforms:
+    return Transforms()
+
+
+@dataclass
+class Recipe:
+    """A run as its caller configures it (the defaults: sft with the core alone; finetune.ext.recipe fills the
+    extensions' parts): the task set up once the model is built, the model transforms, and what export_hf is
+    handed (adapters=, check=) for the final export."""
+    name: str = "sft"
+    setup: Callable = sft_task  # (cfg, Run) -> Task
+    transforms: Callable = no_transforms  # (cfg, dims, device) -> model.Transforms
+    export: dict = field(default_factory=dict)
+    labellers: dict = field(default_factory=dict)  # build_samples' labellers: formats the task labels its own way
+
+
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
-                       collate=None, cp: tuple[int, int] = (0, 1)):
-    """This rank's micro-batches for one optimizer step (loss.collate_labelled, or `collate`: dpo) and their number
-    of real tokens. With cp = (cp rank, N > 1) this rank takes its slice of the data rank's rows
-    (context.split_batch: 1/N of the real tokens)."""
+                       collate=collate_labelled, ranks_per_row: int = 1):
+    """This rank's micro-batches for one optimizer step (`collate`d, each as wide as pad_to or its longest sample)
+    and this rank's share of their real tokens (a row split over `ranks_per_row` context-parallel ranks: 1/N)."""
     batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
         items = [next(samples) for _ in range(micro_batch_size)]
-        num_input_tokens += sum(len(x["input_ids"]) for x in items) / cp[1]
-        if collate is not None:
-            batches.append(collate(items, pad_id, pad_to))
-            continue
-        width = pad_to or max(len(x["input_ids"]) for x in items)
-        batch = collate_labelled(items, pad_id, cp_width(width, cp[1]))
-        batches.append(split_batch(batch, *cp) if cp[1] > 1 else batch)
+        num_input_tokens += sum(len(x["input_ids"]) for x in items) / ranks_per_row
+        batches.append(collate(items, pad_id, pad_to or max(len(x["input_ids"]) for x in items)))
     return batches, num_input_tokens
 
 
@@ -64,48 +102,41 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
     return rows // (micro_batch_size * num_ranks)
 
 
-# what train_step returns, one float64 device tensor per step: index of each value (then a loss_fn's means)
-LOSS, GRAD_NORM, NUM_TOKENS, NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS = range(6)
-DPO_KEYS = ("rewards_chosen", "rewards_rejected", "accuracy")  # the means dpo's loss_fn adds
-
-
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
-               skip_nonfinite: bool = False, stop: bool = False, loss_fn=None) -> tuple[torch.Tensor, bool]:
+               skip_nonfinite: bool = False, stop: bool = False, loss_fn=sft_loss,
+               means: tuple = ()) -> tuple[dict[str, torch.Tensor], bool]:
     """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run): forward/backward on the
-    summed token losses (gradient sync on the last), ONE all_reduce of the step's counts, gradients divided by the
-    global label-token count (the mean over every label token of the global batch, whatever the split), clip,
-    step. Returns (the float64 device tensor indexed by LOSS, GRAD_NORM, ... above: never read here, whether the
-    update was skipped: `skip_nonfinite`, nan_policy "skip", reads it). `loss_fn(model, batch)` (dpo) -> (loss sum,
-    float64 [count, sums...]): normalised by the global count instead; the sums' global means follow."""
+    summed losses (gradient sync on the last), ONE all_reduce of the step's sums, gradients divided by the global
+    count (label tokens, or the loss's "count": the mean over the global batch, whatever the split), clip, step.
+    Returns ({name: float64 0-dim device tensor}: loss, grad_norm, num_tokens, num_input_tokens, stop,
+    num_computed_tokens and the `means`; never read here), whether the update was skipped (`skip_nonfinite`)."""
     device = next(model.parameters()).device
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    sums = torch.zeros(0, device=device, dtype=torch.float64)  # loss_fn's [count, sums...] over the micro-batches
-    num_tokens = sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    sums: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         model.set_requires_gradient_sync(last)
         model.set_is_last_backward(last)
         batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        if loss_fn is None:
-            loss = token_loss_sum(model, batch)
-        else:
-            loss, more = loss_fn(model, batch)
-            sums = more if not sums.numel() else sums + more
+        loss, stats = loss_fn(model, batch)
         loss.backward()
-        loss_sum += loss.detach().double()
+        for k, v in {"loss": loss.detach(), **stats}.items():
+            sums[k] = sums[k] + v.double() if k in sums else v.double()
     # host-to-device copies with non_blocking: no wait for the GPU here (a blocking copy would be a sync)
-    num_computed = sum(b["input_ids"].numel() for b in micro_batches)
-    counts = torch.tensor([num_tokens, num_input_tokens, float(stop), num_computed], dtype=torch.float64)
-    counts = counts.to(device, non_blocking=True)
-    stats = torch.cat([counts[:1], loss_sum[None], counts[1:], sums])
-    all_reduce(stats)
-    count = (stats[5] if sums.numel() else stats[0]).clamp(min=1)  # label tokens, or loss_fn's count (pairs)
+    counts = {"num_tokens": sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches),
+              "num_input_tokens": num_input_tokens, "stop": float(stop),
+              "num_computed_tokens": sum(b["input_ids"].numel() for b in micro_batches)}
+    keys = [*sums, *counts]
+    host = torch.tensor(list(counts.values()), dtype=torch.float64).to(device, non_blocking=True)
+    values = torch.cat([torch.stack(list(sums.values())), host])
+    all_reduce(values)
+    total = dict(zip(keys, values))
+    count = total.get("count", total["num_tokens"]).clamp(min=1)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, (1 / count).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
-    # [LOSS, GRAD_NORM, NUM_TOKENS], then stats[2:] as they are: NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS
-    result = torch.cat([torch.stack([stats[1] / count, grad_norm.double(), stats[0]]), stats[2:5], stats[6:] / count])
-    skipped = skip_nonfinite and not bool(torch.isfinite(result[:2]).all())
+    result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
+              **{k: total[k] for k in counts}, **{k: total[k] / count for k in means}}
+    skipped = skip_nonfinite and not bool(torch.isfinite(torch.stack([result["loss"], result["grad_norm"]])).all())
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -134,53 +165,27 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
     return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
 
 
-def build_model_and_optimizer(cfg: Config, device: torch.device, dims):
-    """The model, its AdamW and its LoRA settings (build_model's) as configured: what `sft` and `bench` train."""
+def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms | None = None):
+    """The model, its AdamW and its adapters' settings (build_model's) as configured: what `sft` and `bench` train."""
     tc = cfg.train
-    model, lora = build_model(cfg.model.path, device, dims.mesh, mixed_precision=tc.mixed_precision,
+    model, lora = build_model(cfg.model.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
                               ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
-                              liger=cfg.model.liger, attn_implementation=cfg.model.attn_implementation,
-                              trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed,
-                              packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload)
+                              attn_implementation=cfg.model.attn_implementation,
+                              trust_remote_code=cfg.model.trust_remote_code, packing=cfg.data.packing)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 
-def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir):
-    """`finetune dpo`'s (loss_fn, collate, held-out evaluation or None): see dpo.py."""
-    reference, pad = dpo.reference_kind(cfg), tokenizer.pad_token_id
-    held_out = None
-    if cfg.eval.path:  # every rank all of the first eval.num_samples pairs (preflight: pairs), unpacked
-        held_out = build_samples(cfg.eval.path, tokenizer, max_seq_len=cfg.data.max_seq_len, shuffle=False,
-                                 on_unsupported=cfg.data.on_unsupported, epoch_limit=1,
-                                 chat_template_kwargs=cfg.data.chat_template_kwargs)
-    num_held_out = min(cfg.eval.num_samples, held_out.num_samples) if held_out else 0
-    tables = {"train": None, "eval": None}
-    if reference == "precomputed":
-        tables = dpo.reference_tables(model, build_run_samples(cfg, tokenizer, rank=dims.dp_rank,
-                                                               world_size=dims.dp_size, shuffle=False),
-                                      held_out, num_held_out, cfg.train.micro_batch_size,
-                                      partial(dpo.collate_pairs, pad_id=pad), device, out, resume_dir)
-    loss_fn = dpo.make_loss(cfg.dpo, reference)
-
-    def evaluate_held_out():
-        batches = dpo.pair_batches(iter(held_out), num_held_out, cfg.train.micro_batch_size,
-                                   partial(dpo.collate_pairs, pad_id=pad, table=tables["eval"]))
-        return dpo.evaluate_pairs(model, loss_fn, batches, device, out)
-    return loss_fn, partial(dpo.collate_pairs, table=tables["train"]), evaluate_held_out if held_out else None
-
-
-def train(cfg: Config, task: str = "sft") -> dict:
-    """Run SFT (task "dpo": preference tuning, dpo.py) as configured; returns the final metrics record (rank 0) and
-    held-out results."""
-    if task == "dpo" and cfg.parallel.cp > 1:
-        raise ConfigError("finetune dpo does not split rows over ranks yet: set parallel.cp=1")
+def train(cfg: Config, recipe: Recipe | None = None) -> dict:
+    """Run the recipe (default: SFT with the core alone) as configured; returns the final metrics record (rank 0)
+    and held-out results."""
+    recipe = recipe or Recipe()
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
     tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
-    model, optimizer, lora = build_model_and_optimizer(cfg, device, dims)
+    model, optimizer, lora = build_model_and_optimizer(cfg, device, dims, recipe.transforms(cfg, dims, device))
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
@@ -188,15 +193,12 @@ def train(cfg: Config, task: str = "sft") -> dict:
         resume(resume_dir, cfg, model, optimizer, scheduler, state, lora)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
-                                start_sample=state.samples_seen)
+                                start_sample=state.samples_seen, labellers=recipe.labellers)
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
     flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)
-    loss_fn, collate, evaluate_pairs = setup_dpo(cfg, model, tokenizer, dims, device, out, resume_dir) \
-        if task == "dpo" else (None, None, None)
-    held_out = partial(evaluate, model, tokenizer, cfg.eval.path, cfg.eval.num_samples, cfg.eval.max_new_tokens,
-                       device, dc.chat_template_kwargs)
-    eval_before = held_out() if cfg.eval.path and state.step == 0 and task == "sft" else None
+    task = recipe.setup(cfg, Run(model, tokenizer, dims, device, out, resume_dir))
+    before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
         with open_outputs(cfg, out, state.step, chat_template, lora) as (logger, saver, bar):
@@ -205,12 +207,12 @@ def train(cfg: Config, task: str = "sft") -> dict:
                 faults.kill_if("kill_at_step", step)
                 faults.pause_if(step, lambda: signals.name is not None)
                 t0 = time.perf_counter()
-                micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
-                                                                     accum, tokenizer.pad_token_id, pad_to, collate,
-                                                                     (dims.cp_rank, dims.cp))
+                micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size, accum,
+                                                                     tokenizer.pad_token_id, pad_to, task.collate,
+                                                                     dims.cp)
                 result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
                                              max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
-                                             stop=signals.name is not None, loss_fn=loss_fn)
+                                             stop=signals.name is not None, loss_fn=task.loss, means=task.means)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 state.step, state.samples_seen = step, state.samples_seen + global_batch
@@ -230,11 +232,9 @@ def train(cfg: Config, task: str = "sft") -> dict:
             if samples.num_samples is None:
                 print0(f"data (streamed so far): {describe_counts(samples.counts)}")
         if cfg.checkpoint.export_hf:  # every rank gathers, writes and checks whole files (plan: the final checkpoint)
-            export_hf(str(out), str(out / "hf"), live=model)
-        if evaluate_pairs is not None:
-            record["eval"] = evaluate_pairs()
-        elif cfg.eval.path:
-            record["eval"] = report_eval(held_out(), eval_before, out)
+            export_hf(str(out), str(out / "hf"), live=model, **recipe.export)
+        if task.evaluate_after is not None:
+            record["eval"] = task.evaluate_after(before)
     return record
 
 
@@ -300,7 +300,9 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, 
     rank asked to stop). On GPU train calls it only on log and checkpoint steps (every step under nan_policy
     "skip"), so the GPU never waits for the host in between; signals and "stop" non-finite steps are acted on
     here, always before a checkpoint is written."""
-    values = torch.stack([r for r, _ in pending]).tolist()  # the one host read
+    keys = list(pending[0][0])
+    rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
+    values = [dict(zip(keys, row)) for row in rows]
     for v, (_, timing) in zip(values, pending):
         if timing["skipped"]:  # only under nan_policy "skip", which reads every step at once
             state.skipped_steps += 1
@@ -310,30 +312,31 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, 
         logger.log(record)
         report(bar, record, tc.log_interval, tc.max_steps)
     pending.clear()
-    return record, values[-1][STOP] > 0
+    return record, values[-1]["stop"] > 0
 
 
-def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_policy: str, device, flops_tok: float,
-                peak: float | None) -> dict:
+CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "num_computed_tokens")
+
+
+def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, nan_policy: str, device,
+                flops_tok: float, peak: float | None) -> dict:
     """One step's metrics from train_step's values; counts tokens_seen; raises on non-finite (policy "stop")."""
-    loss, grad_norm = values[LOSS], values[GRAD_NORM]
+    loss, grad_norm = values["loss"], values["grad_norm"]
     if nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} at step "
                              f"{timing['step']} (loss={loss}, grad_norm={grad_norm}); stopping "
                              f"(train.nan_policy=\"stop\")")
-    state.tokens_seen += int(values[NUM_TOKENS])
-    tokens_per_s = values[NUM_INPUT_TOKENS] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
+    state.tokens_seen += int(values["num_tokens"])
+    tokens_per_s = values["num_input_tokens"] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
     record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
-              "num_tokens": int(values[NUM_TOKENS]), "tokens_per_s": tokens_per_s,
+              "num_tokens": int(values["num_tokens"]), "tokens_per_s": tokens_per_s,
               "tokens_per_s_per_gpu": tokens_per_s / world_size(),
-              "padding_fraction": 1 - values[NUM_INPUT_TOKENS] / values[NUM_COMPUTED_TOKENS],
+              "padding_fraction": 1 - values["num_input_tokens"] / values["num_computed_tokens"],
               "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
               "tokens_seen": state.tokens_seen}
     if device.type == "cuda":
         record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
-    record.update(zip(DPO_KEYS, values[NUM_COMPUTED_TOKENS + 1:]))
-    if "accuracy" in record:
-        record["margin"] = record["rewards_chosen"] - record["rewards_rejected"]
+    record.update((k, v) for k, v in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
     if peak:
         record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())  # metrics.MFU_CONVENTION
     return record

@@ -186,7 +186,8 @@ def sft_config(model_dir, data, out, *overrides):
 def train_rank(cfg):
     """finetune.train.train(cfg) on one rank (a top-level function for run_ranks)."""
     from finetune.train import train
-    return train(cfg)
+    from finetune.ext import recipe
+    return train(cfg, recipe(cfg))
 
 
 def sft(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None = None) -> list[dict]:

@@ -48,7 +48,7 @@ def packed_and_unpacked(model_dir: str, data: str, attentions: list[str] = ATTEN
     from finetune.data import build_samples
     from finetune.distributed import init_distributed
     from finetune.model import build_model, load_tokenizer
-    from finetune.train import GRAD_NORM, LOSS, next_micro_batches, train_step
+    from finetune.train import next_micro_batches, train_step
     if references:
         for name in attentions:
             if name.startswith("flash"):
@@ -73,8 +73,8 @@ def packed_and_unpacked(model_dir: str, data: str, attentions: list[str] = ATTEN
                 batches, num_input_tokens = next_micro_batches(iter(units), len(units), 1, tok.pad_token_id, None)
                 result, _ = train_step(model, optimizer, batches, num_input_tokens=num_input_tokens,
                                        max_grad_norm=0.0)
-                results.setdefault((attn, micro_batch_size), []).append((result[LOSS].item(),
-                                                                         result[GRAD_NORM].item()))
+                results.setdefault((attn, micro_batch_size), []).append((result["loss"].item(),
+                                                                         result["grad_norm"].item()))
     return results
 
 

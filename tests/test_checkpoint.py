@@ -50,7 +50,8 @@ def train_with_nan_at(cfg, step: int):
         model.register_forward_hook(poison)
         return model, lora
     T.build_model = build_model
-    return T.train(cfg)
+    from finetune.ext import recipe
+    return T.train(cfg, recipe(cfg))
 
 
 def test_resume_is_exact_same_and_other_world_size(llama_dir, chat_file, tmp_path, straight, capsys):

@@ -36,7 +36,8 @@ def pairs_file(tmp_path_factory):
 
 def dpo_rank(cfg):
     from finetune.train import train
-    return train(cfg, "dpo")
+    from finetune.ext import recipe
+    return train(cfg, recipe(cfg, "dpo"))
 
 
 def dpo(model_dir, data, out, *overrides, nproc: int = 1) -> list[dict]:
@@ -195,11 +196,13 @@ def test_losses_and_rewards_follow_their_formulas(monkeypatch):
     rewards = 0.5 * (logps - batch["ref_logps"].float())
     z = rewards[:, 0] - rewards[:, 1]
     assert loss.item() == pytest.approx((-0.9 * F.logsigmoid(z) - 0.1 * F.logsigmoid(-z)).sum().item())
-    assert stats.tolist() == pytest.approx([2, rewards[:, 0].sum().item(), rewards[:, 1].sum().item(), 1])
+    assert [stats[k].item() for k in ("count", *dpo.MEANS)] == pytest.approx(
+        [2, rewards[:, 0].sum().item(), rewards[:, 1].sum().item(), 1, (rewards[:, 0] - rewards[:, 1]).sum().item()])
     loss, stats = dpo.make_loss(DPOConfig(loss="simpo", beta=2.0, simpo_gamma=0.5), None)(None, batch)
     mean = logps / batch["seq_tokens"].float()
     assert loss.item() == pytest.approx(-F.logsigmoid(2 * (mean[:, 0] - mean[:, 1]) - 0.5).sum().item())
-    assert stats.tolist() == pytest.approx([2, 2 * (-1.5 - 4), 2 * (-1.25 - 1), 0])  # mean log-probs x beta
+    assert [stats[k].item() for k in ("count", *dpo.MEANS[:3])] == pytest.approx(
+        [2, 2 * (-1.5 - 4), 2 * (-1.25 - 1), 0])  # mean log-probs x beta
 
 
 def test_pairs_without_reference_log_probs_stop_in_one_line(llama_dir, pairs_file):

@@ -56,7 +56,10 @@ def fsdp_layout(model_dir: str, dp_replicate: int, liger: bool = False) -> dict:
     from finetune.model import build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed(dp_replicate)
-    model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", liger=liger)
+    from finetune.config import load_config
+    from finetune.ext import transforms
+    t = transforms(load_config(None, {"model.liger": liger}), dims, device)
+    model, _ = build_model(model_dir, device, dims.mesh, t, mixed_precision="fp32")
     units, seen = {}, set()
     for name, mod in reversed(list(model.named_modules())):  # innermost first: a unit owns what no inner unit owns
         if isinstance(mod, FSDPModule):

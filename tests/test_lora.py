@@ -201,7 +201,9 @@ def train_on_prepared_base(llama_dir, tmp_path):
     mesh = dims.mesh
     prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
     lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-    model, settings = build_model(str(prepared), device, mesh, mixed_precision="bf16", lora=lora, seed=0)
+    from finetune.ext import lora_transforms
+    model, settings = build_model(str(prepared), device, mesh, lora_transforms(lora, seed=0, path=str(prepared)),
+                                  mixed_precision="bf16")
     optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.95), 1e-8)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == 2 * 7 * 4  # A and B on 7 linears x 4 blocks
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if is_adapter(n)}

@@ -31,7 +31,9 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
         del model  # the previous model's memory first (0.5B: 1 GB of fp32 shards and as much of gradients a rank)
         gc.collect()
         lora = dict(rank=lora_rank, alpha=16.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-        model, _ = build_model(path, device, dims.mesh, mixed_precision=mixed_precision, ac_ratio=ratio, lora=lora)
+        from finetune.ext import lora_transforms
+        t = lora_transforms(lora, seed=0, path=path, mixed_precision=mixed_precision) if lora_rank else None
+        model, _ = build_model(path, device, dims.mesh, t, mixed_precision=mixed_precision, ac_ratio=ratio)
         ids = torch.randint(model.config.vocab_size, (micro_batch_size, seq_len))
         batch = {"input_ids": ids, **label_targets(ids, None)}  # a target at every position but a row's last
         saved[ratio] = saved_for_backward_mb(model, batch) * 2**20  # and backward
@@ -150,7 +152,10 @@ def saved_at_cp(path: str, cp: int, seq_len: int) -> float:
     from finetune.loss import label_targets
     from finetune.model import build_model
     device, dims = init_distributed(cp=cp)
-    model, _ = build_model(path, device, dims.mesh, attn_implementation="auto", cp_group=dims.cp_group)
+    from finetune.ext import transforms
+    from finetune.config import load_config
+    t = transforms(load_config(None, {"parallel.cp": cp}), dims, device)
+    model, _ = build_model(path, device, dims.mesh, t, attn_implementation="auto")
     ids = torch.randint(model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "position_ids": torch.arange(seq_len)[None], **sample_boundaries([seq_len]),
              **label_targets(ids, None)}

@@ -13,7 +13,6 @@ import torch
 
 from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
-from ..ext.pairs import label_pair
 from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _entries)
@@ -123,11 +122,11 @@ def describe_counts(counts: dict) -> str:
     return ", ".join(parts)
 
 
-def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs):
+def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs, labellers: dict):
     def tokenize(item: dict, idx: int):
         row, where = row_of(item, source.spec["path"], idx)
-        if source.fmt == "pairs":  # one sample: chosen, then rejected
-            return label_pair(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs)
+        if source.fmt in labellers:  # a format a task labels its own way (dpo's pairs: ext/pairs.py)
+            return labellers[source.fmt](tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs)
         conv = to_conversation(row, source.fmt, where)
         return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported,
                                  template_kwargs)
@@ -302,14 +301,17 @@ class SampleStream(torch.utils.data.IterableDataset):
 
 
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, streaming=False,
-                  max_seq_len=2048, on_unsupported="error", chat_template_kwargs=None, **order) -> SampleStream:
+                  max_seq_len=2048, on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None,
+                  **order) -> SampleStream:
     """This rank's tokenized (optionally packed) samples in SampleStream's order (`order`: its keyword arguments).
     `data`: a path (hub id, file or dataset dir; fmt, split and name apply), or a mixture: dicts with a path and
     optionally split, name, format and one of weight, samples, epochs (see mixture_sizes; no streaming).
     Non-streaming data is tokenized up front (num_proc workers) and shuffled per epoch (seed + epoch) when shuffle;
     streaming data is read lazily in file order, never shuffled. A turn the chat template cannot hold raises a
-    DataError (on_unsupported="error") or is left untrained and counted ("drop")."""
+    DataError (on_unsupported="error") or is left untrained and counted ("drop"). `labellers`: {format: fn(tokenizer,
+    row, where, max_seq_len, on_unsupported, template_kwargs) -> labels.Labelled} for formats labelled otherwise."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = open_sources(data, fmt=fmt, split=split, name=name, streaming=streaming)
-    tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs) for src in sources]
+    tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {})
+                  for src in sources]
     return SampleStream(sources, tokenizers, streaming=streaming, max_seq_len=max_seq_len, **order)

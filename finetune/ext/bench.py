@@ -14,14 +14,17 @@ import statistics
 import time
 import traceback
 from collections import defaultdict
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from ..compat import storage_key
 from ..config import Config, ConfigError, load_config, to_toml
 from ..errors import one_line
-from ..metrics import MFU_CONVENTION, count_saved
+from ..metrics import MFU_CONVENTION
+from .offload import Offloaded
 
 
 def device_name() -> str:
@@ -44,11 +47,43 @@ def default_budget_mb() -> float:
 
 # ----------------------------------------------------------------------------------------------- one point
 
-def saved_for_backward_mb(model, batch: dict, loss_fn=None) -> float:
+@contextmanager
+def count_saved(model):
+    """Inside: the storages the forward keeps for backward, in the yielded dict: tensors autograd saves (and
+    op-level AC caches) outside checkpointed regions, plus the inputs a checkpointed block holds for its recompute.
+    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway); what
+    ac.offload sends to host memory is not counted (its hooks are inside these)."""
+    storages = {}
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            base = t._base if t._base is not None else t
+            if not (base.is_leaf and base.requires_grad):
+                s = t.untyped_storage()
+                storages[storage_key(s)] = s
+        return t
+
+    def hold_inputs(module, args, kwargs):
+        for v in (*args, *kwargs.values()):
+            for t in (v if isinstance(v, tuple) else (v,)):
+                keep(t)
+
+    offloaded = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, Offloaded)}
+    ckpt = [m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")  # not what is in host memory:
+            and not isinstance(m, Offloaded) and id(m) not in offloaded]
+    handles = [m.register_forward_pre_hook(hold_inputs, with_kwargs=True) for m in ckpt]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            yield storages
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def saved_for_backward_mb(model, batch: dict, loss_fn) -> float:
     """MB that one forward keeps for backward (count_saved), the loss as train_step computes it."""
-    from ..loss import token_loss_sum
     with count_saved(model) as storages:
-        loss = token_loss_sum(model, batch) if loss_fn is None else loss_fn(model, batch)[0]
+        loss = loss_fn(model, batch)[0]
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)
     storages.clear()
     loss.backward()  # completes FSDP's backward state before the process ends
@@ -59,22 +94,26 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
     from ..distributed import init_distributed
     from ..metrics import flops_per_token, peak_flops, peak_mem_mb
-    from ..model import ac_layer_ids, resolve_auto
-    from ..train import (LOSS, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
-                        train_step)
+    from ..model import ac_layer_ids, resolve_compile
+    from ..train import (Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
+                         train_step)
+    from . import dpo, recipe
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok, _ = run_tokenizer(cfg)
-    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims)
-    stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size)
-    samples, loss_fn, collate = iter(stream), None, None
-    if stream.sources[0].fmt == "pairs":  # dpo's step (a precomputed reference is read, not timed: zeros here)
-        from .dpo import collate_pairs, make_loss, reference_kind
-        loss_fn = make_loss(cfg.dpo, reference_kind(cfg))
-        collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))
+    stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size, labellers=dpo.LABELLERS)
+    pairs = stream.sources[0].fmt == "pairs"
+    run = recipe(cfg, "dpo" if pairs else "sft")
+    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, run.transforms(cfg, dims, device))
+    if pairs:  # dpo's step (a precomputed reference is read, not timed: zeros here)
+        task = Task(dpo.make_loss(cfg.dpo, dpo.reference_kind(cfg)),
+                    partial(dpo.collate_pairs, table=defaultdict(lambda: [0.0, 0.0])), dpo.MEANS)
+    else:
+        task = run.setup(cfg, Run(model, tok, dims, device, Path(cfg.output_dir), None))
+    samples = iter(stream)
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
-                                     dc.max_seq_len, collate, (dims.cp_rank, dims.cp)) for _ in range(warmup + steps)]
+                                     dc.max_seq_len, task.collate, dims.cp) for _ in range(warmup + steps)]
     steps_data = [([{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in mbs], n)
                   for mbs, n in steps_data]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -83,7 +122,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
         sync()
         t0 = time.perf_counter()
         results.append(train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
-                                  max_grad_norm=tc.max_grad_norm, loss_fn=loss_fn)[0])
+                                  max_grad_norm=tc.max_grad_norm, loss_fn=task.loss, means=task.means)[0])
         sync()
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times[warmup:])
@@ -100,13 +139,13 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
               "peak_mem_mb": peak_mem_mb(device),
               "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
               "device": device_name(), "device_memory_mb": default_budget_mb(),
-              "losses": [r[LOSS] for r in torch.stack(results).tolist()]}
+              "losses": [float(r["loss"]) for r in results]}
     # torch's compiler (2.11 seen on an H100) cannot trace these counting hooks inside a compiled checkpointed
     # block: there the forward is counted uncompiled, an upper bound (compiled blocks save less), marked "(eager)"
-    result["saved_eager"] = resolve_auto(cfg.model.liger, cfg.model.compile, device.type == "cuda")[1] and bool(
+    result["saved_eager"] = resolve_compile(cfg.model.compile, device.type == "cuda") and bool(
         result["ac_blocks"])
     with torch.compiler.set_stance("force_eager" if result["saved_eager"] else "default"):
-        result["saved_mb"] = saved_for_backward_mb(model, steps_data[0][0][0], loss_fn)
+        result["saved_mb"] = saved_for_backward_mb(model, steps_data[0][0][0], task.loss)
     return result
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from ..attention import VARLEN, mixing_problem, varlen_attention
 from ..config import ConfigError
 from ..data import IGNORE_INDEX
+from ..loss import collate_labelled
 
 CP_ATTENTION = "varlen_cp"  # its name in transformers' attention interface
 SPLIT_KEYS = ("input_ids", "position_ids", "attention_mask")  # (rows, seq) entries each cp rank takes a slice of
@@ -113,3 +114,9 @@ def split_batch(batch: dict, rank: int, n: int) -> dict:
 def cp_width(width: int, n: int) -> int:
     """The row width a micro-batch is padded to so that N cp ranks split it evenly."""
     return -(-width // n) * n
+
+
+def collate_split(items: list[dict], pad_id: int, width: int, *, rank: int, n: int) -> dict:
+    """(host) sft's micro-batch, collated and labelled on its full rows (padded to a width N divides), then cp rank
+    `rank`'s part of it (split_batch)."""
+    return split_batch(collate_labelled(items, pad_id, cp_width(width, n)), rank, n)

@@ -16,15 +16,22 @@ import itertools
 import json
 import math
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..data import build_samples
 from ..distributed import is_main, print0, world_size
 from ..errors import FinetuneError
 from ..loss import collate_labelled, token_loss_sum
+from ..train import Run, Task, build_run_samples
+from .pairs import label_pair
+
+LABELLERS = {"pairs": label_pair}  # build_samples' labeller of the preference-pair format
+MEANS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin")  # the loss's statistics, per pair
 
 PAIR_KEYS = ("label_seq", "pair_keys", "seq_tokens", "ref_logps")  # batch entries the model never sees
 REF_FILE = "ref_logps.pt"
@@ -32,6 +39,8 @@ REF_FILE = "ref_logps.pt"
 
 def reference_kind(cfg) -> str | None:
     """"adapters" | "precomputed" | None (SimPO), checked against the config."""
+    if cfg.parallel.cp > 1:
+        raise ConfigError("finetune dpo does not split rows over ranks yet: set parallel.cp=1")
     if cfg.dpo.loss == "simpo":
         return None
     kind = cfg.dpo.reference if cfg.dpo.reference != "auto" else "adapters" if cfg.lora.rank else "precomputed"
@@ -87,8 +96,9 @@ def adapters_off(model):
 
 
 def make_loss(dc, reference: str | None):
-    """loss_fn(model, batch) -> (sum of the pair losses, float64 [pairs, chosen reward sum, rejected reward sum,
-    pairs whose chosen reward is higher]); rewards are beta x (log-prob - reference) (SimPO: beta x mean log-prob)."""
+    """loss_fn(model, batch) -> (sum of the pair losses, {"count": pairs, and the sums of MEANS: chosen and rejected
+    rewards, pairs whose chosen reward is higher, margins}); rewards are beta x (log-prob - reference) (SimPO: beta
+    x mean log-prob)."""
     def loss_fn(model, batch):
         logps = pair_logps(model, batch)
         if reference == "adapters":
@@ -104,9 +114,8 @@ def make_loss(dc, reference: str | None):
             z = rewards[:, 0] - rewards[:, 1]
             losses = -(1 - dc.label_smoothing) * F.logsigmoid(z) - dc.label_smoothing * F.logsigmoid(-z)
         r = rewards.detach().double()
-        stats = torch.stack([torch.full_like(r[0, 0], len(r)), r[:, 0].sum(), r[:, 1].sum(),
-                             (r[:, 0] > r[:, 1]).double().sum()])
-        return losses.sum(), stats
+        sums = (r[:, 0].sum(), r[:, 1].sum(), (r[:, 0] > r[:, 1]).double().sum(), (r[:, 0] - r[:, 1]).sum())
+        return losses.sum(), {"count": torch.full_like(r[0, 0], len(r)), **dict(zip(MEANS, sums))}
     return loss_fn
 
 
@@ -163,7 +172,8 @@ def evaluate_pairs(model, loss_fn, batches, device, out: Path) -> dict:
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     for batch in batches:
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        sums += loss_fn(model, batch)[1]
+        stats = loss_fn(model, batch)[1]
+        sums += torch.stack([stats[k] for k in ("count", *MEANS[:3])])
     n, chosen, rejected, correct = (sums / sums[0].clamp(min=1)).tolist()
     result = {"num_pairs": int(sums[0]), "accuracy": correct, "rewards_chosen": chosen, "rewards_rejected": rejected,
               "margin": chosen - rejected}
@@ -171,3 +181,29 @@ def evaluate_pairs(model, loss_fn, batches, device, out: Path) -> dict:
     if is_main():
         (out / "eval.json").write_text(json.dumps({"after": result}))
     return result
+
+
+def dpo_task(cfg, run: Run) -> Task:
+    """`finetune dpo`'s task on train.py's loop: the pair loss (its reference computed first when "precomputed"),
+    the pair collate, the held-out pairs' evaluation after training."""
+    reference, pad = reference_kind(cfg), run.tokenizer.pad_token_id
+    held_out = None
+    if cfg.eval.path:  # every rank all of the first eval.num_samples pairs (preflight: pairs), unpacked
+        held_out = build_samples(cfg.eval.path, run.tokenizer, max_seq_len=cfg.data.max_seq_len, shuffle=False,
+                                 on_unsupported=cfg.data.on_unsupported, epoch_limit=1,
+                                 chat_template_kwargs=cfg.data.chat_template_kwargs, labellers=LABELLERS)
+    num_held_out = min(cfg.eval.num_samples, held_out.num_samples) if held_out else 0
+    tables = {"train": None, "eval": None}
+    if reference == "precomputed":
+        train_samples = build_run_samples(cfg, run.tokenizer, rank=run.dims.dp_rank, world_size=run.dims.dp_size,
+                                          shuffle=False, labellers=LABELLERS)
+        tables = reference_tables(run.model, train_samples, held_out, num_held_out, cfg.train.micro_batch_size,
+                                  partial(collate_pairs, pad_id=pad), run.device, run.out, run.resume_dir)
+    loss_fn = make_loss(cfg.dpo, reference)
+
+    def evaluate_after(before):
+        batches = pair_batches(iter(held_out), num_held_out, cfg.train.micro_batch_size,
+                               partial(collate_pairs, pad_id=pad, table=tables["eval"]))
+        return evaluate_pairs(run.model, loss_fn, batches, run.device, run.out)
+    return Task(loss=loss_fn, collate=partial(collate_pairs, table=tables["train"]), means=MEANS,
+                evaluate_after=evaluate_after if held_out else None)

@@ -104,3 +104,18 @@ def merge_lora_tensor(name: str, base: torch.Tensor, load_adapter, scale: float)
     if lora_a is None:
         return base
     return base.float() + scale * (load_adapter(f"{module}.lora_B.default.weight").float() @ lora_a.float())
+
+
+def lora_settings(cfg) -> dict | None:
+    """The lora section as apply_lora's keyword arguments (None: LoRA off)."""
+    lc = cfg.lora
+    return dict(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules,
+                modules_to_save=lc.modules_to_save) if lc.rank else None
+
+
+def after_load(model: nn.Module, settings: dict, *, seed: int, path: str) -> None:
+    """The transforms' after_load slot: the adapters initialised from `seed`, and the fingerprint of the base weights
+    they belong to recorded in `settings` (checkpoints record it to tie adapters to their base)."""
+    from ..load import base_fingerprint
+    init_lora_weights(model, seed)
+    settings["base_fingerprint"] = base_fingerprint(path)

@@ -73,6 +73,7 @@ class HostOffload:
 class Offloaded(ActivationWrapper):
     """A checkpointed block (checkpoint_wrapper) whose saved inputs go through `offload`'s hooks; the hooks inside
     are the checkpoint's own, so only what the checkpoint keeps for its recompute is offloaded."""
+    compile_inside = True  # model.apply_compile compiles the checkpointed block inside; these hooks stay eager
 
     def __init__(self, module: nn.Module, offload: HostOffload):
         super().__init__(module)

@@ -67,15 +67,19 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: in
 
 
 def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, liger: bool):
-    """build_model's parallelize (LoRA -> AC -> FSDP; no kernels or compile) on the meta device (fully_shard is slow
-    on fake tensors), then fake storage."""
+    """build_model's parallelize (the run's transforms but for the kernels, which cannot run on fake tensors, and
+    compile; with Liger's FSDP layout) on the meta device (fully_shard is slow on fake tensors), then fake storage."""
+    from dataclasses import replace
+
     from ..model import build_skeleton, parallelize
+    from . import transforms
     # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
     model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
-    parallelize(model, mesh, mixed_precision=cfg.train.mixed_precision, lora=asdict(cfg.lora), ac_ratio=ac_ratio,
-                ac_mode=cfg.ac.mode, ac_offload=cfg.ac.offload, liger=liger, kernels=False)
+    t = replace(transforms(cfg, None, torch.device("cuda")), kernels=None,  # as on the planned GPUs
+                lm_head_in_root=liger)
+    parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ac_ratio, ac_mode=cfg.ac.mode)
     with fake_mode:
         model.to_empty(device="cpu")
     return model
@@ -105,7 +109,7 @@ def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     train_step's (loss.token_loss_sum) with a target at every position: an upper bound, as only label tokens reach
     lm_head."""
     from ..loss import token_loss_sum
-    from ..metrics import count_saved
+    from .bench import count_saved
     from ..model import find_layers
     ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
     index = torch.arange(ids.numel()).view_as(ids)[:, :-1].flatten()  # every position but a row's last
@@ -197,9 +201,9 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     """Measure everything on fake tensors; which (ratio, micro-batch) points fit; the smallest world that would.
     With parallel.cp = N a rank holds ceil(S / N) tokens of each row (its heads' attention over the whole row after
     the all-to-all keeps as many bytes as all heads over its tokens) and FSDP shards over dp_shard x cp."""
-    from ..model import resolve_auto
+    from .liger import resolve_liger
     world, cp = nnodes * nproc, cfg.parallel.cp
-    liger = resolve_auto(cfg.model.liger, False, cuda=True)[0]  # as build_model does on the planned GPUs
+    liger = resolve_liger(cfg.model.liger, cuda=True)  # as build_model does on the planned GPUs
     local_seq = -(-cfg.data.max_seq_len // cp)
     with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp) as (dims, fake_mode):
         runs, measured = measure_runs(hf_config, cfg, dims, fake_mode, ratios,
@@ -241,11 +245,11 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
     (within a node, dividing the heads). A rank's bytes are a line in its tokens S / cp (attention keeps O(seq) per
     head; the logits/loss bound too; the FSDP state does not depend on cp, which shards over the same ranks): two
     fake forwards per ratio give the line; the longest answer is then measured, in steps of 1024 tokens per rank."""
-    from ..model import resolve_auto
+    from .liger import resolve_liger
     world, unit, lengths = nnodes * nproc, 1024, (1024, 2048)
     heads = hf_config.get_text_config().num_attention_heads
     cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if nproc % c == 0 and heads % c == 0]
-    liger = resolve_auto(cfg.model.liger, False, cuda=True)[0]
+    liger = resolve_liger(cfg.model.liger, cuda=True)
     usable = gpu_bytes * (1 - SAFETY)
     with fake_world(world, cfg.parallel.dp_replicate) as (dims, fake_mode):
         runs, measured = measure_runs(hf_config, cfg, dims, fake_mode, ratios, [(1, n) for n in lengths], liger)

@@ -1,0 +1,61 @@
+"""Exporting a LoRA checkpoint (export_hf's `adapters` hook): merged onto its base (W + alpha/r * B @ A in fp32), or
+written as a PEFT adapter dir; tied embeddings that LoRA trained apart are exported untied."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..distributed import print0
+from ..export import Source, embedding_names, find_source
+from ..load import is_prepared
+from ..weights import open_dcp, open_safetensors
+from .lora import merge_lora_tensor, peft_config, peft_key
+
+
+def trained_apart(skeleton, adapters: dict) -> list[str]:
+    """The tied embeddings that LoRA changed apart from their twin (modules_to_save, or an adapter on one)."""
+    head = skeleton.get_output_embeddings()
+    if head is None or head.weight is not skeleton.get_input_embeddings().weight:
+        return []
+    return [n for n in embedding_names(skeleton) if f"{n[:-len('.weight')]}.modules_to_save.default.weight" in adapters
+            or f"{n[:-len('.weight')]}.lora_A.default.weight" in adapters]
+
+
+def open_merged(source: Source, skeleton, adapters: dict, load_adapter) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """{HF name: metadata} and name -> tensor of the merged model (W + alpha/r * B @ A in fp32 over the base
+    weights of a prepared or HF dir)."""
+    if is_prepared(source.model_path):
+        metas, load_base = open_dcp(find_source(source.model_path).weights)
+    else:
+        metas, load_base = open_safetensors(source.model_path, "LoRA base model")
+    on_disk = set(metas)
+    embedding, head = embedding_names(skeleton)
+    if head and head not in on_disk:  # a tied base stores its embedding once; an untied export's head starts there
+        metas[head] = metas[embedding]
+    scale = source.lora["alpha"] / source.lora["rank"]
+
+    def load(name: str) -> torch.Tensor:
+        return merge_lora_tensor(name, load_base(name if name in on_disk else embedding),
+                                 lambda k: load_adapter(k) if k in adapters else None, scale)
+    return metas, load
+
+
+def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dtype: torch.dtype, verify: bool) -> dict:
+    """A LoRA checkpoint's PEFT adapter dir as PeftModel.save_pretrained lays it out, checked by loading it with
+    peft; returns what the marker records."""
+    from safetensors.torch import save_file
+    from .verify import check_adapter
+    tensors = {k: load(k) for k in adapters}
+    peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
+    save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if verify:
+        check_adapter(out, tensors, hf_config, dtype, source.trust_remote_code)
+    print0(f"exported the LoRA adapter of {source.label}: {len(tensors)} tensors "
+           f"({sum(t.numel() for t in tensors.values()) / 1e6:.3f}M params){', verified with peft' if verify else ''}")
+    return {"source": str(source.weights.resolve()), "base_model": source.model_path, "adapter": True,
+            "dtype": str(dtype).split(".")[1], "lora": source.lora}
+
+

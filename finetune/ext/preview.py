@@ -1,0 +1,35 @@
+"""`finetune preview-data`: the first samples in dataset order as the trainer sees them, trained tokens highlighted."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ..config import Config
+from ..data import format_preview
+from ..train import build_run_samples, run_tokenizer
+
+SPLIT_WHY = {"history": "the full conversation renders this turn differently",
+             "context": "the full conversation renders what precedes it differently"}
+
+
+def preview(cfg: Config, num: int, json_out: bool) -> None:
+    """Print `num` samples (json_out: one {"input_ids", "labels"} object per line), each with where it comes from and
+    the turns left untrained, then the data summary."""
+    from . import dpo
+    tok, _ = run_tokenizer(cfg)
+    samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1, labellers=dpo.LABELLERS)
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    for i, sample in zip(range(num), samples):
+        if json_out:
+            print(json.dumps({"input_ids": list(sample["input_ids"]), "labels": list(sample["labels"])}))
+            continue
+        where = "; ".join((f"source {s['source']} " if len(cfg.data.sources) > 1 else "")
+                          + f"row {s['row']} turns {','.join(map(str, s['turns']))}"
+                          + (f" (own sample: {SPLIT_WHY[s['split']]})" if s["split"] else "")
+                          for s in sample["sources"])
+        untrained = "".join(f"\n    left untrained: {x.split(' ', 1)[1]} ({x.split(' ', 1)[0]})"
+                            for s in sample["sources"] for x in s["left_out"])
+        print(f"--- sample {i}: {where}{untrained}\n{format_preview(tok, sample, color=color)}")
+    if not json_out:  # streamed data is counted as it is read: the summary covers the rows read so far
+        print("\n".join(f"--- {line}" for line in samples.summary()))
