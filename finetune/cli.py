@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import List, NoReturn, Optional
 
 import typer
 
-from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key, load_config,
-                     parse_shard_size, parse_value)
-from .launch import guarded, launch, set_threads
+from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
+from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key,
+                     parse_shard_size, set_key)
+from .launch import guarded, launch
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 from .outdir import check_writable
 
@@ -37,34 +37,22 @@ def options(version: bool = typer.Option(False, "--version", callback=print_vers
     pass
 
 
-OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.max_seq_len=4096",
-                           show_default=False)
-CONFIG = typer.Option(None, "--config", "-c", help="TOML preset (default: configs/tiny.toml, the embedded demo)")
-MODEL = typer.Option(None, "--model", help="HF hub id, HF model dir or prepared checkpoint (model.path)")
-DATASET = typer.Option(None, "--dataset", help="hub id or .json/.jsonl/.parquet file or dir (data.path)")
-OUTPUT = typer.Option(None, "--output-dir", "-o", help="where metrics, config and checkpoints go (output_dir)")
-NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with torch's elastic launcher")
-DEBUG = typer.Option(False, "--debug", help="show tracebacks")
-
-
-FLAGS = {"model.path": "--model", "data.path": "--dataset", "output_dir": "--output-dir"}  # what a command must have
 
 # The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
 # need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
+EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan"}  # ext/commands.py
 EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
                   "model.liger": "liger"}
+REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 
 def extension(name: str, what: str):
-    """finetune.ext (name "") or finetune.ext.<name>, for `what` (a command or key); a ConfigError when this
-    installation lacks it."""
+    """finetune.ext.<name>, for `what` (a command or key); a ConfigError when this installation lacks it."""
     import importlib
     import importlib.util
-    module = "finetune.ext" + (f".{name}" if name else "")
-    if importlib.util.find_spec("finetune.ext") is None or importlib.util.find_spec(module) is None:
-        raise ConfigError(f"{what} needs the extension {module.replace('.', '/')}{'.py' * bool(name)}, which this "
-                          f"installation lacks")
-    return importlib.import_module(module)
+    if importlib.util.find_spec("finetune.ext") is None or importlib.util.find_spec(f"finetune.ext.{name}") is None:
+        raise ConfigError(f"{what} needs the extension finetune/ext/{name}.py, which this installation lacks")
+    return importlib.import_module(f"finetune.ext.{name}")
 
 
 def check_extensions(cfg: Config) -> None:
@@ -72,7 +60,14 @@ def check_extensions(cfg: Config) -> None:
     default = Config()
     for key, name in EXTENSION_KEYS.items():
         if get_key(cfg, key) != get_key(default, key) and get_key(cfg, key) not in ("auto", False):
-            extension(name, f"{key}={get_key(cfg, key)!r}")
+            try:
+                extension(name, f"{key}={get_key(cfg, key)!r}")
+            except ConfigError as e:
+                if key not in REPORTS:
+                    raise
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"note: {e}: skipped", file=sys.stderr)
+                set_key(cfg, key, get_key(default, key))
 
 
 def run_recipe(cfg: Config, task: str):
@@ -80,79 +75,18 @@ def run_recipe(cfg: Config, task: str):
     import importlib.util
 
     from .train import Recipe
-    check_extensions(cfg)
     if task != "sft":
         extension(task, f"finetune {task}")
-    elif importlib.util.find_spec("finetune.ext") is None:
+    check_extensions(cfg)
+    if importlib.util.find_spec("finetune.ext") is None:
         return Recipe()
-    return extension("", f"finetune {task}").recipe(cfg, task)
+    return extension("recipes", f"finetune {task}").recipe(cfg, task)
 
 
 def export_hooks() -> dict:
     """export_hf's hooks (LoRA checkpoints, the check) where the extensions are installed."""
     import importlib.util
-    return {} if importlib.util.find_spec("finetune.ext") is None else extension("", "export-hf").export_hooks()
-
-
-def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
-    """Preset + flags (--model etc., by their config keys) + key=value overrides, validated, with a model, data and
-    output dir (FLAGS); with check, their paths too."""
-    values = {key: value for key, value in flags.items() if value is not None}
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override '{item}' must look like section.key=value")
-        values[key.strip()] = parse_value(value.strip())
-    cfg = load_config(config, values)
-    if cfg.data.path and cfg.data.sources:
-        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
-                          "preset's path)")
-    for key, flag in FLAGS.items():
-        if not get_key(cfg, key) and not (key == "data.path" and cfg.data.sources):
-            raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
-    if check:
-        check_paths(cfg)
-    return cfg
-
-
-def check_paths(cfg: Config) -> None:
-    """Path errors within a second, before torch is imported: a local-looking path that is not there, an output
-    dir that is a file, and hub ids while the hub cannot be reached (huggingface_hub would retry for ~30 s)."""
-    paths = {"model.path": cfg.model.path, "data.path": cfg.data.path, "eval.path": cfg.eval.path,
-             **{f"data.sources[{j}].path": src.path for j, src in enumerate(cfg.data.sources)}}
-    remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
-    for key, value in remote.items():
-        if value.startswith((".", "/", "~")) or value.endswith((".json", ".jsonl", ".parquet")):
-            raise ConfigError(f"{key.replace('.', ' ')} '{value}' does not exist")
-    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-        raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory")
-    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
-    if not remote or proxy or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        return
-    from urllib.parse import urlsplit
-    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
-    except OSError:
-        key, value = next(iter(remote.items()))
-        raise ConfigError(f"{key} '{value}' is not a local path and the Hugging Face hub ({url.netloc}) cannot be "
-                          f"reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache") from None
-
-
-def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
-    """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(ok(v) for v in values):
-        raise ConfigError(f"{flag} must be comma-separated {rule}, got {text!r}")
-    return values
-
-
-def check_flag(flag: str, ok: bool, rule: str, value) -> None:
-    if not ok:
-        raise ConfigError(f"{flag} must be {rule}, got {value}")
+    return {} if importlib.util.find_spec("finetune.ext") is None else extension("recipes", "export-hf").export_hooks()
 
 
 def preflight(cfg: Config, task: str = "sft") -> str | None:
@@ -268,19 +202,28 @@ def train_command(task: str):
 
 app.command("sft")(train_command("sft"))
 app.command("dpo")(train_command("dpo"))
-@app.command("preview-data")
-def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
-                 model: Optional[str] = MODEL, dataset: Optional[str] = DATASET,
-                 num: int = typer.Option(3, "--num", "-n", help="samples to show"),
-                 json_out: bool = typer.Option(False, "--json", help='one {"input_ids", "labels"} object per line'),
-                 debug: bool = DEBUG):
-    """Show the first samples in dataset order as the trainer sees them: text with trained tokens highlighted."""
-    def run():
-        preview = extension("preview", "finetune preview-data")
-        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
-        check_flag("--num", num >= 1, ">= 1", num)
-        preview.preview(cfg, num, json_out)
-    guarded(run, debug)
+
+
+def missing(name: str):
+    """A command whose extension is not installed: whatever it is given, one line (exit 2)."""
+    def command(args: Optional[List[str]] = typer.Argument(None, hidden=True)):
+        guarded(lambda: extension(EXTENSION_COMMANDS[name], f"finetune {name}"), False)
+    command.__doc__ = f"(needs finetune/ext/{EXTENSION_COMMANDS[name]}.py, not installed)"
+    return command
+
+
+def add_extension_commands() -> None:
+    """The extensions' commands (ext/commands.py), or where it is missing, commands that say so."""
+    try:
+        commands = extension("commands", "").COMMANDS
+    except ConfigError:
+        commands = {}
+    loose = {"ignore_unknown_options": True, "allow_extra_args": True}
+    for name in [n for n in EXTENSION_COMMANDS if n != "dpo"]:
+        app.command(name, context_settings={} if name in commands else loose)(commands.get(name) or missing(name))
+
+
+add_extension_commands()
 
 
 @app.command("prepare-checkpoint")
@@ -345,70 +288,6 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
     hooks = guarded(export_hooks, debug)
     launch(lambda *args: export(*args, **hooks), (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),
            nproc_per_node, debug)
-
-
-@app.command()
-def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG, model: Optional[str] = MODEL,
-          dataset: Optional[str] = DATASET,
-          sac_ratios: str = typer.Option("0,0.25,0.5,0.75,1", "--sac-ratios", help="ac.ratio values to sweep"),
-          steps: int = typer.Option(10, "--steps", help="timed optimizer steps per point (median reported)"),
-          warmup: int = typer.Option(2, "--warmup", help="untimed steps first"),
-          output_dir: str = typer.Option("outputs/bench", "--output-dir", "-o", help="bench.json/md/png go here"),
-          grad_accum: Optional[str] = typer.Option(None, "--grad-accum", help="also sweep splits of the same global "
-                                                   "batch into this many micro-batches, e.g. 1,2,4"),
-          memory_budget: Optional[float] = typer.Option(None, "--memory-budget", help="MB the recommended point "
-                                                        "must fit (default: GPU memory, or host RAM on CPU)"),
-          nproc_per_node: int = NPROC, debug: bool = DEBUG):
-    """Measure step time, tokens/s, MFU and memory across activation-checkpointing ratios (fresh processes each)."""
-    def run():
-        from .model import load_hf_config
-        run_bench = extension("bench", "finetune bench").run_bench
-        ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
-        accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
-        check_flag("--steps", steps > 0, "> 0", steps)
-        check_flag("--warmup", warmup >= 0, ">= 0", warmup)
-        check_flag("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)", memory_budget)
-        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
-        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
-        load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model path fails here, not per point
-        set_threads(nproc_per_node)
-        run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget, nproc_per_node)
-    guarded(run, debug)
-
-
-@app.command()
-def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
-         model: Optional[str] = typer.Option(None, "--model", help="an HF model or config dir (default: model.path, "
-                                             "or the preset's model.arch offline)"),
-         nnodes: int = typer.Option(1, "--nnodes", help="nodes of the planned run"),
-         nproc_per_node: int = typer.Option(8, "--nproc-per-node", help="GPUs per node"),
-         gpu_memory: str = typer.Option("80GB", "--gpu-memory", help="memory of one GPU (GB = GiB, as GPUs are sized)"),
-         sac_ratios: str = typer.Option("0,0.25,0.5,0.75,1", "--sac-ratios", help="ac.ratio values to plan"),
-         micro_batch_sizes: str = typer.Option("1,2,4", "--micro-batch-sizes", help="train.micro_batch_size values"),
-         max_seq_len: bool = typer.Option(False, "--max-seq-len", help="search the longest data.max_seq_len that "
-                                          "fits (micro-batch 1) at each --sac-ratios value and cp degree"),
-         json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"), debug: bool = DEBUG):
-    """Memory per GPU of a run on GPUs you have not rented (fake tensors and ranks, on this CPU): which activation
-    checkpointing ratio and micro-batch fit, or (--max-seq-len) how long a row fits. Exit code 1 when none does."""
-    def run():
-        import contextlib
-        import json
-        p = extension("plan", "finetune plan")
-        ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
-        mbs = parse_list(micro_batch_sizes, "--micro-batch-sizes", int, lambda m: m > 0, "integers > 0")
-        check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
-        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
-        gpu_bytes = p.parse_gpu_memory(gpu_memory)
-        cfg = build_config(config, overrides, check=False, **{"model.path": model, "data.path": "-"})
-        with contextlib.redirect_stdout(sys.stderr):  # notes of the model build (once per ratio) stay off the table
-            result = p.run_seq_search(cfg, p.load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios) \
-                if max_seq_len else p.run_plan(cfg, p.load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios,
-                                               mbs)
-        print(json.dumps(result, indent=2) if json_out else (p.format_seq_search if max_seq_len else p.format_plan)(
-            result))
-        return result["best"] is not None
-    if not guarded(run, debug):
-        raise SystemExit(1)
 
 
 def interrupted(signum, frame) -> NoReturn:

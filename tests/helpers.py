@@ -178,7 +178,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def sft_config(model_dir, data, out, *overrides):
     """The Config `finetune sft --model model_dir --dataset data --output-dir out BASE... overrides...` builds."""
-    from finetune.cli import build_config
+    from finetune.args import build_config
     return build_config(None, [*BASE, *map(str, overrides)], **{"model.path": str(model_dir), "data.path": str(data),
                                                                "output_dir": str(out)})
 
@@ -186,7 +186,7 @@ def sft_config(model_dir, data, out, *overrides):
 def train_rank(cfg):
     """finetune.train.train(cfg) on one rank (a top-level function for run_ranks)."""
     from finetune.train import train
-    from finetune.ext import recipe
+    from finetune.ext.recipes import recipe
     return train(cfg, recipe(cfg))
 
 
@@ -221,13 +221,14 @@ def invoke(*args):
             signal.signal(s, handler)
 
 
-def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True,
+            cwd: Path = REPO) -> subprocess.CompletedProcess:
     # each CLI child imports torch/transformers: let them share compiled bytecode even where .pyc writing is off
     cache = {"PYTHONDONTWRITEBYTECODE": "",
              "PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "finetune-pycache")}
     full_env = {**os.environ, **cache, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=REPO, env=full_env,
+    proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"finetune {' '.join(map(str, args))} exited {proc.returncode}\n"

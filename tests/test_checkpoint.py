@@ -50,7 +50,7 @@ def train_with_nan_at(cfg, step: int):
         model.register_forward_hook(poison)
         return model, lora
     T.build_model = build_model
-    from finetune.ext import recipe
+    from finetune.ext.recipes import recipe
     return T.train(cfg, recipe(cfg))
 
 

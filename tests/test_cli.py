@@ -50,7 +50,7 @@ def test_a_config_error_from_the_real_command_is_one_line_and_exit_2(tmp_path, l
 
 
 def test_table_valued_keys_from_the_command_line_and_back(tmp_path):
-    from finetune.cli import build_config
+    from finetune.args import build_config
     from finetune.config import load_config, to_toml
     cfg = build_config(None, ['data.chat_template_kwargs={enable_thinking=false, reasoning_effort="low"}',
                               "data.chat_template_kwargs.enable_thinking=true", "data.path=",

@@ -36,12 +36,12 @@ def pairs_file(tmp_path_factory):
 
 def dpo_rank(cfg):
     from finetune.train import train
-    from finetune.ext import recipe
+    from finetune.ext.recipes import recipe
     return train(cfg, recipe(cfg, "dpo"))
 
 
 def dpo(model_dir, data, out, *overrides, nproc: int = 1) -> list[dict]:
-    from finetune.cli import build_config
+    from finetune.args import build_config
     cfg = build_config(None, [*BASE, "train.lr=1e-3", *map(str, overrides)],
                        **{"model.path": str(model_dir), "data.path": str(data), "output_dir": str(out)})
     run_ranks(dpo_rank, nproc, cfg)
@@ -113,7 +113,7 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(llama_dir, pairs_file, 
 def lora_reference(model_dir, data):
     """(rank) pair log-probs of a LoRA model (adapters made non-zero) with adapters off, with them on, and of the
     plain model without LoRA: all under FSDP2."""
-    from finetune.cli import build_config
+    from finetune.args import build_config
     from finetune.distributed import init_distributed
     from finetune.ext.dpo import adapters_off, collate_pairs, pair_logps
     from finetune.train import build_model_and_optimizer, build_run_samples, run_tokenizer

@@ -3,6 +3,7 @@ and the weights path keeps its layers. Read from the source with `ast`, function
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "finetune"
@@ -86,3 +87,25 @@ def test_the_check_sees_lazy_imports_and_cycles(tmp_path):
     assert graph == {"finetune": set(), "finetune.a": {"finetune.sub.b"}, "finetune.sub": set(),
                      "finetune.sub.b": {"finetune.a", "finetune.c"}, "finetune.c": set()}
     assert find_cycle(graph) == ["finetune.a", "finetune.sub.b", "finetune.a"]
+
+
+def test_the_core_never_imports_an_extension():
+    """finetune/ outside ext/ imports nothing of finetune.ext; cli.py alone names it (its one table, imported by name
+    when a run asks for an extension)."""
+    graph = import_graph()
+    core = {m for m in graph if not m.startswith("finetune.ext")}
+    assert "finetune.train" in core and "finetune.ext.dpo" in graph and "finetune.ext" in graph
+    wrong = {m: sorted(d for d in graph[m] if d.startswith("finetune.ext")) for m in core}
+    assert not {m: d for m, d in wrong.items() if d}, wrong
+    naming = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")  # a module named in a string
+                    if p.relative_to(ROOT).parts[0] != "ext" and re.search(r"[\"']finetune\.ext", p.read_text()))
+    assert naming == ["finetune/cli.py"], naming
+
+
+def test_the_check_sees_an_import_of_an_extension(tmp_path):
+    pkg = tmp_path / "finetune"
+    (pkg / "ext").mkdir(parents=True)
+    for name in ("__init__.py", "train.py", "ext/__init__.py", "ext/dpo.py"):
+        (pkg / name).write_text("")
+    (pkg / "train.py").write_text("def f():\n    from .ext import dpo\n")
+    assert import_graph(pkg)["finetune.train"] == {"finetune.ext.dpo"}

@@ -97,7 +97,8 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from ..model import ac_layer_ids, resolve_compile
     from ..train import (Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
                          train_step)
-    from . import dpo, recipe
+    from . import dpo
+    from .recipes import recipe
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)

@@ -22,7 +22,7 @@ def main(root: Path = PACKAGE) -> None:
         print(f"{layer}:")
         for p in paths:
             n = counted_lines(p)
-            print(f"  {n:5d}  {p.relative_to(root.parent)}{'  (over ' + str(FILE_LIMIT) + ')' if n > FILE_LIMIT else ''}")
+            print(f"  {n:5d}  {p.relative_to(root.parent)}" + (f"  (over {FILE_LIMIT})" if n > FILE_LIMIT else ""))
         totals[layer] = sum(map(counted_lines, paths))
     print(f"core: {totals['core']} lines in {len(layers['core'])} files (goal < {GOAL}); ext: {totals['ext']} lines")
 

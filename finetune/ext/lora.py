@@ -112,10 +112,3 @@ def lora_settings(cfg) -> dict | None:
     return dict(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules,
                 modules_to_save=lc.modules_to_save) if lc.rank else None
 
-
-def after_load(model: nn.Module, settings: dict, *, seed: int, path: str) -> None:
-    """The transforms' after_load slot: the adapters initialised from `seed`, and the fingerprint of the base weights
-    they belong to recorded in `settings` (checkpoints record it to tie adapters to their base)."""
-    from ..load import base_fingerprint
-    init_lora_weights(model, seed)
-    settings["base_fingerprint"] = base_fingerprint(path)

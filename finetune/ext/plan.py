@@ -72,7 +72,7 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, l
     from dataclasses import replace
 
     from ..model import build_skeleton, parallelize
-    from . import transforms
+    from .recipes import transforms
     # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"

@@ -1,0 +1,85 @@
+"""What every command shares: the common options, the run's config built from preset + flags + overrides, and the
+checks of flag values (one line naming the flag)."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .config import Config, ConfigError, get_key, load_config, parse_value
+
+OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.max_seq_len=4096",
+                           show_default=False)
+CONFIG = typer.Option(None, "--config", "-c", help="TOML preset (default: configs/tiny.toml, the embedded demo)")
+MODEL = typer.Option(None, "--model", help="HF hub id, HF model dir or prepared checkpoint (model.path)")
+DATASET = typer.Option(None, "--dataset", help="hub id or .json/.jsonl/.parquet file or dir (data.path)")
+OUTPUT = typer.Option(None, "--output-dir", "-o", help="where metrics, config and checkpoints go (output_dir)")
+NPROC = typer.Option(1, "--nproc-per-node", help="local ranks, launched with torch's elastic launcher")
+DEBUG = typer.Option(False, "--debug", help="show tracebacks")
+
+
+FLAGS = {"model.path": "--model", "data.path": "--dataset", "output_dir": "--output-dir"}  # what a command must have
+
+
+def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
+    """Preset + flags (--model etc., by their config keys) + key=value overrides, validated, with a model, data and
+    output dir (FLAGS); with check, their paths too."""
+    values = {key: value for key, value in flags.items() if value is not None}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        values[key.strip()] = parse_value(value.strip())
+    cfg = load_config(config, values)
+    if cfg.data.path and cfg.data.sources:
+        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
+                          "preset's path)")
+    for key, flag in FLAGS.items():
+        if not get_key(cfg, key) and not (key == "data.path" and cfg.data.sources):
+            raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
+    if check:
+        check_paths(cfg)
+    return cfg
+
+
+def check_paths(cfg: Config) -> None:
+    """Path errors within a second, before torch is imported: a local-looking path that is not there, an output
+    dir that is a file, and hub ids while the hub cannot be reached (huggingface_hub would retry for ~30 s)."""
+    paths = {"model.path": cfg.model.path, "data.path": cfg.data.path, "eval.path": cfg.eval.path,
+             **{f"data.sources[{j}].path": src.path for j, src in enumerate(cfg.data.sources)}}
+    remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
+    for key, value in remote.items():
+        if value.startswith((".", "/", "~")) or value.endswith((".json", ".jsonl", ".parquet")):
+            raise ConfigError(f"{key.replace('.', ' ')} '{value}' does not exist")
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory")
+    proxy = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if not remote or proxy or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return
+    from urllib.parse import urlsplit
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
+    except OSError:
+        key, value = next(iter(remote.items()))
+        raise ConfigError(f"{key} '{value}' is not a local path and the Hugging Face hub ({url.netloc}) cannot be "
+                          f"reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache") from None
+
+
+def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        raise ConfigError(f"{flag} must be comma-separated {rule}, got {text!r}")
+    return values
+
+
+def check_flag(flag: str, ok: bool, rule: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{flag} must be {rule}, got {value}")

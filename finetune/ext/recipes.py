@@ -1,0 +1,96 @@
+"""What a run passes to the core, from its config: `recipe(cfg, task)` (the task's setup, the model transforms, the
+export's hooks) for train.train, `export_hooks()` for export.export_hf (cli.py, bench, plan and tests call these)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..config import Config
+from ..model import Transforms, resolve_compile
+from ..train import Recipe, Run, Task
+
+
+def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
+    """The model transforms `cfg` asks for (Liger, context parallelism, LoRA, activation offload), bound to their
+    settings."""
+    from ..distributed import print0
+    cuda, t = device.type == "cuda", Transforms()
+    if cfg.model.liger is not False:
+        from .liger import resolve_liger
+        if resolve_liger(cfg.model.liger, cuda):
+            compile = resolve_compile(cfg.model.compile, cuda)
+            t.kernels, t.lm_head_in_root = partial(_kernels, compile=compile), True
+            t.note = "Liger fused loss only (compiled blocks)" if compile else "Liger on"
+    if dims is not None and dims.cp > 1:
+        from .context import apply_cp
+        t.context_parallel = partial(apply_cp, group=dims.cp_group)
+    if cfg.lora.rank:
+        from .lora import lora_settings
+        t = lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
+                            mixed_precision=cfg.train.mixed_precision, into=t)
+    if cfg.ac.offload and not cuda:
+        print0("note: ac.offload is a no-op on CPU: activations already live in host memory")
+    elif cfg.ac.offload:
+        from .offload import HostOffload, Offloaded
+        t.ac_wrap = partial(Offloaded, offload=HostOffload())  # one copy stream and block order for the model
+    return t
+
+
+def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: str = "bf16",
+                    into: Transforms | None = None) -> Transforms:
+    """`into` (or empty transforms) with LoRA's slots filled: `settings` (rank, alpha, dropout, target_modules,
+    modules_to_save) on the frozen base in bf16 (fp32 when mixed_precision is fp32), adapters initialised from
+    `seed`, tied to the base weights at `path`."""
+    from .lora import apply_lora
+    t = into or Transforms()
+    base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    t.adapters = partial(apply_lora, **settings, base_dtype=base_dtype)
+    t.after_load = partial(_init_adapters, seed=seed, path=path)
+    return t
+
+
+def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
+    """After the weights are loaded: the adapters initialised from `seed`, and the fingerprint of the base weights
+    they belong to recorded in `settings` (checkpoints record it to tie adapters to their base)."""
+    from ..load import base_fingerprint
+    from .lora import init_lora_weights
+    init_lora_weights(model, seed)
+    settings["base_fingerprint"] = base_fingerprint(path)
+
+
+def _kernels(model, layers, compile: bool) -> None:
+    from .liger import apply_kernels
+    apply_kernels(model, compile)
+
+
+def sft_task(cfg: Config, run: Run) -> Task:
+    """sft's task with its extensions: the row split of context parallelism, held-out evaluation before and after."""
+    task = Task()
+    if run.dims.cp > 1:
+        from .context import collate_split
+        task.collate = partial(collate_split, rank=run.dims.cp_rank, n=run.dims.cp)
+    if cfg.eval.path:
+        from .evaluate import evaluate, report_eval
+        ec = cfg.eval
+        held_out = partial(evaluate, run.model, run.tokenizer, ec.path, ec.num_samples, ec.max_new_tokens, run.device,
+                           cfg.data.chat_template_kwargs)
+        task.evaluate_before = held_out
+        task.evaluate_after = lambda before: report_eval(held_out(), before, run.out)
+    return task
+
+
+def export_hooks() -> dict:
+    """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, and the
+    streamed check of what was written."""
+    from . import lora_export, verify
+    return {"adapters": lora_export, "check": verify.verify_export}
+
+
+def recipe(cfg: Config, task: str = "sft") -> Recipe:
+    """What a run of `task` ("sft", "dpo") passes to train.train."""
+    labellers, setup = {}, sft_task
+    if task == "dpo":
+        from . import dpo
+        labellers, setup = dpo.LABELLERS, dpo.dpo_task
+    return Recipe(task, setup, transforms, export_hooks(), labellers)
