@@ -30,6 +30,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
     from finetune.config import load_config
     from finetune.distributed import init_distributed
     from finetune.ext.dpo import LABELLERS, MEANS, collate_pairs, make_loss
+    from finetune.model import Transforms
     from finetune.train import build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer, \
         train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
@@ -37,7 +38,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
                              "train.mixed_precision": "fp32", "eval.path": "", "model.attn_implementation": attn})
     device, dims = init_distributed(1, 0)
     tok, _ = run_tokenizer(cfg)
-    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims)
+    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, Transforms())
     samples = iter(build_run_samples(cfg, tok, labellers=LABELLERS))
     loss_fn = make_loss(cfg.dpo, "precomputed")
     collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))

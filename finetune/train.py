@@ -165,8 +165,9 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
     return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
 
 
-def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms | None = None):
-    """The model, its AdamW and its adapters' settings (build_model's) as configured: what `sft` and `bench` train."""
+def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
+    """The model with `transforms` (Recipe.transforms' for cfg), its AdamW and its adapters' settings (build_model's)
+    as configured: what `sft` and `bench` train."""
     tc = cfg.train
     model, lora = build_model(cfg.model.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
                               ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,

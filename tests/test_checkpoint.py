@@ -207,13 +207,14 @@ def loaded_settings(cfg, step_dir, step: int) -> tuple[list[dict], list[dict]]:
     """(each param group's settings after load_checkpoint(step_dir) into the optimizer and scheduler `cfg` builds,
     the settings of a fresh such optimizer whose scheduler took `step` steps)."""
     from finetune.distributed import init_distributed
+    from finetune.ext.recipes import transforms
     from finetune.optim import build_scheduler, settings
     from finetune.train import build_model_and_optimizer
     device, dims = init_distributed()
     tc = cfg.train
     found = []
     for load in (True, False):
-        model, optimizer, lora = build_model_and_optimizer(cfg, device, dims)
+        model, optimizer, lora = build_model_and_optimizer(cfg, device, dims, transforms(cfg, dims, device))
         scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                     min_lr_ratio=tc.min_lr_ratio)
         if load:

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from finetune.ext.dpo import LABELLERS
 from helpers import BASE, losses, read_metrics, run_cli, run_ranks, write_jsonl
 
 WORDS = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
@@ -116,6 +117,7 @@ def lora_reference(model_dir, data):
     from finetune.args import build_config
     from finetune.distributed import init_distributed
     from finetune.ext.dpo import adapters_off, collate_pairs, pair_logps
+    from finetune.ext.recipes import transforms
     from finetune.train import build_model_and_optimizer, build_run_samples, run_tokenizer
     device, dims = init_distributed(1, 0)
     results = []
@@ -123,14 +125,14 @@ def lora_reference(model_dir, data):
         cfg = build_config(None, [*BASE, f"lora.rank={rank}", "data.packing=false", "data.max_seq_len=512"],
                            **{"model.path": str(model_dir), "data.path": str(data), "output_dir": "unused"})
         tok, _ = run_tokenizer(cfg)
-        model, _, _ = build_model_and_optimizer(cfg, device, dims)
+        model, _, _ = build_model_and_optimizer(cfg, device, dims, transforms(cfg, dims, device))
         torch.manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.to_local().normal_(std=0.05)
         items = [x for _, x in zip(range(4), build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size,
-                                                              shuffle=False))]
+                                                              shuffle=False, labellers=LABELLERS))]
         batch = collate_pairs(items, tok.pad_token_id)
         with torch.no_grad():
             if rank:
@@ -161,7 +163,7 @@ def test_bad_rows_stop_naming_the_line_or_are_dropped_and_counted(llama_dir, tmp
     for k, (bad, reason) in enumerate(zip(BAD, ("missing_side", "prompt_mismatch", "empty_completion"))):
         write_jsonl(data, good[:2] + [bad] + good[2:])
         tok = load_tokenizer(str(llama_dir))
-        samples = build_samples(str(data), tok, on_unsupported="drop", max_seq_len=256)
+        samples = build_samples(str(data), tok, on_unsupported="drop", max_seq_len=256, labellers=LABELLERS)
         assert samples.counts["kept"] == 4 and samples.counts[f"dropped_{reason}"] == 1
         if k == 0:  # through the CLI: one line naming the file and line, exit 2
             proc = run_cli("dpo", "--model", llama_dir, "--dataset", data, "--output-dir", tmp_path / "out", *BASE,
@@ -171,7 +173,7 @@ def test_bad_rows_stop_naming_the_line_or_are_dropped_and_counted(llama_dir, tmp
             assert line.startswith("error: ") and f"{data}:3:" in line and "missing_side" in line
         else:
             with pytest.raises(Exception, match=f"{data}:3: .*{reason}"):
-                build_samples(str(data), tok, max_seq_len=256)
+                build_samples(str(data), tok, max_seq_len=256, labellers=LABELLERS)
 
 
 def test_sft_and_dpo_refuse_each_others_data(llama_dir, pairs_file, chat_file, tmp_path):
@@ -215,7 +217,8 @@ def test_pairs_without_reference_log_probs_stop_in_one_line(llama_dir, pairs_fil
     from finetune.ext.dpo import collate_pairs
     from finetune.model import load_tokenizer
     tok = load_tokenizer(str(llama_dir))
-    items = list(build_samples(str(pairs_file), tok, max_seq_len=256, shuffle=False, epoch_limit=1))[:2]
+    items = list(build_samples(str(pairs_file), tok, max_seq_len=256, shuffle=False, epoch_limit=1,
+                                labellers=LABELLERS))[:2]
     keys = [(s["source"], s["row"]) for item in items for s in item["sources"]]
     table = {k: [-1.0, -2.0] for k in keys}
     batch = collate_pairs(items, tok.pad_token_id, table=table)
