@@ -155,7 +155,11 @@ def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], li
     from finetune.model import apply_ac, build_model, find_layers
     device, dims = init_distributed()
     model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
-    apply_ac(model, 1.0, "block", offload)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
+    from functools import partial
+
+    from finetune.ext.offload import HostOffload, Offloaded
+    wrap = partial(Offloaded, offload=HostOffload()) if offload else None  # the ac_wrap slot, as ext/recipes fills it
+    apply_ac(model, 1.0, "block", wrap)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
     taken, entries, blocks = [], [], []
     if offload:
         host = find_layers(model)[0].offload
