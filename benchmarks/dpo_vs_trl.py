@@ -31,6 +31,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
     from finetune.distributed import init_distributed
     from finetune.ext.dpo import LABELLERS, MEANS, collate_pairs, make_loss
     from finetune.model import Transforms
+    from finetune.train import Task
     from finetune.train import build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer, \
         train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
@@ -47,7 +48,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
         micro_batches, num_input_tokens = next_micro_batches(samples, pairs, 1, tok.pad_token_id, None, collate)
         t0 = time.perf_counter()
         train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens, max_grad_norm=1.0,
-                   loss_fn=loss_fn, means=MEANS)
+                   task=Task(loss_fn, means=MEANS))
         times.append(time.perf_counter() - t0)
     return times[warmup:]
 

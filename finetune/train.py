@@ -48,10 +48,14 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 class Task:
     """What a task does on the loop, as plain functions (the defaults: sft). `loss(model, batch)` -> (the loss summed
     over the batch, {statistic: 0-dim sum}); train_step divides the loss's gradient by the global "count" of those
-    sums (default: label tokens) and reports each statistic in `means` as its global mean per count."""
+    sums (default: label tokens), reports a "loss" statistic in place of the loss (when the loss carries terms
+    that are not reported as it: MoE's router loss), each of `means` as its global mean per count and each of
+    `totals` as its global sum."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
+    totals: tuple = ()
+    begin_step: Callable | None = None  # (micro_batches, device) -> None: before the step's first forward
     evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
     evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
 
@@ -103,21 +107,24 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
-               skip_nonfinite: bool = False, stop: bool = False, loss_fn=sft_loss,
-               means: tuple = ()) -> tuple[dict[str, torch.Tensor], bool]:
+               skip_nonfinite: bool = False, stop: bool = False,
+               task: Task | None = None) -> tuple[dict[str, torch.Tensor], bool]:
     """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run): forward/backward on the
     summed losses (gradient sync on the last), ONE all_reduce of the step's sums, gradients divided by the global
-    count (label tokens, or the loss's "count": the mean over the global batch, whatever the split), clip, step.
+    count (label tokens, or the task's "count": the mean over the global batch, whatever the split), clip, step.
     Returns ({name: float64 0-dim device tensor}: loss, grad_norm, num_tokens, num_input_tokens, stop,
-    num_computed_tokens and the `means`; never read here), whether the update was skipped (`skip_nonfinite`)."""
+    num_computed_tokens and the task's means and totals; never read here), whether the update was skipped."""
+    task = task or Task()
     device = next(model.parameters()).device
+    if task.begin_step is not None:
+        task.begin_step(micro_batches, device)
     sums: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         model.set_requires_gradient_sync(last)
         model.set_is_last_backward(last)
         batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        loss, stats = loss_fn(model, batch)
+        loss, stats = task.loss(model, batch)
         loss.backward()
         for k, v in {"loss": loss.detach(), **stats}.items():
             sums[k] = sums[k] + v.double() if k in sums else v.double()
@@ -135,7 +142,8 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     torch._foreach_mul_(grads, (1 / count).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
     result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
-              **{k: total[k] for k in counts}, **{k: total[k] / count for k in means}}
+              **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means},
+              **{k: total[k] for k in task.totals}}
     skipped = skip_nonfinite and not bool(torch.isfinite(torch.stack([result["loss"], result["grad_norm"]])).all())
     if not skipped:
         optimizer.step()
@@ -213,7 +221,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
                                                                      dims.cp)
                 result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
                                              max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
-                                             stop=signals.name is not None, loss_fn=task.loss, means=task.means)
+                                             stop=signals.name is not None, task=task)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 state.step, state.samples_seen = step, state.samples_seen + global_batch

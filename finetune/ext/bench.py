@@ -123,7 +123,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
         sync()
         t0 = time.perf_counter()
         results.append(train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
-                                  max_grad_norm=tc.max_grad_norm, loss_fn=task.loss, means=task.means)[0])
+                                  max_grad_norm=tc.max_grad_norm, task=task)[0])
         sync()
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times[warmup:])
