@@ -581,7 +581,9 @@ def test_turns_left_out_are_counted_per_turn_and_per_row(tmp_path):
                         "rows_unsupported_not_prefix": 4, "dropped_not_prefix": 1}
     assert samples[0]["sources"] == [{"row": 0, "turns": [1, 5], "split": "", "left_out": [
         "not_prefix message 3: the chat template renders it differently from its generation prompt, so there is no "
-        "answer to train"], "source": 0}]
+        "answer to train; its generation prompt opens a thinking block, this turn has no reasoning, and the template "
+        "reads no switch (such as enable_thinking) that turns thinking off: give the turn reasoning_content"],
+        "source": 0}]
     from finetune.data import describe_counts
     assert "turns left untrained not_prefix 5 (in 4 rows)" in describe_counts(s.counts)
 
