@@ -91,6 +91,7 @@ class Template:
         parts = try_render(tokenizer, [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}], None, extra)
         self.reads_parts = bool(parts) and _PROBE in parts and "'text'" not in parts and '"text"' not in parts
         self.kwargs = {**tokenizer.special_tokens_map, **extra}  # as apply_chat_template passes them
+        self.switch_names: list[str] | None = None  # see switches()
         # The compiled template called directly on prepared messages renders as apply_chat_template does (the first
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
         # row about twice per turn.
@@ -111,12 +112,15 @@ class Template:
 
     def switches(self) -> list[str]:
         """The template's variables that may switch thinking off (enable_thinking, ...): the ones it reads whose name
-        says thinking or reasoning, not set to false already."""
-        import jinja2.meta
-        texts = self.text.values() if isinstance(self.text, dict) else [self.text]
-        names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
-                              for x in texts))
-        return sorted(n for n in names if ("think" in n or "reason" in n) and self.kwargs.get(n) is not False)
+        says thinking or reasoning, not set to false already (found once)."""
+        if self.switch_names is None:
+            import jinja2.meta
+            texts = self.text.values() if isinstance(self.text, dict) else [self.text]
+            names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
+                                  for x in texts))
+            self.switch_names = sorted(n for n in names if ("think" in n or "reason" in n)
+                                       and self.kwargs.get(n) is not False)
+        return self.switch_names
 
 
 def try_render(tokenizer, messages, tools, extra: dict):
