@@ -109,7 +109,6 @@ class Template:
         except Exception as e:  # noqa: BLE001 - template errors are about this row
             raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
 
-
     def switches(self) -> list[str]:
         """The template's variables that may switch thinking off (enable_thinking, ...): the ones it reads whose name
         says thinking or reasoning, not set to false already (found once)."""
