@@ -88,7 +88,8 @@ class Template:
                                               and '{\\"a\\"' not in as_str)
         # Content parts reach a template that reads them as the row has them; one that prints content as a string
         # would print a list's Python repr: it gets their text, as inference servers give such templates.
-        parts = try_render(tokenizer, [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}], None, extra)
+        asked = [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
+        parts = try_render(tokenizer, asked, None, extra) or try_render(tokenizer, asked, schema, extra)
         self.reads_parts = bool(parts) and _PROBE in parts and "'text'" not in parts and '"text"' not in parts
         self.kwargs = {**tokenizer.special_tokens_map, **extra}  # as apply_chat_template passes them
         self.switch_names: list[str] | None = None  # see switches()
