@@ -292,6 +292,12 @@ def resolve_path(value: str, base: Path) -> str:
     return value  # maybe a hub id
 
 
+# The names apply_chat_template (transformers 5.x) takes or hands the template itself: a template kwarg of that name
+# would clash with them (a TypeError) or replace what the row gives (its messages, its tools).
+TEMPLATE_OWN_ARGS = ("messages", "tools", "documents", "add_generation_prompt", "conversation", "conversations",
+                     "chat_template", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+                     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                     "tokenizer_kwargs")
 RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key> must be <rule>"
     ("> 0", lambda v: v > 0, "train.max_steps train.micro_batch_size train.grad_accum_steps train.log_interval "
                              "data.max_seq_len data.num_proc lora.alpha dpo.beta eval.max_new_tokens"),
@@ -331,6 +337,10 @@ def validate(cfg: Config) -> None:
                         (min(src.weight, src.samples, src.epochs) >= 0, "weight, samples and epochs must be >= 0")):
             if not ok:
                 raise ConfigError(f"data.sources[{j}]: {why}")
+    for key in dc.chat_template_kwargs:
+        if key in TEMPLATE_OWN_ARGS:
+            raise ConfigError(f"data.chat_template_kwargs.{key}: apply_chat_template sets {key!r} itself (from each "
+                              f"row and the labelling); remove the key")
 
 
 def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1) -> int:

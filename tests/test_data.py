@@ -213,10 +213,12 @@ def test_to_conversation_all_formats():
                                                 msg("assistant", "hello")]
     assert to_messages({"instruction": "Hi", "input": "", "output": "Yo"}, "alpaca", w) == [
         msg("user", "Hi"), msg("assistant", "Yo")]
-    odd = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"},
-                                                     {"type": "text", "text": "b"}]},
-                        {"role": "assistant", "content": None}]}
-    assert to_messages(odd, "messages", w) == [msg("user", "ab"), msg("assistant", "")]
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]  # kept as the row has them (issue 31)
+    odd = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": None}]}
+    assert to_messages(odd, "messages", w) == [msg("user", parts), msg("assistant", "")]
+    odd["messages"][0]["content"].insert(1, {"type": "image"})  # not trainable here: refused, never dropped silently
+    with pytest.raises(DataError, match=r"message 0 content part 1 is of type 'image'; only text parts"):
+        to_messages(odd, "messages", w)
 
 
 def test_unknown_role_names_row():
@@ -267,7 +269,8 @@ def test_load_rows_mixed_content_types(tmp_path):
     rows = [{"messages": [msg("user", "plain"), msg("assistant", "x")]},
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}, msg("assistant", "y")]}]
     got = rows_of(write_jsonl(tmp_path / "odd.jsonl", rows))
-    assert [to_messages(r, "messages", "r")[0] for r in got] == [msg("user", "plain"), msg("user", "parts")]
+    assert [to_messages(r, "messages", "r")[0] for r in got] == [msg("user", "plain"),
+                                                                 msg("user", [{"type": "text", "text": "parts"}])]
 
 
 def test_load_rows_errors(tmp_path):

@@ -581,7 +581,9 @@ def test_turns_left_out_are_counted_per_turn_and_per_row(tmp_path):
                         "rows_unsupported_not_prefix": 4, "dropped_not_prefix": 1}
     assert samples[0]["sources"] == [{"row": 0, "turns": [1, 5], "split": "", "left_out": [
         "not_prefix message 3: the chat template renders it differently from its generation prompt, so there is no "
-        "answer to train"], "source": 0}]
+        "answer to train; its generation prompt opens a thinking block, this turn has no reasoning, and the template "
+        "reads no switch (such as enable_thinking) that turns thinking off: give the turn reasoning_content"],
+        "source": 0}]
     from finetune.data import describe_counts
     assert "turns left untrained not_prefix 5 (in 4 rows)" in describe_counts(s.counts)
 
@@ -622,7 +624,9 @@ def test_preview_shows_the_turn_left_untrained_and_why(qwen3_model, tmp_path):
     lines = shown.stdout.splitlines()
     assert lines[0] == "--- sample 0: row 0 turns 1,5"
     assert lines[1] == ("    left untrained: message 3: the chat template renders it differently from its generation "
-                        "prompt, so there is no answer to train (not_prefix)")
+                        "prompt, so there is no answer to train; its generation prompt opens a thinking block, this "
+                        "turn has no reasoning, and the template reads no switch (such as enable_thinking) that turns "
+                        "thinking off: give the turn reasoning_content (not_prefix)")
     assert "[[Use the tool.\n</think>\n\n<tool_call>get_weather" in shown.stdout  # trained, as rendered
     assert "Sunny, 21 degrees.<|im_end|>\n<|im_start|>user" in shown.stdout  # context, not trained
     assert "[[Sunny" not in shown.stdout

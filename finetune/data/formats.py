@@ -161,7 +161,9 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         # A tuple, not a list: datasets would shard list gen_kwargs, and the order must stay the file order.
         data = datasets.IterableDataset.from_generator(_streamed, gen_kwargs={"files": tuple(files)})
         first = next(iter(data), None)
-        return Rows(data, list(row_of(first, path, 0)[0]) if first else [], files)
+        if first is None:
+            raise DataError(_no_rows(path, split, files))
+        return Rows(data, list(row_of(first, path, 0)[0]), files)
     if files[0].endswith(".parquet"):  # straight to Arrow, no Python round trip
         try:
             tables = [pq.read_table(f) for f in files]
@@ -169,13 +171,24 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
             table = pa.concat_tables(tables)
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: cannot read parquet ({one_line(e)})") from e
+        if not table.num_rows:
+            raise DataError(_no_rows(path, split, files))
         return Rows(datasets.Dataset(table.append_column(WHERE, where)), table.column_names, files)
     items, columns = [], {}
     for item, row in _iter_rows(files):
         items.append(item)
         columns.update(dict.fromkeys(row))
+    if not items:
+        raise DataError(_no_rows(path, split, files))
     return Rows(datasets.Dataset.from_dict({WHERE: [x[WHERE] for x in items], JSON_ROW: [x[JSON_ROW] for x in items]}),
                 list(columns), files)
+
+
+def _no_rows(path: str, split: str, files: list[str]) -> str:
+    """Why a local source gives nothing, naming it (format detection would only see no columns)."""
+    if files == [path]:
+        return f"{path}: has no rows (the file is empty)"
+    return f"{path}: split {split!r} has no rows (its files are empty: {', '.join(files)})"
 
 
 def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
@@ -218,6 +231,26 @@ def _text(value, where: str, what: str) -> str:
         return "".join(p if isinstance(p, str) else (p.get("text") or "") for p in value
                        if isinstance(p, str) or (isinstance(p, dict) and p.get("type", "text") == "text"))
     raise DataError(f"{where}: {what} must be text, got {type(value).__name__}")
+
+
+def _content(value, where: str, what: str) -> str | list[dict]:
+    """A message's content: text, or a list of text parts ({"type": "text", "text": ...}, the OpenAI and HF shape)
+    kept as the row has them, for templates that read parts; other parts (images, audio) cannot be trained here."""
+    if not isinstance(value, list):
+        return _text(value, where, what)
+    for k, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise DataError(f"{where}: {what} part {k} is of type {kind!r}; only text parts "
+                            f"({{\"type\": \"text\", \"text\": ...}}) can be trained")
+    return value
+
+
+def text_of(content) -> str:
+    """The text of a message's content (None, a string, or text parts)."""
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""
 
 
 def _json(value, where: str, what: str):
@@ -291,7 +324,7 @@ def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
         elif calls:
             raise DataError(f"{where}: message {j} has tool calls but role {raw_role!r}")
         # null content next to tool calls stays null: templates test for it
-        msg["content"] = None if content is None and calls else _text(content, where, f"message {j} content")
+        msg["content"] = None if content is None and calls else _content(content, where, f"message {j} content")
         reasoning = _first(m, "reasoning_content", "reasoning", "thinking")
         if reasoning is not None:
             msg["reasoning_content"] = _text(reasoning, where, f"message {j} reasoning")

@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from .formats import DataError
+from .formats import DataError, text_of
 from .template import (Template, Unsupported, find_all, prepared, require_chat_template, template_of, try_render,
                        turn_length)
 
@@ -34,7 +34,7 @@ class Labelled(NamedTuple):
 def prompt_text(tokenizer, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> str:
     """The context the model answers after messages (prompt_i for what follows): rendered as the labels are."""
     t = template_of(tokenizer, template_kwargs)
-    return t.render(prepared(messages, t.args_as_string[bool(tools)]), tools, True)
+    return t.render(prepared(messages, t.args_as_string[bool(tools)], t.reads_parts), tools, True)
 
 
 def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
@@ -64,16 +64,42 @@ def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | 
     return best
 
 
+def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) -> str | None:
+    try:
+        return t.render(msgs, tools, generation_prompt, **extra)
+    except Unsupported:
+        return None
+
+
+def _way_out(t: Template, msgs, i: int, tools) -> str:
+    """For a turn that is not a prefix of its generation prompt: the template switch that, set to false, makes it one
+    (a thinking template whose generation prompt opens a think block the row's answer has no reasoning for), as a
+    hint; "" if none does."""
+    for name in t.switches():
+        off = {name: False}
+        prompt = _render_or_none(t, msgs[:i], tools, True, **off)
+        upto = _render_or_none(t, msgs[:i + 1], tools, False, **off)
+        if prompt is not None and upto is not None and upto.startswith(prompt):
+            return (f"; data.chat_template_kwargs.{name}=false renders the generation prompt without it, which makes "
+                    f"such turns trainable")
+    history, prompt = _render_or_none(t, msgs[:i], tools, False), _render_or_none(t, msgs[:i], tools, True)
+    if (history is not None and prompt is not None and prompt.startswith(history) and not msgs[i].get("thinking")
+            and "think" in prompt[len(history):].lower()):
+        return ("; its generation prompt opens a thinking block, this turn has no reasoning, and the template reads "
+                "no switch (such as enable_thinking) that turns thinking off: give the turn reasoning_content")
+    return ""
+
+
 def _check_kept(m: dict, i: int, completion: str) -> None:
     """What the row carries must be in what is trained: the message's content, reasoning and tool calls (templates
     strip text; Qwen-style ones re-render inline <think> reasoning, so its parts are looked for one by one)."""
-    head, _, answer = (m.get("content") or "").rpartition("</think>")  # without </think>: head "", answer all of it
+    head, _, answer = text_of(m.get("content")).rpartition("</think>")  # without </think>: head "", answer all of it
     if any(p.strip() not in completion for p in (answer, head.split("<think>")[-1])):
         raise Unsupported("drops_content", f"message {i}: the chat template drops (or rewrites) its content")
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:
         raise Unsupported("drops_reasoning", f"message {i}: the chat template drops its reasoning")
-    own = json.dumps([m.get("content"), reasoning], ensure_ascii=False)  # a name there does not count
+    own = json.dumps([text_of(m.get("content")), reasoning], ensure_ascii=False)  # a name there does not count
     for call in m.get("tool_calls") or ():
         name = call["function"]["name"]
         expected = own.count(name) + sum(c["function"]["name"] == name for c in m["tool_calls"])
@@ -147,7 +173,8 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
     if start is None:
         raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
-                                        f"generation prompt, so there is no answer to train")
+                                        f"generation prompt, so there is no answer to train"
+                                        + _way_out(t, msgs, i, tools))
     length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[start:])
     completion = upto[start:start + length]
     if not completion:
@@ -174,11 +201,11 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
     if not trained:
         return Labelled([], "no_assistant", [])
     t = template_of(tokenizer, template_kwargs)
-    msgs = prepared(messages, t.args_as_string[bool(tools)])
+    msgs = prepared(messages, t.args_as_string[bool(tools)], t.reads_parts)
     try:
         full = main_text = t.render(msgs, tools, False)
         first = t.render(msgs[:trained[0]], tools, True)
-        if tools and t.render(msgs[:trained[0]], None, True) == first:
+        if tools and _render_or_none(t, msgs[:trained[0]], None, True) == first:  # (one that needs tools shows them)
             raise Unsupported("drops_tools", f"message {trained[0]}: the chat template does not show the row's tools")
     except Unsupported as e:
         if e.reason == "template_error":  # name the first message it fails on

@@ -30,16 +30,30 @@ def require_chat_template(tokenizer, where: str) -> None:
 
 
 def read_chat_template(path: str) -> str | dict:
-    """The chat template of data.chat_template: a Jinja file's text, or a tokenizer dir's template."""
+    """The chat template of data.chat_template: a Jinja file's text, or a tokenizer dir's template; checked to be a
+    template (an empty file would leave the model's own in place, unnoticed) that compiles."""
     try:
         if not Path(path).is_dir():
-            return Path(path).expanduser().read_text(encoding="utf-8")
-        from transformers import AutoTokenizer
-        template = AutoTokenizer.from_pretrained(path).chat_template
+            template = Path(path).expanduser().read_text(encoding="utf-8")
+            if not template.strip():
+                raise DataError(f"data.chat_template: {path} is empty; give a Jinja chat template (or unset the key "
+                                f"to use the model's own)")
+        else:
+            from transformers import AutoTokenizer
+            template = AutoTokenizer.from_pretrained(path).chat_template
     except (OSError, ValueError) as e:
         raise DataError(f"data.chat_template: cannot read {path} ({one_line(e)})") from e
     if not template:
         raise DataError(f"data.chat_template: the tokenizer in {path} has no chat template")
+    from jinja2 import TemplateSyntaxError
+
+    from ..compat import compile_jinja_template
+    for name, text in (template.items() if isinstance(template, dict) else [("", template)]):
+        try:
+            compile_jinja_template(text)
+        except TemplateSyntaxError as e:
+            raise DataError(f"data.chat_template: {path}{f' ({name!r} template)' if name else ''} line {e.lineno}: "
+                            f"Jinja syntax error ({one_line(e.message or e)})") from None
     return template
 
 
@@ -72,7 +86,13 @@ class Template:
             as_str = try_render(tokenizer, _args_as_strings(conv), tools, extra)
             self.args_as_string[has_tools] = (bool(as_str) and (as_dict is None or "{'a': " in as_dict)
                                               and '{\\"a\\"' not in as_str)
+        # Content parts reach a template that reads them as the row has them; one that prints content as a string
+        # would print a list's Python repr: it gets their text, as inference servers give such templates.
+        asked = [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
+        parts = try_render(tokenizer, asked, None, extra) or try_render(tokenizer, asked, schema, extra)
+        self.reads_parts = bool(parts) and _PROBE in parts and "'text'" not in parts and '"text"' not in parts
         self.kwargs = {**tokenizer.special_tokens_map, **extra}  # as apply_chat_template passes them
+        self.switch_names: list[str] | None = None  # see switches()
         # The compiled template called directly on prepared messages renders as apply_chat_template does (the first
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
         # row about twice per turn.
@@ -80,20 +100,39 @@ class Template:
         self.compiled = {has: compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has else None))
                          for has in (False, True)}  # a template dict may have its own "tool_use" template
 
-    def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
-        """The template's text for prepared messages; a template that raises is Unsupported("template_error")."""
+    def render(self, messages: list[dict], tools, generation_prompt: bool, **extra) -> str:
+        """The template's text for prepared messages (extra: template kwargs over the run's); a template that raises
+        is Unsupported("template_error")."""
         try:
             return self.compiled[bool(tools)].render(messages=messages, tools=tools, documents=None,
-                                                     add_generation_prompt=generation_prompt, **self.kwargs)
+                                                     add_generation_prompt=generation_prompt,
+                                                     **{**self.kwargs, **extra})
         except Exception as e:  # noqa: BLE001 - template errors are about this row
             raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
 
+    def switches(self) -> list[str]:
+        """The template's variables that may switch thinking off (enable_thinking, ...): the ones it reads whose name
+        says thinking or reasoning, not set to false already (found once)."""
+        if self.switch_names is None:
+            import jinja2.meta
+            texts = self.text.values() if isinstance(self.text, dict) else [self.text]
+            names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
+                                  for x in texts))
+            self.switch_names = sorted(n for n in names if ("think" in n or "reason" in n)
+                                       and self.kwargs.get(n) is not False)
+        return self.switch_names
+
 
 def try_render(tokenizer, messages, tools, extra: dict):
+    return render_or_why(tokenizer, messages, tools, extra)[0]
+
+
+def render_or_why(tokenizer, messages, tools, extra: dict) -> tuple[str | None, str]:
+    """(apply_chat_template's text, "") or (None, why it failed): a probe's rendering."""
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra)
-    except Exception:  # noqa: BLE001 - only a probe
-        return None
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra), ""
+    except Exception as e:  # noqa: BLE001 - only a probe
+        return None, one_line(e)
 
 
 def _args_as_strings(messages: list[dict]) -> list[dict]:
@@ -109,12 +148,15 @@ def template_of(tokenizer, extra: dict | None = None) -> Template:
     return t
 
 
-def prepared(messages: list[dict], args_as_string: bool) -> list[dict]:
+def prepared(messages: list[dict], args_as_string: bool, reads_parts: bool = True) -> list[dict]:
     """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning also as `thinking`,
-    which GPT-OSS templates read), made once per row so that each prefix renders without copying."""
+    which GPT-OSS templates read; content parts as text where the template does not read parts), made once per row
+    so that each prefix renders without copying."""
     out = []
     for m in _args_as_strings(messages) if args_as_string else messages:
         m = {k: v for k, v in m.items() if v is not None and k != "train"}
+        if not reads_parts and isinstance(m.get("content"), list):
+            m["content"] = "".join(part["text"] for part in m["content"])
         out.append({"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m)
     return out
 
@@ -130,22 +172,29 @@ def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | 
     the model), that next control token, which the model must emit to stop ("" otherwise)."""
     m = dict(messages[i])
     if m.get("content") or not m.get("tool_calls"):
-        m["content"] = _PROBE
+        m["content"] = _like(m.get("content"), _PROBE)
     if m.get("tool_calls"):
         *calls, last = m["tool_calls"]
         fn = last["function"]
         args = {**fn["arguments"], _PROBE: _PROBE} if isinstance(fn["arguments"], dict) else json.dumps(
             {**json.loads(fn["arguments"]), _PROBE: _PROBE}, ensure_ascii=False)
         m["tool_calls"] = [*calls, {**last, "function": {**fn, "arguments": args}}]
-    probe = try_render(tokenizer, messages[:i] + [m], tools, t.extra)
-    if probe is None or _PROBE not in probe:
+    # A probe that cannot render (a template that checks what the row's messages carry) would leave the cut to a
+    # guess (a tool call's closing token lost): the turn is refused instead.
+    probe, why = render_or_why(tokenizer, messages[:i] + [m], tools, t.extra)
+    if probe is None:
+        raise Unsupported("probe_error", f"the chat template cannot render the probe that finds where this turn "
+                                         f"ends ({why})")
+    if _PROBE not in probe:
         return None
     tail = probe[probe.rfind(_PROBE) + len(_PROBE):]
     hits = sorted((p, -len(c), c) for c in t.control for p in find_all(tail, c))
     # What the template writes between this turn and the next one (a tool result after tool calls, else a user)
-    nxt = {"role": "tool" if m.get("tool_calls") else "user", "content": _NEXT}
-    more = try_render(tokenizer, messages[:i] + [m, nxt], tools, t.extra)
-    more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)] if more and _NEXT in more else None
+    more, why = render_or_why(tokenizer, messages[:i] + [m, _next_probe(messages, i, m)], tools, t.extra)
+    if more is None:
+        raise Unsupported("probe_error", f"the chat template cannot render the probe of what follows this turn, "
+                                         f"which finds where it ends ({why})")
+    more = more[more.rfind(_PROBE) + len(_PROBE):more.rfind(_NEXT)] if _NEXT in more else None
     if not hits:
         return tail, None, _next_control(t, more, len(tail))
     # Several control tokens (Phi-3's '<|end|>\n<|endoftext|>', Qwen's '</tool_call><|im_end|>'): the turn ends at
@@ -162,6 +211,27 @@ def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | 
         if plain is not None and plain[1] is None and plain[2]:
             stop = _next_control(t, more, cut)
     return tail, cut, stop
+
+
+def _like(content, text: str):
+    """`text` in the shape of a row's content: a string, or a list of text parts."""
+    return [{"type": "text", "text": text}] if isinstance(content, list) else text
+
+
+def _next_probe(messages: list[dict], i: int, m: dict) -> dict:
+    """The message after turn i in the probes: a tool result after tool calls, else a user turn, carrying what the
+    row's own next message of that role carries (tool_call_id, name) or, where the row has none, the id and name of
+    the turn's last call, as templates that check them want."""
+    role = "tool" if m.get("tool_calls") else "user"
+    after = messages[i + 1] if i + 1 < len(messages) else {}
+    shape = next((x.get("content") for x in messages[:i + 1] if isinstance(x.get("content"), list)), None)
+    if after.get("role") == role:
+        return {**after, "content": _like(after.get("content") or shape, _NEXT)}
+    if role == "tool":
+        last = m["tool_calls"][-1]
+        ids = {"tool_call_id": last["id"]} if last.get("id") else {}
+        return {"role": "tool", "content": _like(shape, _NEXT), **ids, "name": last["function"]["name"]}
+    return {"role": "user", "content": _like(shape, _NEXT)}
 
 
 def _next_control(t: Template, more: str | None, cut: int) -> str:

@@ -9,7 +9,7 @@ apply to both. A pair fits data.max_seq_len: each side is cut at max_seq_len // 
 
 from __future__ import annotations
 
-from ..data.formats import DataError, to_conversation
+from ..data.formats import DataError, text_of, to_conversation
 from ..data.labels import Labelled, refuse, tokenize_messages
 from ..data.template import Unsupported
 
@@ -30,7 +30,7 @@ def _side(row: dict, key: str, where: str) -> list[dict]:
     last = msgs[-1]
     if last["role"] != "assistant" or len(msgs) < 2:
         raise Unsupported("missing_side", f"{key} does not end in an assistant turn after a prompt")
-    if not (last.get("content") or "").strip() and not last.get("tool_calls"):
+    if not text_of(last.get("content")).strip() and not last.get("tool_calls"):
         raise Unsupported("empty_completion", f"the {key} completion is empty")
     return [{**m, "train": False} if m["role"] == "assistant" else m for m in msgs[:-1]] + [last]
 
