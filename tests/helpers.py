@@ -268,3 +268,11 @@ def count_builds_and_opens(monkeypatch) -> dict[str, list]:
         for module in [m for n, m in list(sys.modules.items()) if n.startswith("finetune") and hasattr(m, name)]:
             monkeypatch.setattr(module, name, counted(getattr(module, name), seen["opens"], source_of))
     return seen
+
+
+def export_hf(*args, **kwargs):
+    """finetune.export.export_hf with the extensions' hooks (LoRA checkpoints, the export check), as export-hf and
+    train() hand them."""
+    from finetune.export import export_hf as export
+    from finetune.ext.recipes import export_hooks
+    return export(*args, **export_hooks(), **kwargs)

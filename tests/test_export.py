@@ -21,7 +21,7 @@ def export(checkpoint, out, dtype: str = "bfloat16", max_shard_size: str = "5GB"
     """finetune.export.export_hf in this process; returns what it printed."""
     import contextlib
     import io
-    from finetune.export import export_hf
+    from helpers import export_hf
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         export_hf(str(checkpoint), str(out), dtype, max_shard_size)
@@ -258,7 +258,7 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
 def test_an_export_builds_its_skeleton_once_and_opens_the_checkpoint_once(llama_run, monkeypatch, tmp_path):
     """Build once, pass down: the writing and the check of a (sharded) export use one meta skeleton and one open of
     the checkpoint (one read of its DCP metadata); the check builds one more model, the one config.json describes."""
-    from finetune.export import export_hf
+    from helpers import export_hf
     step = str(llama_run / "checkpoints" / "step-2")
     for verify in (False, True):
         seen = count_builds_and_opens(monkeypatch)

@@ -16,11 +16,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import BASE, REPO, losses, read_metrics, run_ranks, sft, sft_cli
+from helpers import BASE, REPO, export_hf, losses, read_metrics, run_ranks, sft, sft_cli
 
 from finetune import checkpoint as ckpt
 from finetune.data import DataError, load_rows
-from finetune.export import export_hf
 from finetune.lock import LockError, hold_lock, release_lock
 from finetune.metrics import MetricsLogger
 

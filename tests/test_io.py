@@ -162,7 +162,7 @@ def test_a_sharded_dir_loads_like_the_single_file(odd_models, tmp_path):
 
 
 def export_on_rank(checkpoint, out, max_shard_size="60KB"):
-    from finetune.export import export_hf
+    from helpers import export_hf
     export_hf(str(checkpoint), str(out), "bfloat16", max_shard_size)
 
 

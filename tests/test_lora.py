@@ -69,7 +69,7 @@ def test_two_ranks_train_like_one_process_and_checkpoints_hold_only_adapters(run
 def test_merged_export_gives_the_logits_of_peft_on_the_adapter_export(runs, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
-    from finetune.export import export_hf
+    from helpers import export_hf
     model_dir, root, kind = runs
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     export_hf(str(root / "two"), str(merged), "float32")  # verified against the checkpoint by export_hf itself
@@ -101,7 +101,7 @@ def test_merged_export_gives_the_logits_of_peft_on_the_adapter_export(runs, tmp_
 def test_a_merged_export_builds_its_skeleton_once_and_opens_each_source_once(runs, monkeypatch, tmp_path):
     """Build once, pass down: one meta skeleton (two when a tied embedding trained apart is exported untied: that
     is another model), the adapters and the base each opened once; an adapter export builds no model unverified."""
-    from finetune.export import export_hf
+    from helpers import export_hf
     model_dir, root, kind = runs
     step = str(root / "one" / "checkpoints" / "step-5")
     seen = count_builds_and_opens(monkeypatch)
@@ -142,7 +142,7 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
 
 
 def test_lr0_merged_export_equals_the_source_tensor_for_tensor(llama_dir, qwen_tied_dir, chat_file, tmp_path):
-    from finetune.export import export_hf
+    from helpers import export_hf
     from finetune.errors import ModelError
     sft(llama_dir, chat_file, tmp_path / "run", "train.lr=0", "train.max_steps=1", "train.micro_batch_size=4")
     export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), "bfloat16")
@@ -165,7 +165,7 @@ def test_a_base_with_other_weights_at_the_recorded_path_is_refused_by_export_and
                                                                                           tmp_path, capsys):
     from conftest import make_model_dir
     from finetune.checkpoint import CheckpointError
-    from finetune.export import export_hf
+    from helpers import export_hf
     base, run = tmp_path / "base", tmp_path / "run"
     shutil.copytree(llama_dir, base)
     sft(base, chat_file, run, "train.max_steps=3")
@@ -233,7 +233,7 @@ def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit
     """The frozen base is bf16 (no fp32 copy), gets no grad, and after training still equals the source bit for
     bit; only the fp32 adapters moved (checked in train_on_prepared_base). The merged export over the prepared base
     equals the one over the HF dir."""
-    from finetune.export import export_hf
+    from helpers import export_hf
     prepared, step = helpers.run_ranks(train_on_prepared_base, 1, llama_dir, tmp_path)[0]
     export_hf(str(step.parent.parent), str(tmp_path / "from_prepared"), "float32")
     marker = json.loads((step / "finetune_complete.json").read_text())

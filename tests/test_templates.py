@@ -639,7 +639,7 @@ def test_a_chat_template_of_our_own_is_saved_with_the_run_and_exported(qwen3_mod
     from transformers import AutoTokenizer
 
     from finetune.checkpoint import read_marker
-    from finetune.export import export_hf
+    from helpers import export_hf
     from helpers import invoke, sft
     base = tmp_path / "base"  # a base model: its tokenizer has no chat template
     shutil.copytree(qwen3_model, base)
