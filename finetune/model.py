@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from .attention import check_packing, resolve_attn_implementation
+from .attention import check_packing, check_trainable, resolve_attn_implementation
 from .compat import CheckpointImpl, apply_liger_kernels, checkpoint_wrapper
 from .ext.context import apply_cp
 from .distributed import print0
@@ -284,6 +284,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     liger, compile = resolve_auto(liger, compile, device.type == "cuda")
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
     attn = model.config._attn_implementation
+    check_trainable(attn, device.type)
     kernels = "fused loss only (compiled blocks)" if liger and compile else "on" if liger else "off"
     print0(f"kernels: attention {attn}, Liger {kernels}, regional compile {'on' if compile else 'off'} "
            f"({'auto on ' if asked else ''}{device.type})")

@@ -149,7 +149,7 @@ def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir
     """`finetune dpo`'s (loss_fn, collate, held-out evaluation or None): see dpo.py."""
     reference, pad = dpo.reference_kind(cfg), tokenizer.pad_token_id
     held_out = None
-    if cfg.eval.path:  # every rank all of the first eval.num_samples pairs (preflight: pairs), unpacked
+    if cfg.eval.path and cfg.eval.num_samples:  # every rank all of the first eval.num_samples pairs, unpacked
         held_out = build_samples(cfg.eval.path, tokenizer, max_seq_len=cfg.data.max_seq_len, shuffle=False,
                                  on_unsupported=cfg.data.on_unsupported, epoch_limit=1,
                                  chat_template_kwargs=cfg.data.chat_template_kwargs)
@@ -196,7 +196,8 @@ def train(cfg: Config, task: str = "sft") -> dict:
         if task == "dpo" else (None, None, None)
     held_out = partial(evaluate, model, tokenizer, cfg.eval.path, cfg.eval.num_samples, cfg.eval.max_new_tokens,
                        device, dc.chat_template_kwargs)
-    eval_before = held_out() if cfg.eval.path and state.step == 0 and task == "sft" else None
+    evaluates = bool(cfg.eval.path and cfg.eval.num_samples)  # eval.num_samples=0: no evaluation (not 0 of 0)
+    eval_before = held_out() if evaluates and state.step == 0 and task == "sft" else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
         with open_outputs(cfg, out, state.step, chat_template, lora) as (logger, saver, bar):
@@ -233,7 +234,7 @@ def train(cfg: Config, task: str = "sft") -> dict:
             export_hf(str(out), str(out / "hf"), live=model)
         if evaluate_pairs is not None:
             record["eval"] = evaluate_pairs()
-        elif cfg.eval.path:
+        elif evaluates:
             record["eval"] = report_eval(held_out(), eval_before, out)
     return record
 

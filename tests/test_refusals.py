@@ -1,0 +1,110 @@
+"""Inputs that used to give a traceback, a wrong suggestion or a silent wrong result (issue 31): mixture weights of 0
+or near the float maximum, misspelt keys and flags, --max-shard-size as transformers takes it, flex attention on CPU,
+eval.num_samples=0."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import invoke, sft, write_jsonl
+
+
+def test_max_shard_size_takes_what_transformers_takes():
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from finetune.config import ConfigError, parse_shard_size
+    for text in ("5GB", "500MB", "100KB", "2GiB", "500MiB", "64KiB", "64kib", "5gB", "7", "1000000"):
+        assert parse_shard_size(text) == convert_file_size_to_int(int(text) if text.isdigit() else text), text
+    assert parse_shard_size("1.5GB") == 1_500_000_000 and parse_shard_size("0.5GiB") == 2**29
+    assert parse_shard_size("1TB") == 10**12
+    with pytest.raises(ConfigError, match=r"--max-shard-size '5Gb': a lowercase b means bits .* write 5GB"):
+        parse_shard_size("5Gb")  # transformers: 625,000,000 bytes; whoever typed it likely meant 5 GB
+    for bad in ("5XB", "0MB", "-1", "big", "1.5", ""):
+        with pytest.raises(ConfigError, match="--max-shard-size must be a positive size"):
+            parse_shard_size(bad)
+
+
+@pytest.mark.parametrize("key, hint", [("lr", "'train.lr'"), ("data.lr", "'train.lr'"), ("trian.lr", "'train.lr'"),
+                                       ("seed", "'train.seed'"), ("max_step", "'train.max_steps'"),
+                                       ("path", "'model.path' or 'data.path' or 'eval.path'"),
+                                       ("train.lrr", "'lr'"), ("trian", "'train'")])
+def test_a_misspelt_key_gets_a_suggestion_among_every_sections_keys(key, hint):
+    from finetune.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: 1})
+    assert f"unknown config key '{key}' (did you mean {hint}?)" in str(e.value)
+
+
+def test_a_flag_that_is_a_config_key_says_how_to_set_it(tmp_path):
+    result = invoke("sft", "--output-dir", tmp_path / "out", "--lr", "1e-4")
+    assert result.exit_code == 2
+    assert "No such option: --lr (did you mean 'train.lr' as a key=value override?)" in result.output
+    assert "--help" not in result.output.split("No such option")[1]  # click alone suggested --help
+    result = invoke("export-hf", "--max-shard", "1GB")  # a near flag of the command still wins
+    assert result.exit_code == 2 and "--max-shard-size" in result.output
+
+
+@pytest.mark.parametrize("how", ["weight", "samples", "epochs"])
+def test_a_mixture_source_of_weight_0_is_refused_not_trained_in_full(how, tmp_path):
+    from finetune.cli import build_config
+    from finetune.config import ConfigError
+    with pytest.raises(ConfigError, match=rf"data.sources\[1\].{how} = 0 would take none of b.jsonl, but an unset "
+                                          rf"{how} reads as 0 \(one epoch of it\): remove the source"):
+        build_config(None, ["data.path=", f'data.sources=[{{path="a.jsonl", {how}=2}}, {{path="b.jsonl", {how}=0}}]'],
+                     check=False)
+
+
+def test_the_run_config_of_a_mixture_reads_back(tmp_path):
+    """config.toml does not write the zeros of unset weights (which would now be refused)."""
+    from finetune.cli import build_config
+    from finetune.config import load_config, to_toml
+    cfg = build_config(None, ["data.path=", 'data.sources=[{path="a.jsonl", weight=2}, {path="b.jsonl"}, '
+                                            '{path="c.jsonl", epochs=0.5}]'], check=False)
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    assert load_config(tmp_path / "config.toml") == cfg
+
+
+def test_mixture_weights_near_the_float_maximum():
+    from finetune.cli import build_config
+    from finetune.config import ConfigError
+    from finetune.data import DataError
+    from finetune.data.stream import mixture_sizes
+    with pytest.raises(ConfigError, match=r"data.sources: the weights sum past the largest number \(inf\); only "
+                                          r"their ratios count"):
+        build_config(None, ["data.path=", 'data.sources=[{path="a.jsonl", weight=1.7e308}, '
+                                          '{path="b.jsonl", weight=1.7e308}]'], check=False)
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].epochs must be <= 1,000,000, got 1e\+300"):
+        build_config(None, ["data.path=", 'data.sources=[{path="a.jsonl", epochs=1e300}]'], check=False)
+    # one weight near the maximum: its share is computed from the ratio (it overflowed: OverflowError/ValueError)
+    assert mixture_sizes([{"path": "a", "weight": 1.7e308}, {"path": "b", "weight": 1.0}], [10, 20]) == [30, 0]
+    assert mixture_sizes([{"path": "a", "weight": 1e308}, {"path": "b", "weight": 5e307}], [10, 20]) == [20, 10]
+    assert mixture_sizes([{"path": "a", "weight": 1}, {"path": "b", "weight": 3}], [10, 20]) == [8, 22]
+    with pytest.raises(DataError, match=r"data.sources\[0\] \(a\): 1e\+10 samples an epoch, more than 4,294,967,296"):
+        mixture_sizes([{"path": "a", "samples": 10**10}], [10])
+
+
+def test_flex_attention_on_cpu_is_refused_at_start_up(tmp_path, llama_dir, chat_file):
+    from finetune.attention import check_trainable
+    from finetune.config import ConfigError
+    check_trainable("flex_attention", "cuda")
+    with pytest.raises(ConfigError, match="model.attn_implementation=flex_attention cannot train on cpu: torch's "
+                                          "FlexAttention has no backward there; use sdpa"):
+        check_trainable("flex_attention", "cpu")
+    result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "out",
+                    "model.attn_implementation=flex_attention")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == ["error: model.attn_implementation=flex_attention cannot train on "
+                                                  "cpu: torch's FlexAttention has no backward there; use sdpa (or "
+                                                  "auto) on cpu"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_num_samples_0_means_no_evaluation(tmp_path, llama_dir, chat_file, capfd):
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", [json.loads(line) for line in
+                                                        chat_file.read_text().splitlines()[:4]])
+    records = sft(llama_dir, chat_file, tmp_path / "run", "train.max_steps=1", "data.max_seq_len=128",
+                  f"eval.path={held_out}", "eval.num_samples=0")
+    assert len(records) == 1 and "eval" not in records[-1]
+    assert not (tmp_path / "run" / "eval.json").exists()
+    assert "held-out" not in capfd.readouterr().out  # was: "held-out (0 questions): exact match 0.0%"
