@@ -24,7 +24,7 @@ from .errors import ModelError
 from .load import MANIFEST, base_fingerprint, is_prepared
 from .ext.lora import merge_lora_tensor, peft_config, peft_key
 from .metrics import peak_rss_mb
-from .model import build_skeleton, load_hf_config, save_hf_files
+from .model import build_skeleton, load_hf_config, save_hf_files, template_defaults
 from .outdir import check_output_dir, staging
 from .weights import INDEX, arch_diffs, open_dcp, open_live, open_safetensors, out_dtype_of, to_disk, write_safetensors
 
@@ -40,6 +40,7 @@ class Source:
     label: str
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
     chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
+    chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -67,7 +68,19 @@ def find_source(path: str) -> Source:
         raise CheckpointError(f"{step / 'finetune_complete.json'} does not name the model it trained (saved by an "
                               f"older finetune)")
     return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"),
-                  chat_template=marker.get("chat_template") or "")
+                  chat_template=marker.get("chat_template") or "",
+                  chat_template_kwargs=marker.get("config", {}).get("data", {}).get("chat_template_kwargs"))
+
+
+def template_kwargs_note(kwargs: dict) -> str:
+    """The summary line about the run's data.chat_template_kwargs in the exported chat template."""
+    skipped = template_defaults(kwargs)[1]
+    written = {k: v for k, v in kwargs.items() if k not in skipped}
+    shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in written.items())
+    return ((f"chat template: the run's data.chat_template_kwargs ({shown}) are its defaults now (a request's "
+             f"chat_template_kwargs still override them)" if written else "chat template: ")
+            + (f"{'; ' if written else ''}{', '.join(skipped)} cannot be set in Jinja: pass "
+               f"{'it' if len(skipped) == 1 else 'them'} with every request" if skipped else ""))
 
 
 def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
@@ -174,7 +187,10 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
     written = copy.deepcopy(hf_config)  # with dtype and architectures, as save_pretrained sets them
     written.dtype, written.architectures = str(dtype).split(".")[1], [type(skeleton).__name__]
     if is_main():
-        save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template)
+        save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template,
+                      source.chat_template_kwargs)
+    if source.chat_template_kwargs:  # what a request that passes none now gets
+        print0(template_kwargs_note(source.chat_template_kwargs))
     barrier()  # the check reads config.json
     print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
            f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "

@@ -108,3 +108,60 @@ def test_eval_num_samples_0_means_no_evaluation(tmp_path, llama_dir, chat_file, 
     assert len(records) == 1 and "eval" not in records[-1]
     assert not (tmp_path / "run" / "eval.json").exists()
     assert "held-out" not in capfd.readouterr().out  # was: "held-out (0 questions): exact match 0.0%"
+
+
+def test_a_refusal_inside_the_ranks_is_one_line_for_the_run(tmp_path, llama_dir):
+    """Bad data is found by the ranks (preflight only opens the file): each used to print its line, then torch's
+    launcher its own account ("failed (exitcode: 2) local_rank: 1 ...", "Sending process ... SIGTERM")."""
+    from helpers import BASE, run_cli
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "bogus", "content": "x"}]}])
+    proc = run_cli("sft", "--model", llama_dir, "--dataset", bad, "--output-dir", tmp_path / "out",
+                   "--nproc-per-node", 2, *BASE, "train.max_steps=1", check=False, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: {bad}:1: unknown role 'bogus' in message 1 (allowed: system, "
+                                                "user, assistant, tool; also human, gpt, function_call, observation, "
+                                                "function)"]
+
+
+def test_the_launcher_prints_the_first_ranks_line_and_counts_other_errors(tmp_path, capsys):
+    from finetune.launch import print_rank_errors
+    assert not print_rank_errors(str(tmp_path))  # none left a line (a crash): torch's account stands
+    for rank, line in enumerate(["error: a", "error: a", "error: b"]):
+        (tmp_path / f"rank{rank:06d}").write_text(line)
+    assert print_rank_errors(str(tmp_path))
+    assert capsys.readouterr().err == "error: a (1 other rank(s) failed otherwise: --debug shows each)\n"
+
+
+def test_export_writes_the_runs_chat_template_kwargs_as_the_templates_defaults(tmp_path, llama_dir):
+    """vLLM, SGLang, transformers and llama.cpp all render the chat template saved with the model; no file of the
+    model holds template variables, so the exported template sets the run's as defaults (a request's own win)."""
+    from transformers import AutoTokenizer
+
+    from finetune.export import template_kwargs_note
+    from finetune.model import load_hf_config, save_hf_files, with_template_defaults
+    msgs = [{"role": "user", "content": "hi"}]
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+                "<assistant>{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                "{% endif %}")  # as Qwen3's
+    save_hf_files(tmp_path / "hf", str(llama_dir), load_hf_config(str(llama_dir)), False,
+                  chat_template=template, template_kwargs={"enable_thinking": False})
+    exported, trained = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(llama_dir)
+    trained.chat_template = template
+
+    def render(tok, **kwargs):
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert render(exported) == render(trained, enable_thinking=False) != render(trained)  # as the run trained
+    assert render(exported, enable_thinking=True) == render(trained, enable_thinking=True)  # a request's value wins
+    # it renders no text (a template that starts with a newline too), and sets each named template
+    for text in ("{{ messages[0]['content'] }}{{ x | default('-') }}", "\n{{ messages[0]['content'] }}{{ x }}"):
+        tok = AutoTokenizer.from_pretrained(llama_dir)
+        tok.chat_template = with_template_defaults(text, {"x": [1, {"a": "é\"q"}], "y": None, "bad-name": 1})
+        assert tok.apply_chat_template(msgs, tokenize=False) == text.replace("{{ x | default('-') }}", "{{ x }}") \
+            .replace("{{ messages[0]['content'] }}", "hi").replace("{{ x }}", "[1, {'a': 'é\"q'}]")
+    assert with_template_defaults({"default": "a", "tool_use": "b"}, {"k": 1}) == {
+        "default": "{% if k is not defined %}{% set k = 1 %}{% endif %}a",
+        "tool_use": "{% if k is not defined %}{% set k = 1 %}{% endif %}b"}
+    assert template_kwargs_note({"enable_thinking": False, "bad-name": 1}) == (
+        "chat template: the run's data.chat_template_kwargs (enable_thinking=false) are its defaults now (a request's "
+        "chat_template_kwargs still override them); bad-name cannot be set in Jinja: pass it with every request")
