@@ -17,12 +17,13 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import CheckpointError, check_base, read_marker, resolve_checkpoint
+from .checkpoint import CheckpointError, check_base, damage, is_complete, read_marker, resolve_checkpoint
 from .config import ConfigError, export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
 from .load import MANIFEST, base_fingerprint, is_prepared
 from .ext.lora import merge_lora_tensor, peft_config, peft_key
+from .lock import hold_pin, release_pin
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files, template_defaults
 from .outdir import check_output_dir, staging
@@ -233,7 +234,40 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     out = Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
-    source = find_source(checkpoint)
+    source = pin_source(checkpoint)
+    try:
+        return _export(source, checkpoint, out, dtype_name, dtype, shard_bytes, verify, adapter, live)
+    finally:
+        release_pin(source.weights)
+
+
+def pin_source(checkpoint: str) -> Source:
+    """find_source, its step dir pinned (lock.hold_pin) so that the retention of a run still saving into it
+    (checkpoint.keep) leaves it until the export ends. When retention deleted it first: the newest again (for an
+    output dir), else one line naming the step."""
+    if is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
+        return find_source(checkpoint)
+    step = Path(checkpoint)
+    for _ in range(3):
+        try:
+            source = find_source(checkpoint)
+        except FileNotFoundError:  # deleted between being found and being read
+            continue
+        step = source.weights
+        if hold_pin(step):
+            if is_complete(step) and damage(step) is None:  # intact while pinned (not deleted meanwhile)
+                return source
+            release_pin(step)
+        if step.resolve() == Path(checkpoint).resolve():  # the step itself was asked for: no newer one to take
+            break
+    raise CheckpointError(f"checkpoint {step} was deleted by the retention of the run saving into {step.parent} "
+                          f"(checkpoint.keep) before export-hf could pin it: export a newer step, or the output dir "
+                          f"(its newest)")
+
+
+def _export(source: Source, checkpoint: str, out: Path, dtype_name: str, dtype: torch.dtype, shard_bytes: int,
+            verify: bool, adapter: bool, live: torch.nn.Module | None) -> Path:
+    """export_hf once its source is found and pinned."""
     if adapter and not source.lora:
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
     check_output_dir(out, EXPORT_MARKER, "an earlier export")

@@ -165,3 +165,98 @@ def test_export_writes_the_runs_chat_template_kwargs_as_the_templates_defaults(t
     assert template_kwargs_note({"enable_thinking": False, "bad-name": 1}) == (
         "chat template: the run's data.chat_template_kwargs (enable_thinking=false) are its defaults now (a request's "
         "chat_template_kwargs still override them); bad-name cannot be set in Jinja: pass it with every request")
+
+
+def fake_step(root, step: int):
+    """A complete, intact checkpoint dir as damage() sees it (no tensors): what retention counts."""
+    import hashlib
+    path = root / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"m" * step)
+    (path / "finetune_complete.json").write_text(json.dumps({
+        "step": step, "files": {".metadata": step}, "metadata_sha256": hashlib.sha256(b"m" * step).hexdigest(),
+        "config": {"model": {"path": "some/model"}}}))
+    return path
+
+
+def test_retention_leaves_a_step_that_an_export_pinned(tmp_path, monkeypatch):
+    import shutil
+
+    import finetune.export as export
+    from finetune.checkpoint import CheckpointError, prune
+    from finetune.lock import release_pin
+    root = tmp_path / "run" / "checkpoints"
+    first, second = fake_step(root, 1), fake_step(root, 2)
+    source = export.pin_source(str(tmp_path / "run"))  # the newest
+    assert source.weights == second
+    fake_step(root, 3)
+    prune(root, keep=1)  # the run saved step 3: retention keeps 1, but step 2 is being exported
+    assert not first.exists() and second.exists()
+    release_pin(second)
+    prune(root, keep=1)
+    assert not second.exists() and sorted(p.name for p in root.iterdir()) == ["step-3"]  # its pin file went too
+
+    real = export.find_source
+
+    def found_then_deleted(checkpoint):  # retention deletes the step between export-hf finding and pinning it
+        source = real(checkpoint)
+        shutil.rmtree(source.weights)
+        if source.weights.name == "step-3":
+            fake_step(root, 4)
+        return source
+    monkeypatch.setattr(export, "find_source", found_then_deleted)
+    fake_step(root, 5)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {root / 'step-5'} was deleted by the retention of the "
+                                              rf"run saving into {root} \(checkpoint.keep\) before export-hf could "
+                                              rf"pin it: export a newer step, or the output dir \(its newest\)$"):
+        export.pin_source(str(root / "step-5"))
+    monkeypatch.setattr(export, "find_source", lambda c: (real if (root / "step-4").exists() else
+                                                          found_then_deleted)(c))
+    assert export.pin_source(str(tmp_path / "run")).weights == root / "step-4"  # an output dir: its newest again
+    release_pin(root / "step-4")
+
+
+def test_export_of_a_run_whose_retention_runs_meanwhile(tmp_path, llama_dir, chat_file, monkeypatch):
+    """The issue's case: export-hf of a run still saving, checkpoint.keep=1: its retention deleted the step being
+    read (a FileNotFoundError traceback)."""
+    import shutil
+
+    import finetune.export as export
+    from finetune.checkpoint import prune
+    run = tmp_path / "run"
+    sft(llama_dir, chat_file, run, "train.max_steps=1", "data.max_seq_len=128", "checkpoint.keep=1")
+    root, opened = run / "checkpoints", export.open_dcp
+
+    def open_while_the_run_saves(weights):
+        stored, load = opened(weights)
+
+        def load_as_the_run_saves(name):
+            if not (root / "step-2").exists():
+                shutil.copytree(root / "step-1", root / "step-2")  # the run saved a newer step, then pruned
+                prune(root, keep=1)
+            return load(name)
+        return stored, load_as_the_run_saves
+    monkeypatch.setattr(export, "open_dcp", open_while_the_run_saves)
+    export.export_hf(str(run), str(tmp_path / "hf"), verify=False)
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and (root / "step-1").is_dir()
+    prune(root, keep=1)  # unpinned now: the next retention deletes it
+    assert not (root / "step-1").exists()
+
+
+def test_max_seq_len_search_claims_only_what_it_measured(llama_dir):
+    """Eager attention keeps seq x seq probabilities: bytes grow faster than the line through 1024 and 2048 tokens,
+    which claimed ~5x the length that fits, then found nothing that fit in its 16 steps back ("nothing fits 1024
+    tokens per rank") while plain `plan` fit 8,192. Now: doubling, then bisection, on measured bytes."""
+    from finetune.config import load_config
+    from finetune.ext.plan import SAFETY, load_arch, run_plan, run_seq_search
+    gpu_bytes = 16 * 2**30
+    cfg = load_config(None, {"model.path": str(llama_dir), "data.path": "-", "model.attn_implementation": "eager"})
+    result = run_seq_search(cfg, load_arch(cfg, None), 1, 1, gpu_bytes, [0.0])
+    best, measured = result["best"], result["measured"]["0.0"]
+    assert best is not None and best["max_seq_len"] >= 8192, result["max_seq_len"]
+    longest, usable = best["max_seq_len"], gpu_bytes * (1 - SAFETY)
+    assert measured[str(longest)] == best["total"] <= usable < measured[str(longest + 1024)]  # both measured
+    assert result["max_seq_len"] == {"0.0": {"1": longest}}
+    for seq, fits in ((longest, True), (longest + 1024, False)):  # plain plan agrees
+        cfg.data.max_seq_len = seq
+        assert run_plan(cfg, load_arch(cfg, None), 1, 1, gpu_bytes, [0.0], [1])["points"][0]["fits"] is fits
