@@ -98,7 +98,8 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     # torch's own lines about the ranks (a rank "failed (exitcode: 2)", SIGTERM sent to the others) are held: shown
     # when a rank crashed, left out when the ranks refused the input (then one line says why: print_rank_errors)
     held, loggers = MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 1), [
-        logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+        logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing",
+                                             "torch.distributed.elastic.agent")]  # rendezvous logs stay live
     for logger in loggers:
         logger.addHandler(held)
         logger.propagate = False
