@@ -17,26 +17,27 @@ try:  # typer >= 0.22 carries its own click
 except ImportError:
     from click.exceptions import NoSuchOption
 
-from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key, load_config,
-                     parse_shard_size, parse_value)
+from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, closest_key, export_dtype_name, get_key,
+                     load_config, parse_shard_size, parse_value)
 from .launch import guarded, launch, set_threads
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 from .outdir import check_writable
+
 
 class Commands(typer.core.TyperGroup):
     """The commands; an unknown --flag that names a config key says how to set it (`--lr` -> train.lr=VALUE),
     where click alone would suggest --help."""
 
     def invoke(self, ctx):
-        from .config import closest_key
         try:
             return super().invoke(ctx)
         except NoSuchOption as e:
             key = e.option_name.lstrip("-").replace("-", "_")
-            exact = closest_key(key, Config)
+            hint = closest_key(key, Config)  # " (did you mean 'train.lr'?)"
             takes_keys = any(p.name == "overrides" for p in self.commands[ctx.invoked_subcommand].params)
-            if exact and takes_keys and ("." in exact or not [p for p in e.possibilities or [] if p != "--help"]):
-                e.message, e.possibilities = f"No such option: {e.option_name}{exact[:-2]} as a key=value " \
+            # click's own near flag wins (--outpt -> --output-dir), except its --help for anything short
+            if hint and takes_keys and ("." in hint or not [p for p in e.possibilities or [] if p != "--help"]):
+                e.message, e.possibilities = f"No such option: {e.option_name}{hint[:-2]} as a key=value " \
                                              "override?)", None
             raise
 
