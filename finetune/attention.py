@@ -126,6 +126,14 @@ def resolve_attn_implementation(hf_config, requested: str | None) -> str:
     return "sdpa"
 
 
+def check_trainable(attn_implementation: str, device_type: str) -> None:
+    """Refuse, in one line, an attention that cannot train on this device: flex_attention has no CPU backward
+    (torch raises at the first backward, on every rank)."""
+    if attn_implementation == "flex_attention" and device_type != "cuda":
+        raise ConfigError(f"model.attn_implementation=flex_attention cannot train on {device_type}: torch's "
+                          f"FlexAttention has no backward there; use sdpa (or auto) on {device_type}")
+
+
 def mixing_problem(model: nn.Module, layers: nn.ModuleList) -> str | None:
     """Why tokens of `model` mix other than through attention (None when they do not): layers that are not attention
     (state-space, linear-attention, convolution), found from the config's layer types, a Conv1d in the decoder

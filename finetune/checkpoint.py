@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import faults, outdir
 from .errors import FinetuneError, one_line, os_error_line
+from .lock import unpinned
 from .distributed import barrier, is_main, print0, world_size
 from .optim import reapply_settings, settings
 from .weights import arch_diffs, arch_of, clean_fqn
@@ -340,7 +341,9 @@ def prune(root: Path, keep: int) -> None:
     intact one (and is left to look at)."""
     intact = [p for p in step_dirs(root) if damage(p) is None]
     for old in intact[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        with unpinned(old) as free:  # an export-hf reading it pinned it: kept until a prune after the export
+            if free:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 class SignalFlag:

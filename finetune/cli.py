@@ -11,15 +11,38 @@ from pathlib import Path
 from typing import List, NoReturn, Optional
 
 import typer
+try:  # typer >= 0.22 carries its own click
+    from typer._click.exceptions import NoSuchOption
+except ImportError:
+    from click.exceptions import NoSuchOption
 
 from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
-from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key,
+from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, closest_key, export_dtype_name, get_key,
                      parse_shard_size, set_key)
 from .launch import guarded, launch
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 from .outdir import check_writable
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+class Commands(typer.core.TyperGroup):
+    """The commands; an unknown --flag that names a config key says how to set it (`--lr` -> train.lr=VALUE),
+    where click alone would suggest --help."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except NoSuchOption as e:
+            key = e.option_name.lstrip("-").replace("-", "_")
+            hint = closest_key(key, Config)  # " (did you mean 'train.lr'?)"
+            takes_keys = any(p.name == "overrides" for p in self.commands[ctx.invoked_subcommand].params)
+            # click's own near flag wins (--outpt -> --output-dir), except its --help for anything short
+            if hint and takes_keys and ("." in hint or not [p for p in e.possibilities or [] if p != "--help"]):
+                e.message, e.possibilities = f"No such option: {e.option_name}{hint[:-2]} as a key=value " \
+                                             "override?)", None
+            raise
+
+
+app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face causal LMs with FSDP2: sft, dpo, preview-data, prepare-checkpoint, "
                        "export-hf, bench, plan.")
 
@@ -100,6 +123,9 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
     from .load import base_fingerprint
     from .model import load_hf_config
     from .train import run_tokenizer
+    import torch
+    from .attention import check_trainable
+    check_trainable(cfg.model.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")  # ranks' device
     hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
     require_chat_template(run_tokenizer(cfg, resume)[0], f"model {cfg.model.path}")
@@ -265,7 +291,8 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
               dtype: str = typer.Option("bfloat16", "--dtype",
                                         help="dtype of the exported weights: bfloat16 | float32"),
               max_shard_size: str = typer.Option("5GB", "--max-shard-size",
-                                                 help="largest safetensors file (5GB, 500MB)"),
+                                                 help="largest safetensors file: 5GB, 500MiB, 1.5GB (as "
+                                                      "transformers' max_shard_size)"),
               verify: bool = typer.Option(True, "--verify/--no-verify",
                                           help="read every tensor back and compare logits streamed block by block "
                                                "from the files (never holds the model)"),

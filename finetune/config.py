@@ -13,6 +13,7 @@ import re
 import tomllib
 import types
 from dataclasses import dataclass, field, fields
+from fractions import Fraction
 from functools import reduce
 from pathlib import Path
 from typing import Any, get_args, get_type_hints, Literal
@@ -128,7 +129,7 @@ class CheckpointConfig:
 @dataclass
 class EvalConfig:
     path: str = ""  # held-out file in any data format ("" = no evaluation)
-    num_samples: int = 100  # held-out conversations to score
+    num_samples: int = 100  # held-out conversations to score (0 = no evaluation)
     max_new_tokens: int = 32  # greedy generation budget for exact match
 
 
@@ -173,6 +174,21 @@ def _closest(name: str, options) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+def closest_key(dotted: str, root: type) -> str:
+    """A hint among every section's keys: those whose last part is the key's (`lr` -> train.lr, `data.seed` ->
+    train.seed), else the closest dotted keys (`trian.lr` -> train.lr); "" when none is close."""
+    keys = []
+    for f in fields(root):
+        typ = get_type_hints(root)[f.name]
+        keys += [f.name, *(f"{f.name}.{g.name.rstrip('_')}" for g in (fields(typ) if dataclasses.is_dataclass(typ)
+                                                                       else []))]
+    leaf, leaves = dotted.split(".")[-1], [k.split(".")[-1] for k in keys]
+    near = difflib.get_close_matches(leaf, leaves, n=1)  # last: `sead` -> train.seed
+    match = [k for k in keys if k.endswith(f".{leaf}")] or difflib.get_close_matches(dotted, keys, n=1) or \
+        [k for k in keys if near and k.endswith(f".{near[0]}")]
+    return f" (did you mean {' or '.join(repr(k) for k in match[:3])}?)" if match else ""
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Check `value` against the field type; ints are accepted for floats. Raises ConfigError."""
     if getattr(typ, "__origin__", None) is Literal:
@@ -189,6 +205,12 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         for j, (item, table) in enumerate(zip(items, value)):
             for k, v in _flatten(table).items():
                 set_key(item, k, v, f"{key}[{j}].")
+                # 0 is what an unset weight/samples/epochs reads as (one epoch of the source): a written 0, meant
+                # as "none of it", would train all of it. Refused; to_toml never writes these zeros.
+                if k in ("weight", "samples", "epochs") and v == 0:
+                    raise ConfigError(f"{key}[{j}].{k} = 0 would take none of {table.get('path', 'the source')}, "
+                                      f"but an unset {k} reads as 0 (one epoch of it): remove the source to leave "
+                                      f"it out")
         return items
     if isinstance(typ, types.UnionType):  # str | list: any of the members
         if not any(isinstance(value, t) for t in get_args(typ)):
@@ -213,7 +235,9 @@ def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
         names = {f.name.rstrip("_"): f.name for f in fields(target)}  # async_ is TOML's `async` (a Python keyword)
         if part not in names:
             where = (prefix + ".".join(parts[:i])).rstrip(".") or "the top level"
-            raise ConfigError(f"unknown config key '{full}'{_closest(part, names)}; "
+            hint = _closest(part, names) if i else ""  # in its section first (train.lrr -> lr), then anywhere
+            hint = hint or (closest_key(dotted, type(cfg)) if not prefix else "") or _closest(part, names)
+            raise ConfigError(f"unknown config key '{full}'{hint}; "
                               f"keys in {where}: {', '.join(sorted(names))}")
         name = names[part]
         typ = get_type_hints(type(target))[name]
@@ -301,7 +325,8 @@ TEMPLATE_OWN_ARGS = ("messages", "tools", "documents", "add_generation_prompt", 
 RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key> must be <rule>"
     ("> 0", lambda v: v > 0, "train.max_steps train.micro_batch_size train.grad_accum_steps train.log_interval "
                              "data.max_seq_len data.num_proc lora.alpha dpo.beta eval.max_new_tokens"),
-    (">= 0", lambda v: v >= 0, "train.lr train.warmup_steps train.weight_decay train.max_grad_norm eval.num_samples"),
+    (">= 0", lambda v: v >= 0, "train.lr train.warmup_steps train.weight_decay train.max_grad_norm"),
+    (">= 0 (0 = no evaluation)", lambda v: v >= 0, "eval.num_samples"),
     (">= 0 (0 = off)", lambda v: v >= 0, "train.tokens_per_step lora.rank"),
     (">= 0 (0 = launched ranks / dp_replicate / cp)", lambda v: v >= 0, "parallel.dp_shard"),
     (">= 0 (0 = no periodic checkpoint)", lambda v: v >= 0, "checkpoint.interval"),
@@ -312,6 +337,9 @@ RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key
     ("in [0, 0.5)", lambda v: 0 <= v < 0.5, "dpo.label_smoothing"),
     ('true, false or "auto"', lambda v: v in (True, False, "auto"), "model.liger model.compile"),
 ]
+
+
+MAX_EPOCHS = 1_000_000  # passes over one source in an epoch of a mixture (beyond it: an OverflowError, or no memory)
 
 
 def validate(cfg: Config) -> None:
@@ -341,6 +369,12 @@ def validate(cfg: Config) -> None:
         if key in TEMPLATE_OWN_ARGS:
             raise ConfigError(f"data.chat_template_kwargs.{key}: apply_chat_template sets {key!r} itself (from each "
                               f"row and the labelling); remove the key")
+    if not math.isfinite(sum(src.weight for src in dc.sources)):  # only their ratios count (mixture_sizes)
+        raise ConfigError(f"data.sources: the weights sum past the largest number ({sum(s.weight for s in dc.sources)}"
+                          f"); only their ratios count: scale them down, e.g. to 1 and 3")
+    for j, src in enumerate(dc.sources):
+        if src.epochs > MAX_EPOCHS:  # an epoch's sample indices are held in memory
+            raise ConfigError(f"data.sources[{j}].epochs must be <= {MAX_EPOCHS:,}, got {src.epochs!r}")
 
 
 def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1) -> int:
@@ -396,11 +430,19 @@ def export_dtype_name(name: str) -> str:
 
 
 def parse_shard_size(text: str) -> int:
-    """Bytes from '5GB', '500MB', '100KB' (decimal units, as Hugging Face sizes shards) or a plain number of bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]B)?\s*", text.upper())
-    size = int(m[1]) * 10 ** (3 * "KMGT".index(m[2][0]) + 3) if m and m[2] else int(m[1]) if m else 0
+    """Bytes from what transformers' `convert_file_size_to_int` (save_pretrained's max_shard_size) takes, to the same
+    number: '5GB', '500MB', '100KB' (decimal), '2GiB', '500MiB', '64KiB' (binary), or a number of bytes; and also
+    fractions ('1.5GB') and TB/TiB. A lowercase b ('5Gb') means bits to transformers: refused rather than guessed."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(([KMGT])(i?)([Bb]))?\s*", text, re.IGNORECASE)
+    if m and m[5] == "b" and not m[4]:
+        raise ConfigError(f"--max-shard-size {text!r}: a lowercase b means bits (transformers reads it as "
+                          f"1/8 of the bytes); write {m[1]}{m[3].upper()}{m[4]}B for bytes")
+    size = 0
+    if m and (m[2] or "." not in m[1]):  # a fraction of a byte is no size
+        power = "KMGT".index(m[3].upper()) + 1 if m[2] else 0
+        size = int(Fraction(m[1]) * (1024 if m[4] else 1000) ** power)
     if size <= 0:
-        raise ConfigError(f"--max-shard-size must be a positive size like 5GB, 500MB or 100KB, got {text!r}")
+        raise ConfigError(f"--max-shard-size must be a positive size like 5GB, 500MB, 2GiB or 1.5GB, got {text!r}")
     return size
 
 
@@ -414,7 +456,10 @@ def to_toml(cfg: Config) -> str:
         return json.dumps(v, ensure_ascii=False)  # TOML writes strings, numbers and booleans as JSON does
 
     top, sections = [], []
-    for name, v in dataclasses.asdict(cfg).items():
+    as_dict = dataclasses.asdict(cfg)
+    as_dict["data"]["sources"] = [{k: v for k, v in src.items() if v or k not in ("weight", "samples", "epochs")}
+                                  for src in as_dict["data"]["sources"]]  # unset: a written 0 is refused
+    for name, v in as_dict.items():
         if isinstance(v, dict):
             sections.append(f"[{name}]\n" + "\n".join(f"{k.rstrip('_')} = {fmt(x)}" for k, x in v.items()))
         else:

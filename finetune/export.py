@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, check_base, read_marker, resolve_checkpoint
+from .checkpoint import CheckpointError, check_base, damage, is_complete, read_marker, resolve_checkpoint
 from .config import ConfigError, export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
 from .load import MANIFEST, base_fingerprint, is_prepared
+from .lock import hold_pin, release_pin
 from .metrics import peak_rss_mb
-from .model import build_skeleton, load_hf_config, save_hf_files
+from .model import build_skeleton, load_hf_config, save_hf_files, template_defaults
 from .outdir import check_output_dir, staging
 from .weights import INDEX, arch_diffs, open_dcp, open_live, out_dtype_of, to_disk, write_safetensors
 
@@ -38,6 +39,7 @@ class Source:
     label: str
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
     chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
+    chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -65,7 +67,19 @@ def find_source(path: str) -> Source:
         raise CheckpointError(f"{step / 'finetune_complete.json'} does not name the model it trained (saved by an "
                               f"older finetune)")
     return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"),
-                  chat_template=marker.get("chat_template") or "")
+                  chat_template=marker.get("chat_template") or "",
+                  chat_template_kwargs=marker.get("config", {}).get("data", {}).get("chat_template_kwargs"))
+
+
+def template_kwargs_note(kwargs: dict) -> str:
+    """The summary line about the run's data.chat_template_kwargs in the exported chat template."""
+    skipped = template_defaults(kwargs)[1]
+    written = {k: v for k, v in kwargs.items() if k not in skipped}
+    shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in written.items())
+    return ((f"chat template: the run's data.chat_template_kwargs ({shown}) are its defaults now (a request's "
+             f"chat_template_kwargs still override them)" if written else "chat template: ")
+            + (f"{'; ' if written else ''}{', '.join(skipped)} cannot be set in Jinja: pass "
+               f"{'it' if len(skipped) == 1 else 'them'} with every request" if skipped else ""))
 
 
 def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
@@ -144,7 +158,10 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
     written = copy.deepcopy(hf_config)  # with dtype and architectures, as save_pretrained sets them
     written.dtype, written.architectures = str(dtype).split(".")[1], [type(skeleton).__name__]
     if is_main():
-        save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template)
+        save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template,
+                      source.chat_template_kwargs)
+    if source.chat_template_kwargs:  # what a request that passes none now gets
+        print0(template_kwargs_note(source.chat_template_kwargs))
     barrier()  # the check reads config.json
     print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
            f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "
@@ -173,7 +190,40 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
     out = Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
-    source = find_source(checkpoint)
+    source = pin_source(checkpoint)
+    try:
+        return _export(source, checkpoint, out, dtype_name, dtype, shard_bytes, verify, adapter, live, adapters, check)
+    finally:
+        release_pin(source.weights)
+
+
+def pin_source(checkpoint: str) -> Source:
+    """find_source, its step dir pinned (lock.hold_pin) so that the retention of a run still saving into it
+    (checkpoint.keep) leaves it until the export ends. When retention deleted it first: the newest again (for an
+    output dir), else one line naming the step."""
+    if is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
+        return find_source(checkpoint)
+    step = Path(checkpoint)
+    for _ in range(3):
+        try:
+            source = find_source(checkpoint)
+        except FileNotFoundError:  # deleted between being found and being read
+            continue
+        step = source.weights
+        if hold_pin(step):
+            if is_complete(step) and damage(step) is None:  # intact while pinned (not deleted meanwhile)
+                return source
+            release_pin(step)
+        if step.resolve() == Path(checkpoint).resolve():  # the step itself was asked for: no newer one to take
+            break
+    raise CheckpointError(f"checkpoint {step} was deleted by the retention of the run saving into {step.parent} "
+                          f"(checkpoint.keep) before export-hf could pin it: export a newer step, or the output dir "
+                          f"(its newest)")
+
+
+def _export(source: Source, checkpoint: str, out: Path, dtype_name: str, dtype: torch.dtype, shard_bytes: int,
+            verify: bool, adapter: bool, live: torch.nn.Module | None, adapters, check) -> Path:
+    """export_hf once its source is found and pinned."""
     if adapter and not source.lora:
         raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
     if source.lora and adapters is None:

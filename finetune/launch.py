@@ -20,13 +20,38 @@ def guarded(fn: Callable, debug: bool, *args):
         if debug:
             raise
         if not e.on_rank0 or os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            report(f"error: {e}")
         raise SystemExit(e.exit_code)
     except OSError as e:
         if debug or e.errno not in STORAGE_ERRNOS:
             raise
-        print(f"error: {os_error_line(e)}{'' if e.filename else ' (--debug shows where)'}", file=sys.stderr, flush=True)
+        report(f"error: {os_error_line(e)}{'' if e.filename else ' (--debug shows where)'}")
         raise SystemExit(1)
+
+
+RANK_ERRORS = "FINETUNE_RANK_ERRORS"  # a dir where the ranks our launcher started leave their one-line errors
+
+
+def report(line: str) -> None:
+    """An error line on stderr; in a rank our launcher started, into its file instead: the launcher prints one line
+    for the run (launch), not one per rank beside its own account of the failure."""
+    where = os.environ.get(RANK_ERRORS)
+    if where and "RANK" in os.environ and os.path.isdir(where):
+        with open(os.path.join(where, f"rank{int(os.environ['RANK']):06d}"), "w") as f:
+            f.write(line)
+        return
+    print(line, file=sys.stderr, flush=True)
+
+
+def print_rank_errors(where: str) -> bool:
+    """The first rank's error line that the ranks left in `where` (they may all say the same), with how many ranks
+    failed so; False when none left one (a crash: torch's account of it then stands)."""
+    lines = [open(os.path.join(where, name)).read() for name in sorted(os.listdir(where))]
+    if lines:
+        others = len(lines) - lines.count(lines[0])
+        print(lines[0] + (f" ({others} other rank(s) failed otherwise: --debug shows each)" if others else ""),
+              file=sys.stderr, flush=True)
+    return bool(lines)
 
 
 def set_threads(nproc: int) -> None:
@@ -66,17 +91,42 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
         print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
         os._exit(130)
     signal.signal(signal.SIGINT, on_sigint)
+    import logging
+    import shutil
+    import tempfile
+    from logging.handlers import MemoryHandler
+    # torch's own lines about the ranks (a rank "failed (exitcode: 2)", SIGTERM sent to the others) are held: shown
+    # when a rank crashed, left out when the ranks refused the input (then one line says why: print_rank_errors)
+    held, loggers = MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 1), [
+        logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing",
+                                             "torch.distributed.elastic.agent")]  # rendezvous logs stay live
+    for logger in loggers:
+        logger.addHandler(held)
+        logger.propagate = False
+    os.environ[RANK_ERRORS] = errors = tempfile.mkdtemp(prefix="finetune-rank-errors-")
+    refused = False
     try:
         elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",
                                                                                          *sys.argv[1:])
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
+        refused = print_rank_errors(errors)
         raise SystemExit(2 if 2 in codes else (codes[0] or 1)) from None
     except SignalException as e:
         ok = on_signal() if on_signal else False
         print(f"finetune: {e.sigval.name} forwarded to the ranks; "
               f"{'they saved and stopped' if ok else 'no new checkpoint was completed'}", file=sys.stderr)
         raise SystemExit(0 if ok else 1) from None
+    finally:
+        for logger in loggers:
+            logger.removeHandler(held)
+            logger.propagate = True
+        if not refused:
+            for record in held.buffer:
+                logging.getLogger(record.name).handle(record)
+        held.close()
+        del os.environ[RANK_ERRORS]
+        shutil.rmtree(errors, ignore_errors=True)
 
 
 def local_launch_config(nproc: int, nnodes: int = 1, rdzv_endpoint: str = ""):

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import FinetuneError
@@ -74,6 +75,67 @@ def hold_run_lock(lock_path: Path, what: str) -> None:
         return
     hold_lock(lock_path, what)
     os.environ["FINETUNE_LOCK"] = key
+
+
+def pin_file(step: Path) -> Path:
+    """Where checkpoint dir `step` is pinned: `.<step>.pin` beside it (the checkpoint's own files stay as saved)."""
+    return Path(step).parent / f".{Path(step).name}.pin"
+
+
+def hold_pin(step: Path) -> bool:
+    """Pin checkpoint dir `step` until release_pin(step) or the end of this process: retention (prune,
+    through unpinned) leaves it alone. A shared flock: several readers pin at once. False, with no pin, when the step
+    is gone (retention deleted it first). Where no pin can be written (a read-only copy), it reads unpinned."""
+    path = pin_file(step).resolve()
+    if str(path) in _held:
+        return True
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # its checkpoints dir is gone
+        return False
+    except OSError:  # read-only, no permission: no run saves into it either
+        return Path(step).is_dir()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while retention deletes the step (it holds the pin exclusively)
+    except OSError:  # a filesystem without locks: read unprotected, as hold_lock does
+        pass
+    if not Path(step).is_dir() or not same_file(fd, path):
+        os.close(fd)
+        return False
+    _held[str(path)] = fd
+    return True
+
+
+def release_pin(step: Path) -> None:
+    """Unpin `step` (hold_pin). Its file stays: another reader may hold a pin on it (it goes with the step)."""
+    fd = _held.pop(str(pin_file(step).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
+@contextmanager
+def unpinned(step: Path):
+    """Yields whether `step` is free to delete (no process pins it, see hold_pin), holding its pin exclusively
+    meanwhile so that no reader pins it halfway; the pin file goes with the step."""
+    path = pin_file(step)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # nobody can have pinned it where no pin file can be made
+        yield True
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        free = True
+    except BlockingIOError:
+        free = False
+    except OSError:  # a filesystem without locks
+        free = True
+    try:
+        yield free
+    finally:
+        if free:
+            path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def is_free(path: Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from typing import NamedTuple
 
 import datasets
@@ -16,6 +17,7 @@ from .labels import DROP_REASONS, tokenize_messages
 from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _entries)
+MAX_EPOCH_SAMPLES = 2**32  # of one source (8 bytes each: 32 GiB of indices)
 PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
 
 
@@ -47,8 +49,16 @@ def mixture_sizes(specs: list[dict], sizes: list[int]) -> list[int]:
     of the three: epochs=1."""
     pooled = sum(m for spec, m in zip(specs, sizes) if spec.get("weight"))
     weights = sum(spec.get("weight") or 0 for spec in specs)
-    return [spec["samples"] if spec.get("samples") else round(pooled * spec["weight"] / weights) if spec.get("weight")
-            else round((spec.get("epochs") or 1) * m) for spec, m in zip(specs, sizes)]
+
+    def share(w):  # pooled * w overflows for a weight near the float maximum: then the ratio first
+        return pooled * w / weights if math.isfinite(pooled * w) else pooled * (w / weights)
+    counts = [spec["samples"] if spec.get("samples") else share(spec["weight"]) if spec.get("weight")
+              else (spec.get("epochs") or 1) * m for spec, m in zip(specs, sizes)]
+    for k, n in enumerate(counts):
+        if not n <= MAX_EPOCH_SAMPLES:  # an epoch's sample indices are held in memory
+            raise DataError(f"data.sources[{k}] ({specs[k]['path']}): {n:.3g} samples an epoch, more than "
+                            f"{MAX_EPOCH_SAMPLES:,} can be held; lower its samples or epochs")
+    return [round(n) for n in counts]
 
 
 def _best_fit_packs(items, max_len: int, window: int = PACK_WINDOW):

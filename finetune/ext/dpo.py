@@ -188,7 +188,7 @@ def dpo_task(cfg, run: Run) -> Task:
     the pair collate, the held-out pairs' evaluation after training."""
     reference, pad = reference_kind(cfg), run.tokenizer.pad_token_id
     held_out = None
-    if cfg.eval.path:  # every rank all of the first eval.num_samples pairs (preflight: pairs), unpacked
+    if cfg.eval.path and cfg.eval.num_samples:  # every rank all of the first eval.num_samples pairs, unpacked
         held_out = build_samples(cfg.eval.path, run.tokenizer, max_seq_len=cfg.data.max_seq_len, shuffle=False,
                                  on_unsupported=cfg.data.on_unsupported, epoch_limit=1,
                                  chat_template_kwargs=cfg.data.chat_template_kwargs, labellers=LABELLERS)

@@ -240,37 +240,59 @@ def describe(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, di
             "in_flight": measured["in_flight"]}
 
 
+MAX_LOCAL_TOKENS = 2**22  # tokens per rank where the --max-seq-len search stops doubling (4M: beyond any model's)
+
+
 def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float]) -> dict:
     """`plan --max-seq-len`: the longest data.max_seq_len that fits at micro-batch 1, for each ac.ratio and cp degree
-    (within a node, dividing the heads). A rank's bytes are a line in its tokens S / cp (attention keeps O(seq) per
-    head; the logits/loss bound too; the FSDP state does not depend on cp, which shards over the same ranks): two
-    fake forwards per ratio give the line; the longest answer is then measured, in steps of 1024 tokens per rank."""
+    (within a node, dividing the heads). A rank's bytes depend on its tokens S / cp only (its heads' attention over
+    the whole row after cp's all-to-all keeps as many bytes as all heads over its tokens; the FSDP state does not
+    depend on cp, which shards over the same ranks), and grow faster than a line where attention keeps seq x seq
+    (eager) or the logits dominate: so each ratio's longest is measured, never extrapolated: fake forwards at 1024
+    tokens per rank, doubled while they fit, then bisected to a multiple of 1024. Every figure it reports is one it
+    measured."""
     from .liger import resolve_liger
-    world, unit, lengths = nnodes * nproc, 1024, (1024, 2048)
+    world, unit = nnodes * nproc, 1024
     heads = hf_config.get_text_config().num_attention_heads
     cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if nproc % c == 0 and heads % c == 0]
     liger = resolve_liger(cfg.model.liger, cuda=True)
-    usable = gpu_bytes * (1 - SAFETY)
+    usable, num_layers = gpu_bytes * (1 - SAFETY), hf_config.num_hidden_layers
     with fake_world(world, cfg.parallel.dp_replicate) as (dims, fake_mode):
-        runs, measured = measure_runs(hf_config, cfg, dims, fake_mode, ratios, [(1, n) for n in lengths], liger)
+        models = {r: build_fake_model(hf_config, cfg, dims.mesh, fake_mode, r, liger) for r in sorted({0.0, *ratios})}
+        runs, sizes = {}, {r: {} for r in ratios}  # sizes: what each ratio measured, {tokens per rank: bytes}
+
+        def total(ratio: float, tokens: int) -> float:  # measured bytes per GPU, `tokens` per rank
+            for r in {0.0, ratio}:  # ratio 0's activations give the recompute of one checkpointed block
+                if (r, (1, tokens)) not in runs:
+                    with fake_mode:
+                        runs[r, (1, tokens)] = measure_micro_batch(models[r], 1, tokens)
+            sizes[ratio][tokens] = point(runs, ratio, (1, tokens), fixed, num_layers)["total"]
+            return sizes[ratio][tokens]
+
+        with fake_mode:  # the state and the units in flight (after a forward: FSDP's lazy init decides resharding)
+            runs[0.0, (1, unit)] = measure_micro_batch(models[0.0], 1, unit)
+            measured = measure_state(models[0.0])
         fixed = sum(measured["state"].values()) + sum(measured["in_flight"].values())
-        table = {}
+        longest, totals = {}, {}  # per ratio: the most tokens per rank measured to fit, and their bytes
         for ratio in ratios:
-            t1, t2 = (point(runs, ratio, (1, n), fixed, hf_config.num_hidden_layers)["total"] for n in lengths)
-            local = lengths[0] + (usable - t1) * (lengths[1] - lengths[0]) / (t2 - t1)  # tokens per rank that fit
-            table[ratio] = {cp: max(int(local * cp) // unit * unit, 0) for cp in cps}
+            fits, fails = 0, None
+            while fails is None and (n := 2 * fits or unit) <= MAX_LOCAL_TOKENS:  # doubling: unit, 2 unit, ...
+                if total(ratio, n) <= usable:
+                    fits = n
+                else:
+                    fails = n
+            while fails is not None and fails - fits > unit:  # bisection in units, between a fit and a failure
+                n = (fits + fails) // 2 // unit * unit
+                fits, fails = (n, fails) if total(ratio, n) <= usable else (fits, n)
+            longest[ratio] = fits
+            totals[ratio] = total(ratio, fits) if fits else None
+        table = {ratio: {cp: longest[ratio] * cp for cp in cps} for ratio in ratios}
         ratio, cp = max(((r, c) for r in ratios for c in cps), key=lambda rc: (table[rc[0]][rc[1]], -rc[1], -rc[0]))
-        seq, step, totals = table[ratio][cp], unit * cp, {}
-        while seq > 0 and len(totals) < 16:  # measure the line's answer; step up while it fits, down until it does
-            runs, _ = measure_runs(hf_config, cfg, dims, fake_mode, [ratio], [(1, seq // cp)], liger)
-            totals[seq] = point(runs, ratio, (1, seq // cp), fixed, hf_config.num_hidden_layers)["total"]
-            seq += step if totals[seq] <= usable else -step
-            if seq in totals:
-                break
-        seq = max((n for n, total in totals.items() if total <= usable), default=0)
-        best = {"ac_ratio": ratio, "cp": cp, "max_seq_len": seq, "total": totals[seq]} if seq else None
+        seq = table[ratio][cp]
+        best = {"ac_ratio": ratio, "cp": cp, "max_seq_len": seq, "total": totals[ratio]} if seq else None
     return {**describe(cfg, hf_config, nnodes, nproc, gpu_bytes, dims, liger, measured),
-            "max_seq_len": {str(r): {str(c): n for c, n in row.items()} for r, row in table.items()}, "best": best}
+            "max_seq_len": {str(r): {str(c): n for c, n in row.items()} for r, row in table.items()}, "best": best,
+            "measured": {str(r): {str(n): sizes[r][n] for n in sorted(sizes[r])} for r in ratios}}
 
 
 def format_seq_search(r: dict) -> str:

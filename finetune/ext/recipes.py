@@ -70,7 +70,7 @@ def sft_task(cfg: Config, run: Run) -> Task:
     if run.dims.cp > 1:
         from .context import collate_split
         task.collate = partial(collate_split, rank=run.dims.cp_rank, n=run.dims.cp)
-    if cfg.eval.path:
+    if cfg.eval.path and cfg.eval.num_samples:  # eval.num_samples=0: no evaluation (not 0 of 0)
         from .evaluate import evaluate, report_eval
         ec = cfg.eval
         held_out = partial(evaluate, run.model, run.tokenizer, ec.path, ec.num_samples, ec.max_new_tokens, run.device,
