@@ -109,9 +109,9 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(llama_dir, pairs_file, 
     assert losses(out) == losses(tmp_path / "one")
 
 
-def lora_reference(model_dir, data):
-    """(rank) pair log-probs of a LoRA model (adapters made non-zero) with adapters off, with them on, and of the
-    plain model without LoRA: all under FSDP2."""
+def lora_reference(model_dir, data, *extra):
+    """(rank) pair log-probs of a LoRA model (adapters and trained copies of lora.modules_to_save, `extra`, made to
+    differ from the base) with adapters off, with them on, and of the plain model without LoRA: all under FSDP2."""
     from finetune.cli import build_config
     from finetune.distributed import init_distributed
     from finetune.ext.dpo import adapters_off, collate_pairs, pair_logps
@@ -119,7 +119,8 @@ def lora_reference(model_dir, data):
     device, dims = init_distributed(1, 0)
     results = []
     for rank in (4, 0):
-        cfg = build_config(None, [*BASE, f"lora.rank={rank}", "data.packing=false", "data.max_seq_len=512"],
+        cfg = build_config(None, [*BASE, f"lora.rank={rank}", "data.packing=false", "data.max_seq_len=512",
+                                  *(extra if rank else ())],
                            **{"model.path": str(model_dir), "data.path": str(data), "output_dir": "unused"})
         tok, _ = run_tokenizer(cfg)
         model, _, _ = build_model_and_optimizer(cfg, device, dims)
@@ -128,6 +129,8 @@ def lora_reference(model_dir, data):
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.to_local().normal_(std=0.05)
+                elif ".modules_to_save." in name:
+                    p.to_local().add_(torch.randn_like(p.to_local()), alpha=0.05)
         items = [x for _, x in zip(range(4), build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size,
                                                               shuffle=False))]
         batch = collate_pairs(items, tok.pad_token_id)
@@ -139,8 +142,10 @@ def lora_reference(model_dir, data):
     return results
 
 
-def test_lora_reference_is_the_base_with_adapters_off(llama_dir, pairs_file):
-    for off, on, base in run_ranks(lora_reference, 2, llama_dir, pairs_file):
+@pytest.mark.parametrize("extra", [(), ("lora.modules_to_save=['lm_head']",)], ids=["adapters", "lm_head_saved"])
+def test_lora_reference_is_the_base_with_adapters_off(llama_dir, pairs_file, extra):
+    """With lora.modules_to_save the reference also uses the frozen original module, not the trained copy."""
+    for off, on, base in run_ranks(lora_reference, 2, llama_dir, pairs_file, *extra):
         off, on, base = map(torch.tensor, (off, on, base))
         assert torch.allclose(off, base, atol=1e-5)
         assert not torch.allclose(on, base, atol=1e-3)  # the adapters do change the log-probs

@@ -74,16 +74,24 @@ def pair_logps(model, batch: dict) -> torch.Tensor:
 
 @contextmanager
 def adapters_off(model):
-    """The base model: every peft layer's adapters disabled (a flag per layer; FSDP2 gathers the same parameters)."""
+    """The base model: every peft layer's adapters disabled and every lora.modules_to_save module back to its frozen
+    original (a flag per layer; FSDP2 gathers the same parameters)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    # the wrapper's own flag only: ModulesToSaveWrapper.enable_adapters also flips requires_grad of the trained copy
+    wrappers = [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
     for m in layers:
         m.enable_adapters(False)
+    for m in wrappers:
+        AuxiliaryTrainingWrapper.enable_adapters(m, False)
     try:
         yield
     finally:
         for m in layers:
             m.enable_adapters(True)
+        for m in wrappers:
+            AuxiliaryTrainingWrapper.enable_adapters(m, True)
 
 
 def make_loss(dc, reference: str | None):
