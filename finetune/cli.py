@@ -117,7 +117,7 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
     to do, if so."""
     from dataclasses import asdict
 
-    from .checkpoint import check_arch, check_base, find_resume, read_marker
+    from .checkpoint import check_arch, check_base, check_run, find_resume, read_marker
     from .data import open_sources, require_chat_template
     from .load import base_fingerprint
     from .model import load_hf_config
@@ -125,6 +125,7 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
     hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
     require_chat_template(run_tokenizer(cfg, resume)[0], f"model {cfg.model.path}")
+    check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task, cfg.model.path, base_fingerprint)
     if resume is not None:
         check_arch(resume, hf_config)
         lora = read_marker(resume).get("lora")

@@ -228,3 +228,48 @@ def test_pairs_without_reference_log_probs_stop_in_one_line(llama_dir, pairs_fil
         collate_pairs(items, tok.pad_token_id, table=table)
     zeros = collate_pairs(items, tok.pad_token_id, table=defaultdict(lambda: [0.0, 0.0]))
     assert zeros["ref_logps"].abs().sum() == 0
+
+
+def last_line(result) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_run_continues_only_a_run_of_its_task_and_model(llama_dir, chat_file, pairs_file, tmp_path):
+    """dpo into an sft run's output dir (resumed or not), sft into a dpo run's, --resume-from a checkpoint of another
+    task or of another model: refused at start-up in one line, exit 2, with a hint for what was asked."""
+    import json
+
+    from conftest import make_model_dir
+    from finetune.checkpoint import MARKER, read_marker
+    from helpers import invoke, sft
+    sft_out = tmp_path / "sft"
+    sft(llama_dir, chat_file, sft_out, "train.max_steps=1")
+    step = sft_out / "checkpoints" / "step-1"
+    assert read_marker(step)["task"] == "sft"
+    hint = "and pass DIR as --model, with another --output-dir"
+    for extra in ((), ("--no-resume",)):
+        result = invoke("dpo", "--model", llama_dir, "--dataset", pairs_file, "-o", sft_out, *BASE, *extra)
+        assert result.exit_code == 2 and last_line(result) == (
+            f"error: output_dir {sft_out} holds a `finetune sft` run (step-1); `finetune dpo` continues only dpo runs "
+            f"and keeps its own output dir: to start dpo from that model, export it (finetune export-hf --checkpoint "
+            f"{sft_out} -o DIR) {hint}"), result.stderr
+    assert [p.name for p in (sft_out / "checkpoints").iterdir()] == ["step-1"]  # nothing moved
+    result = invoke("dpo", "--model", llama_dir, "--dataset", pairs_file, "-o", tmp_path / "dpo", "--resume-from",
+                    step, *BASE)
+    assert result.exit_code == 2 and last_line(result) == (
+        f"error: checkpoint.resume_from: {step} is a checkpoint of a `finetune sft` run; `finetune dpo` continues only "
+        f"dpo runs and keeps its own output dir: to start dpo from that model, export it (finetune export-hf "
+        f"--checkpoint {step} -o DIR) {hint}"), result.stderr
+    other = make_model_dir(tmp_path / "other", "llama3", "llama", tied=False, seed=1)  # same architecture
+    result = invoke("sft", "--model", other, "--dataset", chat_file, "-o", tmp_path / "sft2", "--resume-from", step,
+                    *BASE)
+    trained = read_marker(step)["config"]["model"]["path"]
+    assert result.exit_code == 2 and last_line(result) == (
+        f"error: checkpoint.resume_from: {step}: its run trained the model '{trained}', not '{other}' (model.path): "
+        f"to continue that run, pass --model {trained}; to start a new run from its weights, export it (finetune "
+        f"export-hf --checkpoint {step} -o DIR) and pass DIR as --model"), result.stderr
+    marker = json.loads((step / MARKER).read_text())  # a dpo run's marker (test_ref_logps_... checks one is written)
+    (step / MARKER).write_text(json.dumps({**marker, "task": "dpo"}))
+    result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "-o", sft_out, *BASE)
+    assert result.exit_code == 2 and "holds a `finetune dpo` run (step-1); `finetune sft` continues only sft runs" \
+        in last_line(result), result.stderr
