@@ -146,7 +146,7 @@ class DPOConfig:  # `finetune dpo` (finetune/ext/dpo.py)
     label_smoothing: float = 0.0  # sigmoid: the chance a label is flipped (conservative DPO)
     simpo_gamma: float = 0.5  # SimPO's target margin
     # sigmoid's reference: auto = "adapters" with LoRA (the base: adapters off), else "precomputed" (the initial
-    # model's log-probs, one pass before training, kept in <output_dir>/ref_logps.pt and reused on resume)
+    # model's log-probs, one pass before training, kept in <output_dir>/checkpoints/ref_logps.pt, reused on resume)
     reference: Literal["auto", "adapters", "precomputed"] = "auto"
 
 

@@ -159,7 +159,8 @@ def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir
         tables = dpo.reference_tables(model, build_run_samples(cfg, tokenizer, rank=dims.dp_rank,
                                                                world_size=dims.dp_size, shuffle=False),
                                       held_out, num_held_out, cfg.train.micro_batch_size,
-                                      partial(dpo.collate_pairs, pad_id=pad), device, out, resume_dir)
+                                      partial(dpo.collate_pairs, pad_id=pad), device, out, resume_dir,
+                                      cfg.checkpoint.resume)
     loss_fn = dpo.make_loss(cfg.dpo, reference)
 
     def evaluate_held_out():

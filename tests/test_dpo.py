@@ -103,9 +103,9 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(llama_dir, pairs_file, 
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
     out = tmp_path / "resumed"
     dpo(llama_dir, pairs_file, out, "train.max_steps=2", "train.micro_batch_size=2", "data.max_seq_len=512")
-    table = (out / "ref_logps.pt").stat().st_mtime_ns
+    table = (out / "checkpoints" / "ref_logps.pt").stat().st_mtime_ns
     dpo(llama_dir, pairs_file, out, "train.max_steps=4", "train.micro_batch_size=2", "data.max_seq_len=512")
-    assert (out / "ref_logps.pt").stat().st_mtime_ns == table  # reused, not recomputed
+    assert (out / "checkpoints" / "ref_logps.pt").stat().st_mtime_ns == table  # reused, not recomputed
     assert losses(out) == losses(tmp_path / "one")
 
 
@@ -273,3 +273,38 @@ def test_a_run_continues_only_a_run_of_its_task_and_model(llama_dir, chat_file, 
     result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "-o", sft_out, *BASE)
     assert result.exit_code == 2 and "holds a `finetune dpo` run (step-1); `finetune sft` continues only sft runs" \
         in last_line(result), result.stderr
+
+
+def test_reference_log_probs_belong_to_their_data_and_checkpoints(llama_dir, tmp_path):
+    """ref_logps.pt holds a digest of each pair's tokens: a resume on the same pairs (a file rewritten, its mtime
+    new) reads it; on pairs edited in place (sides swapped, rows shuffled) it is refused in one line. It lives
+    beside its checkpoints: --no-resume moves it aside with them, and resuming the kept run uses its own."""
+    from finetune.checkpoint import read_marker
+    from finetune.config import ConfigError
+    rows = make_pairs(8, seed=2)
+    data, out = write_jsonl(tmp_path / "pairs.jsonl", rows), tmp_path / "run"
+    run = ("train.micro_batch_size=2", "data.max_seq_len=512")
+    dpo(llama_dir, data, out, "train.max_steps=2", *run)
+    assert read_marker(out / "checkpoints" / "step-2")["task"] == "dpo"
+    tables = torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False)
+    write_jsonl(data, rows)  # the same pairs, written again
+    dpo(llama_dir, data, out, "train.max_steps=3", *run)
+    edited = [{**rows[1], "chosen": rows[1]["rejected"], "rejected": rows[1]["chosen"]}, rows[0], *rows[2:]]
+    write_jsonl(data, edited)
+    with pytest.raises(ConfigError, match=rf"^{out}/checkpoints/ref_logps.pt was computed on other pairs than the "
+                                          rf"data holds now: 2 of the 8 pairs are not those it holds \(e.g. {data} row "
+                                          rf"[01]\), .*: resume on the data they were computed on, or start afresh "
+                                          rf"\(--no-resume\)$"):
+        dpo(llama_dir, data, out, "train.max_steps=4", *run)
+    dpo(llama_dir, data, out, "train.max_steps=2", "checkpoint.resume=false", *run)  # a new run on the new data
+    kept = out / "checkpoints.1"
+    assert sorted(p.name for p in kept.iterdir()) == ["ref_logps.pt", "step-2", "step-3"]
+    for path in (kept, out / "checkpoints"):
+        assert torch.load(path / "ref_logps.pt", weights_only=False)["train"].keys() == tables["train"].keys()
+    assert torch.load(kept / "ref_logps.pt", weights_only=False) == tables  # the earlier run's, untouched
+    assert torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False) != tables
+    write_jsonl(data, rows)  # the kept run, resumed on its own data elsewhere: its own reference, kept beside too
+    resumed = dpo(llama_dir, data, tmp_path / "kept", "train.max_steps=4", f"checkpoint.resume_from={kept}/step-3",
+                  *run)
+    assert [r["step"] for r in resumed] == [4]
+    assert torch.load(tmp_path / "kept" / "checkpoints" / "ref_logps.pt", weights_only=False) == tables
