@@ -125,13 +125,14 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
     hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
     resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
     require_chat_template(run_tokenizer(cfg, resume)[0], f"model {cfg.model.path}")
-    check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task, cfg.model.path, base_fingerprint)
     if resume is not None:
         check_arch(resume, hf_config)
         lora = read_marker(resume).get("lora")
         # the LoRA base now, not after loading it (a hub id: by the ranks, once downloaded)
         if lora and cfg.lora.rank and "base_fingerprint" in lora and Path(cfg.model.path).is_dir():
             check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
+    # the same task and (of the same architecture) the same model, or a hint for what was asked
+    check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task, cfg.model.path, base_fingerprint)
     dc = cfg.data
     sources = open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split,
                            name=dc.name or None, streaming=dc.streaming)
