@@ -232,7 +232,8 @@ def reference_tables(model, train_samples, eval_samples, num_eval: int, micro_ba
             for _ in with_digests(itertools.islice(iter(eval_samples), num_eval), held_out):
                 pass
         check_digests(tables, {"train": gathered((digests,))[0], "eval": held_out}, path, names)
-        if path.resolve() != (root / REF_FILE).resolve():  # from another checkpoints dir: kept beside this run's too
+        # from another checkpoints dir, or one moved aside (resume=false): kept beside this run's checkpoints too
+        if not resume or path.resolve() != (root / REF_FILE).resolve():
             if resume and (root / REF_FILE).is_file() and ckpt.step_dirs(root):
                 raise ConfigError(f"{root} holds another run's checkpoints and reference log-probs, and this run "
                                   f"resumes from {resume_dir}: pass --no-resume (they are kept as checkpoints.N) or "
