@@ -245,7 +245,6 @@ def test_a_run_continues_only_a_run_of_its_task_and_model(llama_dir, chat_file, 
     sft_out = tmp_path / "sft"
     sft(llama_dir, chat_file, sft_out, "train.max_steps=1")
     step = sft_out / "checkpoints" / "step-1"
-    assert read_marker(step)["task"] == "sft"
     hint = "and pass DIR as --model, with another --output-dir"
     for extra in ((), ("--no-resume",)):
         result = invoke("dpo", "--model", llama_dir, "--dataset", pairs_file, "-o", sft_out, *BASE, *extra)
@@ -268,43 +267,50 @@ def test_a_run_continues_only_a_run_of_its_task_and_model(llama_dir, chat_file, 
         f"error: checkpoint.resume_from: {step}: its run trained the model '{trained}', not '{other}' (model.path): "
         f"to continue that run, pass --model {trained}; to start a new run from its weights, export it (finetune "
         f"export-hf --checkpoint {step} -o DIR) and pass DIR as --model"), result.stderr
-    marker = json.loads((step / MARKER).read_text())  # a dpo run's marker (test_ref_logps_... checks one is written)
+    marker = json.loads((step / MARKER).read_text())  # as a dpo run's (test_no_resume_moves_... checks one's)
+    assert marker["task"] == "sft"
     (step / MARKER).write_text(json.dumps({**marker, "task": "dpo"}))
     result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "-o", sft_out, *BASE)
     assert result.exit_code == 2 and "holds a `finetune dpo` run (step-1); `finetune sft` continues only sft runs" \
         in last_line(result), result.stderr
 
 
-def test_reference_log_probs_belong_to_their_data_and_checkpoints(llama_dir, tmp_path):
+def test_reference_log_probs_are_refused_on_pairs_edited_in_place(llama_dir, tmp_path):
     """ref_logps.pt holds a digest of each pair's tokens: a resume on the same pairs (a file rewritten, its mtime
-    new) reads it; on pairs edited in place (sides swapped, rows shuffled) it is refused in one line. It lives
-    beside its checkpoints: --no-resume moves it aside with them, and resuming the kept run uses its own."""
-    from finetune.checkpoint import read_marker
+    new) reads it; on pairs edited in place (sides swapped, rows moved) it is refused in one line."""
     from finetune.config import ConfigError
     rows = make_pairs(8, seed=2)
     data, out = write_jsonl(tmp_path / "pairs.jsonl", rows), tmp_path / "run"
     run = ("train.micro_batch_size=2", "data.max_seq_len=512")
     dpo(llama_dir, data, out, "train.max_steps=2", *run)
-    assert read_marker(out / "checkpoints" / "step-2")["task"] == "dpo"
-    tables = torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False)
     write_jsonl(data, rows)  # the same pairs, written again
-    dpo(llama_dir, data, out, "train.max_steps=3", *run)
-    edited = [{**rows[1], "chosen": rows[1]["rejected"], "rejected": rows[1]["chosen"]}, rows[0], *rows[2:]]
-    write_jsonl(data, edited)
+    assert [r["step"] for r in dpo(llama_dir, data, out, "train.max_steps=3", *run)] == [1, 2, 3]
+    write_jsonl(data, [{**rows[1], "chosen": rows[1]["rejected"], "rejected": rows[1]["chosen"]}, rows[0], *rows[2:]])
     with pytest.raises(ConfigError, match=rf"^{out}/checkpoints/ref_logps.pt was computed on other pairs than the "
                                           rf"data holds now: 2 of the 8 pairs are not those it holds \(e.g. {data} row "
                                           rf"[01]\), .*: resume on the data they were computed on, or start afresh "
                                           rf"\(--no-resume\)$"):
         dpo(llama_dir, data, out, "train.max_steps=4", *run)
-    dpo(llama_dir, data, out, "train.max_steps=2", "checkpoint.resume=false", *run)  # a new run on the new data
+
+
+def test_no_resume_moves_the_reference_aside_with_its_checkpoints(llama_dir, tmp_path):
+    """--no-resume moves ref_logps.pt aside with the checkpoints it belongs to; the kept run, resumed elsewhere, uses
+    its own reference (the same step as it trained straight) and keeps it beside its new checkpoints."""
+    from finetune.checkpoint import read_marker
+    data, other, out = (write_jsonl(tmp_path / f"{n}.jsonl", make_pairs(8, seed=s))
+                        for n, s in (("pairs", 2), ("other", 3))), tmp_path / "run"
+    run = ("train.micro_batch_size=2", "data.max_seq_len=512", "checkpoint.interval=1")
+    straight = dpo(llama_dir, data, out, "train.max_steps=3", *run)
+    assert read_marker(out / "checkpoints" / "step-3")["task"] == "dpo"
+    tables = torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False)
+    dpo(llama_dir, other, out, "train.max_steps=1", "checkpoint.resume=false", *run)  # another run, other pairs
     kept = out / "checkpoints.1"
     assert sorted(p.name for p in kept.iterdir()) == ["ref_logps.pt", "step-2", "step-3"]
-    for path in (kept, out / "checkpoints"):
-        assert torch.load(path / "ref_logps.pt", weights_only=False)["train"].keys() == tables["train"].keys()
     assert torch.load(kept / "ref_logps.pt", weights_only=False) == tables  # the earlier run's, untouched
     assert torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False) != tables
-    write_jsonl(data, rows)  # the kept run, resumed on its own data elsewhere: its own reference, kept beside too
-    resumed = dpo(llama_dir, data, tmp_path / "kept", "train.max_steps=4", f"checkpoint.resume_from={kept}/step-3",
+    resumed = dpo(llama_dir, data, tmp_path / "kept", "train.max_steps=3", f"checkpoint.resume_from={kept}/step-2",
                   *run)
-    assert [r["step"] for r in resumed] == [4]
+    assert [r["step"] for r in resumed] == [3]
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "grad_norm"):
+        assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6), key
     assert torch.load(tmp_path / "kept" / "checkpoints" / "ref_logps.pt", weights_only=False) == tables
