@@ -297,8 +297,8 @@ def test_no_resume_moves_the_reference_aside_with_its_checkpoints(llama_dir, tmp
     """--no-resume moves ref_logps.pt aside with the checkpoints it belongs to; the kept run, resumed elsewhere, uses
     its own reference (the same step as it trained straight) and keeps it beside its new checkpoints."""
     from finetune.checkpoint import read_marker
-    data, other, out = (write_jsonl(tmp_path / f"{n}.jsonl", make_pairs(8, seed=s))
-                        for n, s in (("pairs", 2), ("other", 3))), tmp_path / "run"
+    data, other = (write_jsonl(tmp_path / f"{n}.jsonl", make_pairs(8, seed=s)) for n, s in (("pairs", 2), ("other", 3)))
+    out = tmp_path / "run"
     run = ("train.micro_batch_size=2", "data.max_seq_len=512", "checkpoint.interval=1")
     straight = dpo(llama_dir, data, out, "train.max_steps=3", *run)
     assert read_marker(out / "checkpoints" / "step-3")["task"] == "dpo"
