@@ -182,9 +182,11 @@ def check_run(output_dir: Path, resume_dir: Path | None, resume_from: str, task:
     if not fingerprint or resume_dir is None or read_marker(resume_dir).get("lora"):
         return
     trained = read_marker(resume_dir).get("config", {}).get("model", {}).get("path", "")
+    if not trained:
+        return
     local = [Path(p).is_dir() for p in (trained, model_path)]
     differs = (trained != model_path and fingerprint(trained) != fingerprint(model_path) if all(local)
-               else trained != model_path if trained and not any(local) else False)
+               else trained != model_path if not any(local) else False)
     if differs:
         restart = ("start a new run from its weights" if resume_from else
                    f"train '{model_path}' instead, pass --no-resume (its checkpoints are kept as checkpoints.N) or "
