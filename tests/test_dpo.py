@@ -301,7 +301,6 @@ def test_no_resume_moves_the_reference_aside_with_its_checkpoints(llama_dir, tmp
     out = tmp_path / "run"
     run = ("train.micro_batch_size=2", "data.max_seq_len=512", "checkpoint.interval=1")
     straight = dpo(llama_dir, data, out, "train.max_steps=3", *run)
-    assert read_marker(out / "checkpoints" / "step-3")["task"] == "dpo"
     tables = torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False)
     dpo(llama_dir, other, out, "train.max_steps=1", "checkpoint.resume=false", *run)  # another run, other pairs
     kept = out / "checkpoints.1"
@@ -314,3 +313,4 @@ def test_no_resume_moves_the_reference_aside_with_its_checkpoints(llama_dir, tmp
     for key in ("loss", "rewards_chosen", "rewards_rejected", "grad_norm"):
         assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6), key
     assert torch.load(tmp_path / "kept" / "checkpoints" / "ref_logps.pt", weights_only=False) == tables
+    assert read_marker(kept / "step-3")["task"] == "dpo"  # (test_a_run_continues_only_... refuses sft here)
