@@ -294,23 +294,22 @@ def test_reference_log_probs_are_refused_on_pairs_edited_in_place(llama_dir, tmp
 
 
 def test_no_resume_moves_the_reference_aside_with_its_checkpoints(llama_dir, tmp_path):
-    """--no-resume moves ref_logps.pt aside with the checkpoints it belongs to; the kept run, resumed elsewhere, uses
-    its own reference (the same step as it trained straight) and keeps it beside its new checkpoints."""
+    """--no-resume moves ref_logps.pt aside with the checkpoints it belongs to: the kept run, resumed, uses its own
+    reference (the step as it trained straight), not the newer run's, and keeps it beside its new checkpoints."""
     from finetune.checkpoint import read_marker
     data, other = (write_jsonl(tmp_path / f"{n}.jsonl", make_pairs(8, seed=s)) for n, s in (("pairs", 2), ("other", 3)))
     out = tmp_path / "run"
     run = ("train.micro_batch_size=2", "data.max_seq_len=512", "checkpoint.interval=1")
     straight = dpo(llama_dir, data, out, "train.max_steps=3", *run)
-    tables = torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False)
     dpo(llama_dir, other, out, "train.max_steps=1", "checkpoint.resume=false", *run)  # another run, other pairs
     kept = out / "checkpoints.1"
-    assert sorted(p.name for p in kept.iterdir()) == ["ref_logps.pt", "step-2", "step-3"]
-    assert torch.load(kept / "ref_logps.pt", weights_only=False) == tables  # the earlier run's, untouched
-    assert torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False) != tables
-    resumed = dpo(llama_dir, data, tmp_path / "kept", "train.max_steps=3", f"checkpoint.resume_from={kept}/step-2",
-                  *run)
-    assert [r["step"] for r in resumed] == [3]
+    resumed = dpo(llama_dir, data, out, "train.max_steps=3", "checkpoint.resume=false",
+                  f"checkpoint.resume_from={kept}/step-2", *run)
+    assert resumed[-1]["step"] == 3
     for key in ("loss", "rewards_chosen", "rewards_rejected", "grad_norm"):
-        assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6), key
-    assert torch.load(tmp_path / "kept" / "checkpoints" / "ref_logps.pt", weights_only=False) == tables
+        assert resumed[-1][key] == pytest.approx(straight[2][key], rel=1e-6), key
+    assert sorted(p.name for p in kept.iterdir()) == ["ref_logps.pt", "step-2", "step-3"]
+    tables = torch.load(kept / "ref_logps.pt", weights_only=False)
+    assert torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False) == tables  # beside the new steps
+    assert torch.load(out / "checkpoints.2" / "ref_logps.pt", weights_only=False) != tables  # the other run's
     assert read_marker(kept / "step-3")["task"] == "dpo"  # (test_a_run_continues_only_... refuses sft here)
