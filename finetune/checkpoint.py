@@ -162,6 +162,41 @@ def keep_earlier_run(root: Path, resume: bool) -> None:
                f"{outdir.keep_beside(root)}")
 
 
+def check_run(output_dir: Path, resume_dir: Path | None, resume_from: str, task: str, model_path: str = "",
+              fingerprint=None) -> None:
+    """The run continues (or writes beside) only a run of its own task ("sft", "dpo"; markers record it) and, given
+    `model_path` and `fingerprint` (load.base_fingerprint), of its own model (by the weights' fingerprints where both
+    are local dirs, else by name; a LoRA run's base: check_base), or a CheckpointError whose hint fits how it was
+    asked: --resume-from or the output dir. An older marker without a task passes."""
+    root = Path(output_dir) / "checkpoints"
+    own = latest_complete(root, report=False) if resume_dir is None or resume_from else resume_dir
+    asked = f"checkpoint.resume_from: {resume_dir}" if resume_from else f"output_dir {output_dir}"
+    export = f"export it (finetune export-hf --checkpoint {resume_dir if resume_from else output_dir} -o DIR)"
+    for path in dict.fromkeys(p for p in (resume_dir, own) if p is not None):
+        saved = read_marker(path).get("task")
+        if saved and saved != task:
+            where = (f"{asked} is a checkpoint of a `finetune {saved}` run" if resume_from and path == resume_dir
+                     else f"output_dir {output_dir} holds a `finetune {saved}` run ({path.name})")
+            raise CheckpointError(f"{where}; `finetune {task}` continues only {task} runs and keeps its own output "
+                                  f"dir: to start {task} from that model, {export} and pass DIR as --model, with "
+                                  f"another --output-dir")
+    if not fingerprint or resume_dir is None or read_marker(resume_dir).get("lora"):
+        return
+    trained = read_marker(resume_dir).get("config", {}).get("model", {}).get("path", "")
+    if not trained:
+        return
+    local = [Path(p).is_dir() for p in (trained, model_path)]
+    differs = (trained != model_path and fingerprint(trained) != fingerprint(model_path) if all(local)
+               else trained != model_path if not any(local) else False)
+    if differs:
+        restart = ("start a new run from its weights" if resume_from else
+                   f"train '{model_path}' instead, pass --no-resume (its checkpoints are kept as checkpoints.N) or "
+                   f"another --output-dir; to start from its weights")
+        raise CheckpointError(f"{asked}: its run trained the model '{trained}', not '{model_path}' (model.path): to "
+                              f"continue that run, pass --model {trained}; to {restart}, {export} and pass DIR as "
+                              f"--model")
+
+
 def resolve_checkpoint(path: Path) -> Path | None:
     """The checkpoint `path` names: itself, a step dir (checked intact), or the newest intact one of a training
     output dir; None when it is neither."""

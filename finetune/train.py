@@ -193,6 +193,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
+    ckpt.check_run(out, resume_dir, cfg.checkpoint.resume_from, recipe.name)  # a run of this task (the CLI: and model)
     tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
     model, optimizer, lora = build_model_and_optimizer(cfg, device, dims, recipe.transforms(cfg, dims, device))
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
@@ -210,7 +211,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
-        with open_outputs(cfg, out, state.step, chat_template, lora) as (logger, saver, bar):
+        with open_outputs(cfg, out, state.step, chat_template, lora, recipe.name) as (logger, saver, bar):
             while state.step < tc.max_steps:
                 step = state.step + 1
                 faults.kill_if("kill_at_step", step)
@@ -256,7 +257,8 @@ def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.Tra
 
 
 @contextmanager
-def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None):
+def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None,
+                 task: str = "sft"):
     """Once the run is accepted (a refused run rewrites nothing): config.toml, and (the metrics logger, the
     checkpointer, whose checkpoints record the config export-hf reads and `lora`, the progress bar or None), closed
     on exit."""
@@ -269,7 +271,7 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
-                              lora=lora, run={"config": run, "chat_template": chat_template})
+                              lora=lora, run={"config": run, "chat_template": chat_template, "task": task})
     bar = progress_bar(cfg.train.max_steps, start_step, cfg.log.progress)
     try:
         yield logger, saver, bar

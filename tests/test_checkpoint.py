@@ -315,3 +315,36 @@ def test_checkpoint_of_another_architecture_is_refused(llama_dir, qwen_tied_dir,
     with pytest.raises(CheckpointError, match="does not match the model.*model_type"):
         sft(qwen_tied_dir, chat_file, tmp_path / "other", "train.max_steps=4",
             f"checkpoint.resume_from={out / 'checkpoints' / 'step-2'}")
+
+
+def test_resume_note_names_changes_of_the_data_the_config_keys_do_not_show(tmp_path):
+    """data.chat_template_kwargs (an entry added, removed or changed) and data.sources (which source, which field)
+    are announced as changes of the data, each with what the data position means now; nothing else is listed."""
+    from dataclasses import asdict
+
+    from finetune.config import load_config, resume_note
+    a, b = (str((tmp_path / f"{n}.jsonl").resolve()) for n in "ab")
+    sources = {"data.sources": [{"path": a, "weight": 1.0}, {"path": b, "weight": 1.0}]}
+    saved = asdict(load_config(None, {"data.chat_template_kwargs": {"enable_thinking": True}, **sources}))
+    for kwargs, shown in (({}, "data.chat_template_kwargs.enable_thinking True -> unset"),
+                          ({"enable_thinking": False}, "data.chat_template_kwargs.enable_thinking True -> False"),
+                          ({"enable_thinking": True, "mode": "x"}, "data.chat_template_kwargs.mode unset -> 'x'")):
+        note = resume_note(saved, load_config(None, {"data.chat_template_kwargs": kwargs, **sources}), 12)
+        assert note == (f"note: changed since the checkpoint: {shown} (a change of the data: the chat template renders "
+                        f"other text to train from here, and the data position, 12 samples, was counted under the "
+                        f"checkpoint's values)"), note
+    added = asdict(load_config(None, sources))  # saved without kwargs: adding them is announced too
+    note = resume_note(added, load_config(None, {"data.chat_template_kwargs.enable_thinking": False, **sources}), 3)
+    assert "data.chat_template_kwargs.enable_thinking unset -> False (a change of the data" in note
+    assert "in effect from here" not in note
+    now = load_config(None, {"data.chat_template_kwargs": {"enable_thinking": True},
+                             "data.sources": [{"path": a, "weight": 1.0}, {"path": b, "weight": 3.0}]})
+    note = resume_note(saved, now, 12)
+    assert note == (f"note: changed since the checkpoint: data.sources[1] ({b}): weight 1.0 -> 3.0 (a change of the "
+                    f"mixture: the data position, 12 samples, now indexes the new mixture's order: the run skips its "
+                    f"first 12 samples, not the ones the checkpoint's run trained on; some of those come again, "
+                    f"others are never read)"), note
+    now.data.sources = now.data.sources[:1]
+    assert f"data.sources[1] {b} removed (a change of the mixture" in resume_note(saved, now, 12)
+    assert resume_note(saved, load_config(None, {"data.chat_template_kwargs": {"enable_thinking": True},
+                                                 **sources}), 12) is None

@@ -105,15 +105,15 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(llama_dir, pairs_file, 
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
     out = tmp_path / "resumed"
     dpo(llama_dir, pairs_file, out, "train.max_steps=2", "train.micro_batch_size=2", "data.max_seq_len=512")
-    table = (out / "ref_logps.pt").stat().st_mtime_ns
+    table = (out / "checkpoints" / "ref_logps.pt").stat().st_mtime_ns
     dpo(llama_dir, pairs_file, out, "train.max_steps=4", "train.micro_batch_size=2", "data.max_seq_len=512")
-    assert (out / "ref_logps.pt").stat().st_mtime_ns == table  # reused, not recomputed
+    assert (out / "checkpoints" / "ref_logps.pt").stat().st_mtime_ns == table  # reused, not recomputed
     assert losses(out) == losses(tmp_path / "one")
 
 
-def lora_reference(model_dir, data):
-    """(rank) pair log-probs of a LoRA model (adapters made non-zero) with adapters off, with them on, and of the
-    plain model without LoRA: all under FSDP2."""
+def lora_reference(model_dir, data, *extra):
+    """(rank) pair log-probs of a LoRA model (adapters and trained copies of lora.modules_to_save, `extra`, made to
+    differ from the base) with adapters off, with them on, and of the plain model without LoRA: all under FSDP2."""
     from finetune.args import build_config
     from finetune.distributed import init_distributed
     from finetune.ext.dpo import adapters_off, collate_pairs, pair_logps
@@ -122,7 +122,8 @@ def lora_reference(model_dir, data):
     device, dims = init_distributed(1, 0)
     results = []
     for rank in (4, 0):
-        cfg = build_config(None, [*BASE, f"lora.rank={rank}", "data.packing=false", "data.max_seq_len=512"],
+        cfg = build_config(None, [*BASE, f"lora.rank={rank}", "data.packing=false", "data.max_seq_len=512",
+                                  *(extra if rank else ())],
                            **{"model.path": str(model_dir), "data.path": str(data), "output_dir": "unused"})
         tok, _ = run_tokenizer(cfg)
         model, _, _ = build_model_and_optimizer(cfg, device, dims, transforms(cfg, dims, device))
@@ -131,6 +132,8 @@ def lora_reference(model_dir, data):
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.to_local().normal_(std=0.05)
+                elif ".modules_to_save." in name:
+                    p.to_local().add_(torch.randn_like(p.to_local()), alpha=0.05)
         items = [x for _, x in zip(range(4), build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size,
                                                               shuffle=False, labellers=LABELLERS))]
         batch = collate_pairs(items, tok.pad_token_id)
@@ -142,8 +145,10 @@ def lora_reference(model_dir, data):
     return results
 
 
-def test_lora_reference_is_the_base_with_adapters_off(llama_dir, pairs_file):
-    for off, on, base in run_ranks(lora_reference, 2, llama_dir, pairs_file):
+@pytest.mark.parametrize("extra", [(), ("lora.modules_to_save=['lm_head']",)], ids=["adapters", "lm_head_saved"])
+def test_lora_reference_is_the_base_with_adapters_off(llama_dir, pairs_file, extra):
+    """With lora.modules_to_save the reference also uses the frozen original module, not the trained copy."""
+    for off, on, base in run_ranks(lora_reference, 2, llama_dir, pairs_file, *extra):
         off, on, base = map(torch.tensor, (off, on, base))
         assert torch.allclose(off, base, atol=1e-5)
         assert not torch.allclose(on, base, atol=1e-3)  # the adapters do change the log-probs
@@ -229,3 +234,88 @@ def test_pairs_without_reference_log_probs_stop_in_one_line(llama_dir, pairs_fil
         collate_pairs(items, tok.pad_token_id, table=table)
     zeros = collate_pairs(items, tok.pad_token_id, table=defaultdict(lambda: [0.0, 0.0]))
     assert zeros["ref_logps"].abs().sum() == 0
+
+
+def last_line(result) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_run_continues_only_a_run_of_its_task_and_model(llama_dir, chat_file, pairs_file, tmp_path):
+    """dpo into an sft run's output dir (resumed or not), sft into a dpo run's, --resume-from a checkpoint of another
+    task or of another model: refused at start-up in one line, exit 2, with a hint for what was asked."""
+    import json
+
+    from conftest import make_model_dir
+    from finetune.checkpoint import MARKER, read_marker
+    from helpers import invoke, sft
+    sft_out = tmp_path / "sft"
+    sft(llama_dir, chat_file, sft_out, "train.max_steps=1")
+    step = sft_out / "checkpoints" / "step-1"
+    hint = "and pass DIR as --model, with another --output-dir"
+    for extra in ((), ("--no-resume",)):
+        result = invoke("dpo", "--model", llama_dir, "--dataset", pairs_file, "-o", sft_out, *BASE, *extra)
+        assert result.exit_code == 2 and last_line(result) == (
+            f"error: output_dir {sft_out} holds a `finetune sft` run (step-1); `finetune dpo` continues only dpo runs "
+            f"and keeps its own output dir: to start dpo from that model, export it (finetune export-hf --checkpoint "
+            f"{sft_out} -o DIR) {hint}"), result.stderr
+    assert [p.name for p in (sft_out / "checkpoints").iterdir()] == ["step-1"]  # nothing moved
+    result = invoke("dpo", "--model", llama_dir, "--dataset", pairs_file, "-o", tmp_path / "dpo", "--resume-from",
+                    step, *BASE)
+    assert result.exit_code == 2 and last_line(result) == (
+        f"error: checkpoint.resume_from: {step} is a checkpoint of a `finetune sft` run; `finetune dpo` continues only "
+        f"dpo runs and keeps its own output dir: to start dpo from that model, export it (finetune export-hf "
+        f"--checkpoint {step} -o DIR) {hint}"), result.stderr
+    other = make_model_dir(tmp_path / "other", "llama3", "llama", tied=False, seed=1)  # same architecture
+    result = invoke("sft", "--model", other, "--dataset", chat_file, "-o", tmp_path / "sft2", "--resume-from", step,
+                    *BASE)
+    trained = read_marker(step)["config"]["model"]["path"]
+    assert result.exit_code == 2 and last_line(result) == (
+        f"error: checkpoint.resume_from: {step}: its run trained the model '{trained}', not '{other}' (model.path): "
+        f"to continue that run, pass --model {trained}; to start a new run from its weights, export it (finetune "
+        f"export-hf --checkpoint {step} -o DIR) and pass DIR as --model"), result.stderr
+    marker = json.loads((step / MARKER).read_text())  # as a dpo run's (test_no_resume_moves_... checks one's)
+    assert marker["task"] == "sft"
+    (step / MARKER).write_text(json.dumps({**marker, "task": "dpo"}))
+    result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "-o", sft_out, *BASE)
+    assert result.exit_code == 2 and "holds a `finetune dpo` run (step-1); `finetune sft` continues only sft runs" \
+        in last_line(result), result.stderr
+
+
+def test_reference_log_probs_are_refused_on_pairs_edited_in_place(llama_dir, tmp_path):
+    """ref_logps.pt holds a digest of each pair's tokens: a resume on the same pairs (a file rewritten, its mtime
+    new) reads it; on pairs edited in place (sides swapped, rows moved) it is refused in one line."""
+    from finetune.config import ConfigError
+    rows = make_pairs(8, seed=2)
+    data, out = write_jsonl(tmp_path / "pairs.jsonl", rows), tmp_path / "run"
+    run = ("train.micro_batch_size=2", "data.max_seq_len=512")
+    dpo(llama_dir, data, out, "train.max_steps=2", *run)
+    write_jsonl(data, rows)  # the same pairs, written again
+    assert [r["step"] for r in dpo(llama_dir, data, out, "train.max_steps=3", *run)] == [1, 2, 3]
+    write_jsonl(data, [{**rows[1], "chosen": rows[1]["rejected"], "rejected": rows[1]["chosen"]}, rows[0], *rows[2:]])
+    with pytest.raises(ConfigError, match=rf"^{out}/checkpoints/ref_logps.pt was computed on other pairs than the "
+                                          rf"data holds now: 2 of the 8 pairs are not those it holds \(e.g. {data} row "
+                                          rf"[01]\), .*: resume on the data they were computed on, or start afresh "
+                                          rf"\(--no-resume\)$"):
+        dpo(llama_dir, data, out, "train.max_steps=4", *run)
+
+
+def test_no_resume_moves_the_reference_aside_with_its_checkpoints(llama_dir, tmp_path):
+    """--no-resume moves ref_logps.pt aside with the checkpoints it belongs to: the kept run, resumed, uses its own
+    reference (the step as it trained straight), not the newer run's, and keeps it beside its new checkpoints."""
+    from finetune.checkpoint import read_marker
+    data, other = (write_jsonl(tmp_path / f"{n}.jsonl", make_pairs(8, seed=s)) for n, s in (("pairs", 2), ("other", 3)))
+    out = tmp_path / "run"
+    run = ("train.micro_batch_size=2", "data.max_seq_len=512", "checkpoint.interval=1")
+    straight = dpo(llama_dir, data, out, "train.max_steps=3", *run)
+    dpo(llama_dir, other, out, "train.max_steps=1", "checkpoint.resume=false", *run)  # another run, other pairs
+    kept = out / "checkpoints.1"
+    resumed = dpo(llama_dir, data, out, "train.max_steps=3", "checkpoint.resume=false",
+                  f"checkpoint.resume_from={kept}/step-2", *run)
+    assert resumed[-1]["step"] == 3
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "grad_norm"):
+        assert resumed[-1][key] == pytest.approx(straight[2][key], rel=1e-6), key
+    assert sorted(p.name for p in kept.iterdir()) == ["ref_logps.pt", "step-2", "step-3"]
+    tables = torch.load(kept / "ref_logps.pt", weights_only=False)
+    assert torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False) == tables  # beside the new steps
+    assert torch.load(out / "checkpoints.2" / "ref_logps.pt", weights_only=False) != tables  # the other run's
+    assert read_marker(kept / "step-3")["task"] == "dpo"  # (test_a_run_continues_only_... refuses sft here)

@@ -47,7 +47,7 @@ def test_a_flag_that_is_a_config_key_says_how_to_set_it(tmp_path):
 
 @pytest.mark.parametrize("how", ["weight", "samples", "epochs"])
 def test_a_mixture_source_of_weight_0_is_refused_not_trained_in_full(how, tmp_path):
-    from finetune.cli import build_config
+    from finetune.args import build_config
     from finetune.config import ConfigError
     with pytest.raises(ConfigError, match=rf"data.sources\[1\].{how} = 0 would take none of b.jsonl, but an unset "
                                           rf"{how} reads as 0 \(one epoch of it\): remove the source"):
@@ -57,7 +57,7 @@ def test_a_mixture_source_of_weight_0_is_refused_not_trained_in_full(how, tmp_pa
 
 def test_the_run_config_of_a_mixture_reads_back(tmp_path):
     """config.toml does not write the zeros of unset weights (which would now be refused)."""
-    from finetune.cli import build_config
+    from finetune.args import build_config
     from finetune.config import load_config, to_toml
     cfg = build_config(None, ["data.path=", 'data.sources=[{path="a.jsonl", weight=2}, {path="b.jsonl"}, '
                                             '{path="c.jsonl", epochs=0.5}]'], check=False)
@@ -66,7 +66,7 @@ def test_the_run_config_of_a_mixture_reads_back(tmp_path):
 
 
 def test_mixture_weights_near_the_float_maximum():
-    from finetune.cli import build_config
+    from finetune.args import build_config
     from finetune.config import ConfigError
     from finetune.data import DataError
     from finetune.data.stream import mixture_sizes

@@ -7,11 +7,14 @@ is a sum over pairs: train_step divides by the global pair count (one all_reduce
 The reference (dpo.reference): "adapters" (LoRA) runs the same model with its adapters off under no_grad: no memory
 beyond one more forward's transient activations. "precomputed" runs the initial model over the data once before
 training (sharded like training, ~1/3 of an epoch's compute), keeps 2 float64 per pair on every rank and in
-<output_dir>/ref_logps.pt, reused on resume. (A frozen sharded copy would cost the model's bf16 weights again,
-divided by the ranks, and a forward per step: not built.) SimPO needs no reference.
+<output_dir>/checkpoints/ref_logps.pt (beside the checkpoints it belongs to, moved aside with them by --no-resume),
+reused on resume once each pair's tokens are checked against the digest saved with them. (A frozen sharded copy
+would cost the model's bf16 weights again, divided by the ranks, and a forward per step: not built.) SimPO needs no
+reference.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -19,9 +22,11 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import checkpoint as ckpt
 from ..config import ConfigError
 from ..data import build_samples
 from ..distributed import is_main, print0, world_size
@@ -34,7 +39,7 @@ LABELLERS = {"pairs": label_pair}  # build_samples' labeller of the preference-p
 MEANS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin")  # the loss's statistics, per pair
 
 PAIR_KEYS = ("label_seq", "pair_keys", "seq_tokens", "ref_logps")  # batch entries the model never sees
-REF_FILE = "ref_logps.pt"
+REF_FILE = "ref_logps.pt"  # in <output_dir>/checkpoints/: it moves with the checkpoints it belongs to
 
 
 def reference_kind(cfg) -> str | None:
@@ -83,16 +88,24 @@ def pair_logps(model, batch: dict) -> torch.Tensor:
 
 @contextmanager
 def adapters_off(model):
-    """The base model: every peft layer's adapters disabled (a flag per layer; FSDP2 gathers the same parameters)."""
+    """The base model: every peft layer's adapters disabled and every lora.modules_to_save module back to its frozen
+    original (a flag per layer; FSDP2 gathers the same parameters)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    # the wrapper's own flag only: ModulesToSaveWrapper.enable_adapters also flips requires_grad of the trained copy
+    wrappers = [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
     for m in layers:
         m.enable_adapters(False)
+    for m in wrappers:
+        AuxiliaryTrainingWrapper.enable_adapters(m, False)
     try:
         yield
     finally:
         for m in layers:
             m.enable_adapters(True)
+        for m in wrappers:
+            AuxiliaryTrainingWrapper.enable_adapters(m, True)
 
 
 def make_loss(dc, reference: str | None):
@@ -137,32 +150,116 @@ def reference_table(model, batches, device) -> dict:
     return table
 
 
-def reference_tables(model, train_samples, eval_samples, num_eval: int, micro_batch_size: int, collate, device,
-                     out: Path, resume_dir) -> dict:
-    """{"train": ..., "eval": ...} reference log-probs: read from out/ref_logps.pt when resuming, else one pass of
-    the initial model (the training data sharded as training; every rank all of the eval pairs), saved there."""
-    path = out / REF_FILE
-    if resume_dir is not None:
-        if not path.is_file():
-            raise FinetuneError(f"{path} is missing: a resumed dpo run needs the reference log-probs computed before "
-                                f"its first step (start afresh with --no-resume)")
-        return torch.load(path, weights_only=False)
-    ranks = world_size()
-    per_rank = math.ceil(train_samples.num_samples / ranks)  # the same number of forwards on every rank
-    local = reference_table(model, pair_batches(iter(train_samples), per_rank, micro_batch_size, collate), device)
+def pair_digests(item: dict) -> dict:
+    """{(source, row): digest} of each pair in a unit (a packed row holds several): its token ids and labels as
+    trained, both sides (which start where position_ids restart)."""
+    pos, ids, labels = item["position_ids"], item["input_ids"], item["labels"]
+    cuts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    digests = {}
+    for j, s in enumerate(item["sources"]):
+        a, mid, z = cuts[2 * j:2 * j + 3]
+        h = hashlib.blake2b(f"{mid - a}:".encode(), digest_size=8)
+        h.update(np.asarray(ids[a:z], dtype=np.int64).tobytes())
+        h.update(np.asarray(labels[a:z], dtype=np.int64).tobytes())
+        digests[(s["source"], s["row"])] = h.hexdigest()
+    return digests
+
+
+def with_digests(items, digests: dict):
+    """`items`, recording each pair's digest (pair_digests) into `digests` as they pass."""
+    for item in items:
+        digests.update(pair_digests(item))
+        yield item
+
+
+def gathered(local: tuple[dict, ...]) -> list[dict]:
+    """Each of the dicts in `local` merged over the ranks."""
     parts = [local]
-    if ranks > 1:
-        parts = [None] * ranks
+    if world_size() > 1:
+        parts = [None] * world_size()
         torch.distributed.all_gather_object(parts, local)
-    tables = {"train": {k: v for part in parts for k, v in part.items()}, "eval": {}}
+    return [{k: v for part in parts for k, v in part[i].items()} for i in range(len(local))]
+
+
+def read_tables(resume_dir: Path) -> tuple[dict, Path]:
+    """The reference tables of the checkpoint `resume_dir`: beside it (its checkpoints dir), or where an older
+    finetune kept them (its output dir)."""
+    path, legacy = resume_dir.parent / REF_FILE, resume_dir.parent.parent / REF_FILE
+    if not path.is_file() and legacy.is_file():
+        path = legacy
+    if not path.is_file():
+        raise FinetuneError(f"{resume_dir.parent / REF_FILE} is missing: a resumed dpo run needs the reference "
+                            f"log-probs computed before its first step (start afresh with --no-resume)")
+    return torch.load(path, weights_only=False), path
+
+
+def check_digests(tables: dict, now: dict, path: Path, names: dict) -> None:
+    """The pairs used now (`now`: {"train"/"eval": {key: digest}}) are those `tables` were computed on, or a
+    ConfigError naming one that changed (`names`: part -> source index -> its path)."""
+    saved = tables.get("digests")
+    if saved is None:
+        print0(f"note: {path} records no fingerprint of the pairs it was computed on (saved by an older finetune): "
+               f"not checked that the data is the same")
+        return
+    for part, digests in now.items():
+        if changed := [k for k, d in digests.items() if saved[part].get(k) != d]:
+            source, row = changed[0]
+            raise ConfigError(f"{path} was computed on other pairs than the data holds now: {len(changed)} of the "
+                              f"{len(digests)} {'held-out ' * (part == 'eval')}pairs are not those it holds (e.g. "
+                              f"{names[part][source]} row {row}), and the reference of a changed pair is the initial "
+                              f"model's log-probs of it: resume on the data they were computed on, or start afresh "
+                              f"(--no-resume)")
+
+
+def save_tables(tables: dict, root: Path, resume: bool) -> None:
+    """(rank 0) `tables` into the checkpoints dir `root`, beside the checkpoints they belong to: an earlier run's
+    checkpoints (with their reference) are first moved aside, as checkpoint.resume=false does."""
+    if not is_main():
+        return
+    ckpt.keep_earlier_run(root, resume)
+    root.mkdir(parents=True, exist_ok=True)
+    torch.save(tables, root / (REF_FILE + ".tmp"))
+    (root / (REF_FILE + ".tmp")).rename(root / REF_FILE)
+
+
+def reference_tables(model, train_samples, eval_samples, num_eval: int, micro_batch_size: int, collate, device,
+                     out: Path, resume_dir, resume: bool = True) -> dict:
+    """{"train": ..., "eval": ..., "digests": ...} reference log-probs and the pairs' digests: read from beside
+    the checkpoint when resuming (the pairs checked to be those they were computed on), else one pass of the initial
+    model (the training data sharded as training; every rank all of the eval pairs); kept in
+    out/checkpoints/ref_logps.pt."""
+    root, ranks = out / "checkpoints", world_size()
+    per_rank = math.ceil(train_samples.num_samples / ranks)  # the same number of forwards on every rank
+    digests, held_out = {}, {}
+    names = {"train": {k: src.spec["path"] for k, src in enumerate(train_samples.sources)},
+             "eval": {k: src.spec["path"] for k, src in enumerate(eval_samples.sources)} if eval_samples else {}}
+    if resume_dir is not None:
+        tables, path = read_tables(Path(resume_dir))
+        for _ in with_digests(itertools.islice(iter(train_samples), per_rank), digests):
+            pass
+        if eval_samples is not None:
+            for _ in with_digests(itertools.islice(iter(eval_samples), num_eval), held_out):
+                pass
+        check_digests(tables, {"train": gathered((digests,))[0], "eval": held_out}, path, names)
+        # from another checkpoints dir, or one moved aside (resume=false): kept beside this run's checkpoints too
+        if not resume or path.resolve() != (root / REF_FILE).resolve():
+            if resume and (root / REF_FILE).is_file() and ckpt.step_dirs(root):
+                raise ConfigError(f"{root} holds another run's checkpoints and reference log-probs, and this run "
+                                  f"resumes from {resume_dir}: pass --no-resume (they are kept as checkpoints.N) or "
+                                  f"another --output-dir")
+            save_tables(tables, root, resume)
+        return tables
+    local = reference_table(model, pair_batches(with_digests(iter(train_samples), digests), per_rank,
+                                                micro_batch_size, collate), device)
+    train, digests = gathered((local, digests))
+    tables = {"train": train, "eval": {}}
     if eval_samples is not None:
-        tables["eval"] = reference_table(model, pair_batches(iter(eval_samples), num_eval, micro_batch_size, collate),
-                                         device)
-    if is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(tables, path)
+        tables["eval"] = reference_table(model, pair_batches(with_digests(iter(eval_samples), held_out), num_eval,
+                                                             micro_batch_size, collate), device)
+    tables["digests"] = {"train": digests, "eval": held_out}
+    save_tables(tables, root, resume)
     print0(f"dpo: reference log-probs of {len(tables['train'])} training and {len(tables['eval'])} held-out pairs "
-           f"-> {path}")
+           f"-> {root / REF_FILE}")
     return tables
 
 
@@ -198,7 +295,8 @@ def dpo_task(cfg, run: Run) -> Task:
         train_samples = build_run_samples(cfg, run.tokenizer, rank=run.dims.dp_rank, world_size=run.dims.dp_size,
                                           shuffle=False, labellers=LABELLERS)
         tables = reference_tables(run.model, train_samples, held_out, num_held_out, cfg.train.micro_batch_size,
-                                  partial(collate_pairs, pad_id=pad), run.device, run.out, run.resume_dir)
+                                  partial(collate_pairs, pad_id=pad), run.device, run.out, run.resume_dir,
+                                  cfg.checkpoint.resume)
     loss_fn = make_loss(cfg.dpo, reference)
 
     def evaluate_after(before):
