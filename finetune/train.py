@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from . import faults
 from .ext import dpo
 from .config import Config, ConfigError, resume_note, to_toml
 from .ext.context import cp_width, split_batch
@@ -202,8 +201,6 @@ def train(cfg: Config, task: str = "sft") -> dict:
         with open_outputs(cfg, out, state.step, chat_template, lora) as (logger, saver, bar):
             while state.step < tc.max_steps:
                 step = state.step + 1
-                faults.kill_if("kill_at_step", step)
-                faults.pause_if(step, lambda: signals.name is not None)
                 t0 = time.perf_counter()
                 micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size,
                                                                      accum, tokenizer.pad_token_id, pad_to, collate,

@@ -25,8 +25,8 @@ from finetune.lock import LockError, hold_lock, release_lock
 from finetune.metrics import MetricsLogger
 
 ARGS = ["train.micro_batch_size=2", "train.max_steps=8"]
-ENV = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": "/tmp/finetune-pycache", "OMP_NUM_THREADS": "1",
-       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "PYTHONUNBUFFERED": "1"}
 
 
 def popen(*args, env=None) -> subprocess.Popen:
