@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import faults, outdir
+from . import outdir
 from .errors import FinetuneError, one_line, os_error_line
 from .lock import unpinned
 from .distributed import barrier, is_main, print0, world_size
@@ -321,7 +321,6 @@ class Checkpointer:
 
     def _finish(self, path: Path, marker: dict) -> None:
         """Rank 0 marks the checkpoint complete, then prunes: the last intact one survives until then."""
-        faults.kill_if("kill_in_save", marker["step"])
         if is_main():
             write_marker(path, marker)
             prune(self.root, self.keep)

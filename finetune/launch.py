@@ -148,6 +148,9 @@ def rank_main(entry: Callable, args: tuple, debug: bool):
     from .distributed import teardown
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if os.environ.get("FINETUNE_TEST_FAULTS"):  # the tests' fault injector: tests/faults.py, on their PYTHONPATH
+        import faults
+        faults.install()
     try:
         return guarded(entry, debug, *args)
     finally:

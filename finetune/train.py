@@ -11,7 +11,6 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import checkpoint as ckpt
-from . import faults
 from .config import Config, ConfigError, resume_note, to_toml
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
@@ -214,8 +213,6 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
         with open_outputs(cfg, out, state.step, chat_template, lora, recipe.name) as (logger, saver, bar):
             while state.step < tc.max_steps:
                 step = state.step + 1
-                faults.kill_if("kill_at_step", step)
-                faults.pause_if(step, lambda: signals.name is not None)
                 t0 = time.perf_counter()
                 micro_batches, num_input_tokens = next_micro_batches(sample_iter, tc.micro_batch_size, accum,
                                                                      tokenizer.pad_token_id, pad_to, task.collate,

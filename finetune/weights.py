@@ -96,10 +96,15 @@ class Entry:
 
 
 def read_header(file: Path) -> dict[str, Entry]:
+    """{name: Entry} of a safetensors file; a file shorter than its header describes is refused here, at once."""
     with open(file, "rb") as f:
         size = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(size))
+        length = os.fstat(f.fileno()).st_size
     header.pop("__metadata__", None)
+    end = 8 + size + max((h["data_offsets"][1] for h in header.values()), default=0)
+    if length < end:
+        raise ModelError(f"{file} has {length} bytes, its header describes {end} (a truncated copy?)")
     return {name: Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
             for name, h in header.items()}
 

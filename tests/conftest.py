@@ -1,12 +1,25 @@
 """Shared fixtures: tiny offline models (Llama untied, Qwen2 tied) with chat tokenizers, and small chat data."""
 from __future__ import annotations
 
+import os
 import random
+import sys
+import tempfile
+from pathlib import Path
 
-import pytest
-import torch
+# Every interpreter the suite starts (this one, the ranks' fork server, each CLI run and the ranks it launches)
+# imports torch and transformers: where bytecode writing is off (PYTHONDONTWRITEBYTECODE) each would compile them from
+# source again (~10 s of CPU each). They share one compiled cache instead, before this process imports torch.
+PYCACHE = os.path.join(tempfile.gettempdir(), "finetune-pycache")
+os.environ.update(PYTHONDONTWRITEBYTECODE="", PYTHONPYCACHEPREFIX=PYCACHE)
+sys.dont_write_bytecode, sys.pycache_prefix = False, PYCACHE
+# the processes the tests start (the CLI, the ranks it launches) import tests/faults.py from here (FINETUNE_TEST_FAULTS)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
-from _tokenizers import build_tokenizer
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from _tokenizers import build_tokenizer  # noqa: E402
 
 
 def make_model_dir(path, family: str, arch: str, tied: bool, num_layers: int = 4, seed: int = 0, **sizes):

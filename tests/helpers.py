@@ -56,6 +56,9 @@ def _rank_main(conn, fn, args, rank: int, world_size: int, workdir: str, env: di
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
+        if os.environ.get("FINETUNE_TEST_FAULTS"):  # as finetune.launch.rank_main does for a launched rank
+            import faults
+            faults.install()
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
@@ -223,10 +226,7 @@ def invoke(*args):
 
 def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True,
             cwd: Path = REPO) -> subprocess.CompletedProcess:
-    # each CLI child imports torch/transformers: let them share compiled bytecode even where .pyc writing is off
-    cache = {"PYTHONDONTWRITEBYTECODE": "",
-             "PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "finetune-pycache")}
-    full_env = {**os.environ, **cache, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)

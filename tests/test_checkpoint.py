@@ -106,37 +106,40 @@ def test_kill_while_training_then_resume(llama_dir, chat_file, tmp_path, straigh
     assert steps(out) == [8]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_saves_and_exits_zero_then_resume_is_exact(llama_dir, chat_file, tmp_path, straight, nproc):
-    """Through the CLI (1 rank: the signal hits the rank; 2: the launcher forwards it). The run pauses at the start
-    of step 3 (fault pause_at_step) until the signal arrives, so it saves exactly step 3."""
-    out = tmp_path / "run"
-    accum = ["train.grad_accum_steps=2"] if nproc == 1 else []
-    cmd = [sys.executable, "-m", "finetune", "sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", out,
-           "--nproc-per-node", str(nproc), *BASE, *TWO_RANKS, *accum]
+def test_sigterm_saves_and_exits_zero_then_resume_is_exact(llama_dir, chat_file, tmp_path, straight):
+    """Through the CLI on 1 rank (the signal hits the rank) and on 2 (the launcher forwards it), both runs at once.
+    Each pauses at the start of step 3 (fault pause_at_step) until the signal arrives, so it saves exactly step 3."""
+    accum = {1: ["train.grad_accum_steps=2"], 2: []}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_TEST_FAULTS": "pause_at_step=3"}
-    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    procs = {nproc: subprocess.Popen(list(map(str, [
+        sys.executable, "-m", "finetune", "sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir",
+        tmp_path / f"run{nproc}", "--nproc-per-node", str(nproc), *BASE, *TWO_RANKS, *accum[nproc]])), cwd=REPO,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) for nproc in (1, 2)}
     try:
-        seen, paused = [], 0
-        while paused < nproc and (line := proc.stderr.readline()):
-            seen.append(line)
-            paused += line.count("paused at step 3")
-        assert paused == nproc, "".join(seen)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=180)
+        for nproc, proc in procs.items():
+            seen, paused = [], 0
+            while paused < nproc and (line := proc.stderr.readline()):
+                seen.append(line)
+                paused += line.count("paused at step 3")
+            assert paused == nproc, "".join(seen)
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        done = {nproc: proc.communicate(timeout=180) for nproc, proc in procs.items()}
     finally:  # a failed test leaves no paused ranks behind
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert steps(out) == [3]
-    assert f"received SIGTERM: saved checkpoint {out / 'checkpoints' / 'step-3'} at step 3" in stdout
-    sft(llama_dir, chat_file, out, *TWO_RANKS, *accum, nproc=nproc)
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
-    if nproc == 2:
-        assert losses(out) == straight
-    else:
-        assert losses(out) == pytest.approx(straight, rel=1e-5)
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for nproc, (stdout, stderr) in done.items():
+        out = tmp_path / f"run{nproc}"
+        assert procs[nproc].returncode == 0, stderr[-3000:]
+        assert steps(out) == [3]
+        assert f"received SIGTERM: saved checkpoint {out / 'checkpoints' / 'step-3'} at step 3" in stdout
+        sft(llama_dir, chat_file, out, *TWO_RANKS, *accum[nproc], nproc=nproc)
+        assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+        if nproc == 2:
+            assert losses(out) == straight
+        else:
+            assert losses(out) == pytest.approx(straight, rel=1e-5)
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(llama_dir, chat_file, tmp_path):

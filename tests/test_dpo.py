@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from finetune.ext.dpo import LABELLERS
-from helpers import BASE, losses, read_metrics, run_cli, run_ranks, write_jsonl
+from helpers import BASE, invoke, losses, read_metrics, run_ranks, write_jsonl
 
 WORDS = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
 
@@ -170,11 +170,10 @@ def test_bad_rows_stop_naming_the_line_or_are_dropped_and_counted(llama_dir, tmp
         tok = load_tokenizer(str(llama_dir))
         samples = build_samples(str(data), tok, on_unsupported="drop", max_seq_len=256, labellers=LABELLERS)
         assert samples.counts["kept"] == 4 and samples.counts[f"dropped_{reason}"] == 1
-        if k == 0:  # through the CLI: one line naming the file and line, exit 2
-            proc = run_cli("dpo", "--model", llama_dir, "--dataset", data, "--output-dir", tmp_path / "out", *BASE,
-                           check=False)
-            assert proc.returncode == 2, proc.stderr[-2000:]
-            line = proc.stderr.strip().splitlines()[-1]
+        if k == 0:  # through the command (refused before any rank starts): one line naming the file and line, exit 2
+            result = invoke("dpo", "--model", llama_dir, "--dataset", data, "--output-dir", tmp_path / "out", *BASE)
+            assert result.exit_code == 2, result.output[-2000:]
+            line = result.stderr.strip().splitlines()[-1]
             assert line.startswith("error: ") and f"{data}:3:" in line and "missing_side" in line
         else:
             with pytest.raises(Exception, match=f"{data}:3: .*{reason}"):

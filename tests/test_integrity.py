@@ -2,6 +2,7 @@
 bytes, interrupted exports, Ctrl-C. Library functions are tested in-process; the CLI only where it is the point."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -24,8 +25,8 @@ from finetune.lock import LockError, hold_lock, release_lock
 from finetune.metrics import MetricsLogger
 
 ARGS = ["train.micro_batch_size=2", "train.max_steps=8"]
-ENV = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": "/tmp/finetune-pycache", "OMP_NUM_THREADS": "1",
-       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "PYTHONUNBUFFERED": "1"}
 
 
 def popen(*args, env=None) -> subprocess.Popen:
@@ -45,6 +46,14 @@ def wait_paused(proc: subprocess.Popen, nproc: int) -> None:
         seen.append(line)
         paused += "paused at step" in line
     assert paused == nproc, "".join(seen)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a CLI run and the ranks it launched (they run in sessions of their own)."""
+    import psutil
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            child.kill()
 
 
 def wait_for(predicate, timeout_s=180):
@@ -309,18 +318,26 @@ def test_startup_errors_are_one_line_before_torch(tmp_path, args, env, message):
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ctrl_c_saves_and_a_second_one_exits_at_once(llama_dir, chat_file, tmp_path, nproc):
-    for times, out in ((1, tmp_path / "once"), (2, tmp_path / "twice")):
-        proc = sft_popen(llama_dir, chat_file, out, nproc=nproc)
-        wait_paused(proc, nproc)
-        for _ in range(times):  # the step and the save after the first take far longer than the gap
-            proc.send_signal(signal.SIGINT)
-            time.sleep(0.05)
-        stdout, stderr = proc.communicate(timeout=180)
-        saved = [p for p in ckpt.step_dirs(out / "checkpoints") if ckpt.damage(p) is None]
-        if times == 1:
-            assert proc.returncode == 0, stderr[-3000:]
-            assert saved == [out / "checkpoints" / "step-2"]
-            assert f"received SIGINT: saved checkpoint {saved[0]}" in stdout
-        else:
-            assert proc.returncode == 130, stderr[-3000:]
-            assert "nothing was saved" in stderr and saved == []
+    runs = {times: sft_popen(llama_dir, chat_file, tmp_path / f"ctrl-c-{times}", nproc=nproc) for times in (1, 2)}
+    try:  # both at once: each waits on its own launcher and ranks, not on the other run
+        for proc in runs.values():
+            wait_paused(proc, nproc)
+        for times, proc in runs.items():
+            for _ in range(times):  # the step and the save after the first take far longer than the gap
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.05)
+        for times, proc in runs.items():
+            out = tmp_path / f"ctrl-c-{times}"
+            stdout, stderr = proc.communicate(timeout=180)
+            saved = [p for p in ckpt.step_dirs(out / "checkpoints") if ckpt.damage(p) is None]
+            if times == 1:
+                assert proc.returncode == 0, stderr[-3000:]
+                assert saved == [out / "checkpoints" / "step-2"]
+                assert f"received SIGINT: saved checkpoint {saved[0]}" in stdout
+            else:
+                assert proc.returncode == 130, stderr[-3000:]
+                assert "nothing was saved" in stderr and saved == []
+    finally:  # a failed test leaves no paused run behind
+        for proc in runs.values():
+            if proc.poll() is None:
+                kill_tree(proc)

@@ -120,6 +120,7 @@ def edit_tensors(model_dir, edit):
     ("dtype", "model.norm.weight is stored as I32, which does not load into a float32 parameter"),
     ("file", "names 1 file(s) that do not exist, e.g. model-00002-of-00003.safetensors"),
     ("index", "says model.norm.weight is in model-00002-of-00003.safetensors, but that file does not hold it"),
+    ("truncated", "model.safetensors has {size} bytes, its header describes {full} (a truncated copy?)"),
 ])
 def test_strict_load_is_one_error_line_before_training(case, expect, odd_models, chat_file, tmp_path):
     src, bad = odd_models["llama", False], tmp_path / "bad"
@@ -132,6 +133,12 @@ def test_strict_load_is_one_error_line_before_training(case, expect, odd_models,
             assert weight_map["model.norm.weight"] != "model-00002-of-00003.safetensors"
             index["weight_map"]["model.norm.weight"] = "model-00002-of-00003.safetensors"
             (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif case == "truncated":  # refused when the header is read, before any tensor is
+        shutil.copytree(src, bad)
+        full = (bad / "model.safetensors").stat().st_size
+        with open(bad / "model.safetensors", "r+b") as f:
+            f.truncate(full - 100)
+        expect = expect.format(size=full - 100, full=full)
     else:
         shutil.copytree(src, bad)
         edit_tensors(bad, {

@@ -129,10 +129,11 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, chat_file, tmp_path
 
     # a LoRA checkpoint does not resume into a full fine-tune: one line, exit 2, nothing written
     before = [(resumed / name).read_text() for name in ("metrics.jsonl", "config.toml")]
-    proc = helpers.sft_cli(model_dir, chat_file, resumed, *LORA, "lora.rank=0", "train.max_steps=7", check=False)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "is from LoRA (lora.rank=4), this run is full fine-tuning" in lines[0], proc.stderr
+    result = helpers.invoke("sft", "--model", model_dir, "--dataset", chat_file, "--output-dir", resumed, *helpers.BASE,
+                            *LORA, "lora.rank=0", "train.max_steps=7")  # refused before any rank starts
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is from LoRA (lora.rank=4), this run is full fine-tuning" in lines[0], result.stderr
     assert [(resumed / name).read_text() for name in ("metrics.jsonl", "config.toml")] == before
     from finetune.checkpoint import CheckpointError  # other LoRA settings: the same refusal, naming the keys
     with pytest.raises(CheckpointError, match=r"has other LoRA settings than this run: lora.rank: checkpoint 4, "
