@@ -69,12 +69,12 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def window_mask(q_len: int, kv_len: int, sliding_window: int, device) -> torch.Tensor:
-    """(q_len, kv_len) bool: query i (the last q_len of kv_len positions: a KV cache holds the keys before it)
+    """(1, 1, q_len, kv_len) bool: query i (the last q_len of kv_len positions: a KV cache holds the keys before it)
     sees key j when j <= i's position and fewer than sliding_window positions back, as transformers'
     sliding_window_causal mask."""
     i = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)
-    return (j <= i) & (i - j < sliding_window)
+    return ((j <= i) & (i - j < sliding_window))[None, None]
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
