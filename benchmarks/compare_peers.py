@@ -19,8 +19,8 @@ lengths up to 8k), AdamW settings (fused on CUDA), grad clipping, and about the 
 (packed rows, or padded samples). The figure is real (non-pad) tokens per second over the timed steps: sum of real
 tokens / sum of step times, medians over rounds; MFU from it (metrics.MFU_CONVENTION, T = sum(s^2)/sum(s) of
 the samples) on CUDA; peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of padded batches are
-luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s and the real tokens/s to expect over an
-epoch: computed tokens/s x real / computed tokens of the whole epoch's batches.
+luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s and the real
+tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's batches.
 
 Overhead (CPU): `finetune sft` with fixed shapes (packed rows padded to data.max_seq_len: data.pad_to_max) against a
 bare PyTorch loop (forward, backward, clip, AdamW) on the same model and the same batches; median step times.
