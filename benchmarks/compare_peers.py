@@ -9,7 +9,7 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
                       change: the same command, the same data and seed
   HF Trainer          transformers' Trainer, its usual padding (DataCollatorForSeq2Seq: to the longest of the batch)
   TRL SFTTrainer      its best documented setting: packing=True (the "bfd" strategy, padding-free), Liger kernels
-                      (use_liger_kernel=True) on CUDA; on CUDA its attention is torch's varlen FlashAttention kernel
+                      (use_liger_kernel=True) on CUDA; on CUDA its attention is torch's varlen kernel (Flash or cuDNN),
                       registered by finetune.attention (flash-attn, which TRL's docs name, has no wheel to install
                       offline), sdpa on CPU. TRL is not a dependency: `uv run --with trl` on CPU, a wheel on the GPU
                       machine (benchmarks/gpu_check.sh wheels).
