@@ -215,8 +215,8 @@ def train(cfg: Config, task: str = "sft") -> dict:
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 state.step, state.samples_seen = step, state.samples_seen + global_batch
-                if device.type == "cuda":  # the step's kernels are done: its time, not its launch time (as peers)
-                    torch.cuda.synchronize(device)
+                if device.type == "cuda":  # the step's kernels are done: its time, not its launch time (as the
+                    torch.cuda.synchronize(device)  # peers time theirs); costs the GPU the next step's host prep
                 pending.append((result, {"step": step, "lr": lr, "step_time_s": time.perf_counter() - t0,
                                          "skipped": skipped, "attn_len": attention_length(micro_batches)}))
                 save = step == tc.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
