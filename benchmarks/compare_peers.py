@@ -9,7 +9,7 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
                       change: the same command, the same data and seed
   HF Trainer          transformers' Trainer, its usual padding (DataCollatorForSeq2Seq: to the longest of the batch)
   TRL SFTTrainer      its best documented setting: packing=True (the "bfd" strategy, padding-free), Liger kernels
-                      (use_liger_kernel=True) on CUDA; on CUDA its attention is torch's varlen FlashAttention kernel
+                      (use_liger_kernel=True) on CUDA; on CUDA its attention is torch's varlen kernel (Flash or cuDNN),
                       registered by finetune.attention (flash-attn, which TRL's docs name, has no wheel to install
                       offline), sdpa on CPU. TRL is not a dependency: `uv run --with trl` on CPU, a wheel on the GPU
                       machine (benchmarks/gpu_check.sh wheels).
@@ -17,10 +17,10 @@ All get the same samples (finetune's tokenization and labels), model (random, wr
 with a 32k vocabulary, 1,024-token cap; CUDA the 886M Llama of RESULTS.md, 8,192-token cap and lognormal sample
 lengths up to 8k), AdamW settings (fused on CUDA), grad clipping, and about the same real tokens per optimizer step
 (packed rows, or padded samples). The figure is real (non-pad) tokens per second over the timed steps: sum of real
-tokens / sum of step times, medians over rounds; MFU from it (metrics.MFU_CONVENTION, T = the row length) on CUDA;
-peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of padded batches are luck (one long sample
-pads its whole batch), so the table also gives computed (padded) tokens/s and the real tokens/s to expect over an
-epoch: computed tokens/s x real / computed tokens of the whole epoch's batches.
+tokens / sum of step times, medians over rounds; MFU from it (metrics.MFU_CONVENTION, T = sum(s^2)/sum(s) of
+the samples) on CUDA; peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of padded batches are
+luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s and the real
+tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's batches.
 
 Overhead (CPU): `finetune sft` with fixed shapes (packed rows padded to data.max_seq_len: data.pad_to_max) against a
 bare PyTorch loop (forward, backward, clip, AdamW) on the same model and the same batches; median step times.
@@ -267,14 +267,19 @@ def epoch_efficiency(base: dict, systems: dict) -> dict:
             for name in systems}
 
 
-def flops_and_peak(model_dir: str, seq_len: int) -> tuple[float, float | None]:
-    """FLOPs per token (metrics.flops_per_token) of the model at this row length, and the device's peak FLOP/s."""
+def flops_and_peak(base: dict) -> tuple[float, float | None]:
+    """FLOPs per token (metrics.flops_per_token) of the model at the data's attention length (T = sum(s^2) / sum(s)
+    over its samples s, capped at the row length: metrics.MFU_CONVENTION), and the device's peak FLOP/s."""
     import torch
 
+    from finetune.data import build_samples
     from finetune.metrics import flops_per_token, peak_flops
-    from finetune.model import build_skeleton, load_hf_config
+    from finetune.model import build_skeleton, load_hf_config, load_tokenizer
+    lengths = build_samples(base["data"], load_tokenizer(base["model"]), max_seq_len=base["seq_len"],
+                            packing=False).unit_lengths()
+    t = sum(s * s for s in lengths) / max(sum(lengths), 1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return flops_per_token(build_skeleton(load_hf_config(model_dir)), seq_len), peak_flops(device)
+    return flops_per_token(build_skeleton(load_hf_config(base["model"])), t), peak_flops(device)
 
 
 def summary(runs: list[dict], warmup: int, efficiency: dict, flops_tok: float, peak: float | None) -> dict:
@@ -373,7 +378,7 @@ def main() -> None:
                 t = sum(run["tokens"][args.warmup:]) / sum(run["seconds"][args.warmup:])
                 print(f"round {r} {name}: {t:,.0f} real tokens/s, {statistics.median(run['seconds']):.2f} s/step, "
                       f"peak {run['peak_mem_mb']:,.0f} MB, wall {runs[-1]['wall_s']:.0f} s", flush=True)
-        flops_tok, peak = flops_and_peak(base["model"], base["seq_len"])
+        flops_tok, peak = flops_and_peak(base)
         names = {r["system"] for r in runs}
         result["peers"] = {"runs": runs, "summary": summary(runs, args.warmup, epoch_efficiency(base, names),
                                                             flops_tok, peak)}

@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # GPU checks on one CUDA machine with no internet. Missing Python packages travel as wheels in .whl/ (ignored by git):
 #   bash benchmarks/gpu_check.sh wheels            HERE (a machine with PyPI): fill .whl/, then carry .whl to the GPU
-#   bash benchmarks/gpu_check.sh [stage...]        on the GPU machine; logs and tables under ${OUT:-/tmp/gpu}
-# Stages (each under the device's 10-minute limit on an H100):
-#   env      versions, the GPU, whether torch has varlen_attn
-#   tests    python3 -m pytest tests/test_gpu.py (varlen == unpacked in bf16; the defaults learn; compile+Liger+varlen)
-#   sft      the embedded default in bf16
-#   bench    `finetune bench` of the 886M Llama, 8 packed rows x 2048, one point per VARIANTS entry (default: the
-#            auto defaults and the old defaults, sdpa without Liger or compile) at RATIOS (default 0); MFU in
-#            torchtitan's convention. VARIANTS="auto sdpa liger compile liger+compile varlen varlen+liger
-#            varlen+compile" measures every combination (three calls' worth: split it)
-#   peers    benchmarks/compare_peers.py on CUDA, ONE alternating round (finetune defaults, TRL, HF Trainer) added to
-#            the rounds in outputs/peers/compare_peers.json when there is one (a machine starts bare: bring back
-#            $OUT/peers/compare_peers.json into outputs/peers/ and carry outputs/peers), written to $OUT/peers/
-#   offload  `finetune bench` of the 886M Llama on one long packed row (SEQ, default 32768), every block checkpointed,
-#            ac.offload=false / true alternating twice: peak memory and step time with and without (issue 24)
-#   lora8b   benchmarks/gpu_points.py lora8b: an 8B-class model with LoRA, against plan's memory figure
-#   full     benchmarks/gpu_points.py full: the largest full fine-tune plan says fits one GPU, against plan
-# The issue-22 "Done when" in five calls: `env tests`, `bench`, `peers`, `peers` (+ `lora8b`, `full` for the points).
+#   bash benchmarks/gpu_check.sh --list            the stages and their expected time on one H100
+#   bash benchmarks/gpu_check.sh [stage...]        on the GPU machine; logs and results under ${OUT:-/tmp/gpu}, each
+#                                                  written as it comes (a call cut off at its limit keeps what it had)
+# Each stage fits one 10-minute call on an H100 (estimates: nothing here has run on a GPU yet). Without CUDA a stage
+# stops, in one line, where CUDA is first needed (a dry run). The first GPU run, in order (one call each):
+#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | peers | peers | lora8b | full
+set -uo pipefail
+STAGES=(
+  "env          1 min  versions, the GPU, torch's varlen_attn signature"
+  "varlen       1 min  varlen path vs a per-sample fp32 reference: GQA 32/8 d128, MHA d64 at 4k, window 256, d16, fp32 cast"
+  "evalcompile  2 min  held-out eval (loss + generate) on compiled blocks compiles 0 graphs; training then compiles"
+  "opac         1 min  op-level AC: varlen attention runs in backward 0 times (block AC: once a block)"
+  "flce         1 min  Liger fused loss: lm_head gradient error, accum_dtype None vs float32, V/H 32000/2048, 128256/4096"
+  "offload      8 min  2-block packed-tensor count (0 parameters), then 886M at SEQ=32768: offload off/on, compile off/on"
+  "tests-a      5 min  tests/test_gpu.py: varlen/flex/flash packed = unpacked; the auto defaults learn"
+  "tests-b      6 min  tests/test_gpu.py: Liger, compile+AC, varlen, all together = the plain path"
+  "tests-c      4 min  tests/test_gpu.py: bench sweeps a compiled checkpointed model; offload on streams = without"
+  "sft          3 min  the embedded default config in bf16"
+  "bench        6 min  finetune bench, 886M Llama, 8 packed rows x 2048: VARIANTS (default: auto and sdpa)"
+  "peers        8 min  compare_peers.py: one round of finetune defaults, TRL (packing, its best), HF Trainer"
+  "lora8b       6 min  gpu_points.py lora8b: 8B + LoRA r16 at plan's point (bench, no checkpoint) vs plan's memory"
+  "full         8 min  gpu_points.py full: the largest full fine-tune plan says fits (bench, no checkpoint) vs plan"
+)
+if [ "${1:-}" = --list ]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu}; mkdir -p "$OUT"
 WHEELS="transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 trl==1.16.0"
@@ -40,7 +47,11 @@ from pathlib import Path
 print("params", make_model_dir(Path("/tmp/m1b"), layers=16, hidden=2048, intermediate=5632, vocab=32000))
 PY
 }
-stages=${*:-env tests bench}
+cuda() {  # the dry-run stop: without CUDA a stage ends here, in one line
+  python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && return 0
+  echo "$1: needs a CUDA device from here on (dry run: stops here)"; return 1
+}
+stages=${*:-env varlen evalcompile opac flce}
 for s in $stages; do case $s in
 env)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -48,11 +59,18 @@ env)
   python3 -c "import importlib.metadata as m;print({p: m.version(p) for p in ('liger-kernel','trl','pyarrow','fsspec')})"
   python3 -c "import inspect, torch.nn.attention.varlen as v;print('varlen_attn', inspect.signature(v.varlen_attn))"
   python3 -c "import importlib.util as u;print('flash_attn', u.find_spec('flash_attn') is not None)";;
-tests)
-  python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee $OUT/tests.log | tail -15;;
+varlen|evalcompile|opac|flce)
+  python3 benchmarks/gpu_stages.py $s --out $OUT 2>&1 | tee -a $OUT/$s.log | tail -12;;
+tests-a|tests-b|tests-c)
+  cuda $s || continue
+  k=$(case $s in tests-a) echo "varlen_and_flex or auto_defaults";; tests-b) echo kernels_and_compile;;
+      *) echo "bench or offload";; esac)
+  python3 -m pytest -q -x tests/test_gpu.py -k "$k" -p no:cacheprovider 2>&1 | tee -a $OUT/$s.log | tail -15;;
 sft)
+  cuda $s || continue
   /usr/bin/time -v $FT sft -o /tmp/gpu-sft-bf16 train.mixed_precision=bf16 2>&1 | grep -vE "^\s+(Average|Exit|Page|Swaps|File|Socket|Signals|Voluntary|Involuntary|Minor|Major|System time|User time|Percent)" | tee $OUT/sft-bf16.log | tail -25;;
 bench)
+  cuda $s || continue
   m1b
   common="--model /tmp/m1b --dataset examples/data/tiny_chat.jsonl --steps 8 --warmup 3 data.packing=true data.max_seq_len=2048 train.micro_batch_size=8 train.mixed_precision=bf16"
   for name in ${VARIANTS:-auto sdpa}; do
@@ -62,23 +80,27 @@ bench)
     case $name in *compile*) comp=true;; esac
     echo "== bench $name (model.attn_implementation=$attn model.liger=$liger model.compile=$comp)"
     $FT bench $common --sac-ratios ${RATIOS:-0} -o /tmp/bench-$name model.attn_implementation=$attn \
-      model.liger=$liger model.compile=$comp 2>&1 | tail -8
+      model.liger=$liger model.compile=$comp 2>&1 | tee -a $OUT/bench.log | tail -8
     cp /tmp/bench-$name/bench.md $OUT/bench-${name//+/_}.md 2>/dev/null
   done;;
 peers)
+  cuda $s || continue
   mkdir -p /tmp/peers && cp outputs/peers/compare_peers.json /tmp/peers/ 2>/dev/null
   python3 benchmarks/compare_peers.py --only peers --device cuda --rounds 1 --steps ${STEPS:-8} --warmup 3 \
     --systems defaults,trl,hf --append --output-dir /tmp/peers 2>&1 | tee -a $OUT/peers.log | tail -12
   mkdir -p $OUT/peers && cp /tmp/peers/compare_peers.json $OUT/peers/;;
 offload)
+  python3 benchmarks/gpu_stages.py offload --out $OUT 2>&1 | tee -a $OUT/offload.log | tail -3
+  cuda $s || continue
   m1b
-  for round in 1 2; do for off in false true; do
+  for comp in ${OFFLOAD_COMPILE:-false true}; do for off in false true; do  # 6 timed steps each, all blocks AC
     $FT bench --model /tmp/m1b --dataset examples/data/tiny_chat.jsonl --steps 6 --warmup 2 --sac-ratios 1 \
       data.packing=true data.max_seq_len=${SEQ:-32768} train.micro_batch_size=1 train.mixed_precision=bf16 \
-      ac.offload=$off -o /tmp/offload-$off-$round 2>&1 | tail -4
-    cp /tmp/offload-$off-$round/bench.md $OUT/offload-$off-$round.md 2>/dev/null
+      model.compile=$comp ac.offload=$off -o /tmp/offload-$comp-$off 2>&1 | tee -a $OUT/offload.log | tail -4
+    cp /tmp/offload-$comp-$off/bench.md $OUT/offload-compile_$comp-offload_$off.md 2>/dev/null
   done; done;;
 lora8b|full)
-  python3 benchmarks/gpu_points.py $s --output-dir /tmp/points 2>&1 | tee $OUT/$s.log | grep -v "^step"
-  cp /tmp/points/gpu_points.json $OUT/$s.json 2>/dev/null;;
+  cuda $s || continue
+  python3 benchmarks/gpu_points.py $s --output-dir $OUT/points-$s 2>&1 | tee -a $OUT/$s.log | grep -v "^step";;
+*) echo "unknown stage '$s' (bash benchmarks/gpu_check.sh --list)"; exit 2;;
 esac; done

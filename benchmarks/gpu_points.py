@@ -3,11 +3,13 @@
           layers of the blocks, packed 8k-token rows;
   full    the largest full fine-tune that `finetune plan` says fits this GPU, from a ladder of Llama-architecture
           sizes (1B, 3B, 4B, 8B; 4k-token rows).
-For each: the plan (the least recompute that fits: ac.ratio, micro-batch, its total), then `finetune sft` with those
-settings on the variable-length chat data of compare_peers (lognormal lengths up to 8k) for a few steps: peak memory
-(max allocated, max reserved), tokens/s and MFU (metrics.MFU_CONVENTION; for LoRA 6N still counts the frozen
-weights' gradient FLOPs that LoRA skips), beside the plan's figure. Random weights are written tensor by tensor
-(never a whole model in memory), so the 8B point needs ~16 GB of disk and ~2 GB of host RAM to set up.
+For each: the plan (the least recompute that fits: ac.ratio, micro-batch, its total), then `finetune bench` at that
+point (the training step of sft, timed; no checkpoint is written: a full fine-tune's final checkpoint would be
+36-48 GB on a 64 GB disk) on the variable-length chat data of compare_peers (lognormal lengths up to 8k) for a few
+steps: peak memory (max allocated, max reserved), tokens/s and MFU (metrics.MFU_CONVENTION; for LoRA 6N still counts
+the frozen weights' gradient FLOPs that LoRA skips), beside the plan's figure. Random weights are written tensor by
+tensor (never a whole model in memory), so the 8B point needs ~16 GB of disk and ~2 GB of host RAM to set up.
+gpu_points.json is rewritten after each plan and each measurement: a call cut off keeps what it had.
 
     python3 benchmarks/gpu_points.py lora8b full          # on one GPU: ~4 + ~4 min on an H100, after writing weights
     python3 benchmarks/gpu_points.py lora8b full --tiny   # toy sizes, any machine: the whole path end to end
@@ -86,20 +88,19 @@ def plan(model_dir: Path, gpu_memory: str, seq_len: int, overrides: list[str]) -
     return json.loads(out)
 
 
-def run_sft(model_dir: Path, data: Path, out: Path, steps: int, seq_len: int, best: dict, overrides: list[str]) -> dict:
-    """A short `finetune sft` at the plan's point: medians of the steps after the first two, and the peaks."""
-    cmd = [sys.executable, "-m", "finetune", "sft", "--model", str(model_dir), "--dataset", str(data),
-           "--output-dir", str(out), "--no-resume", f"data.max_seq_len={seq_len}", f"train.max_steps={steps}",
-           "train.mixed_precision=bf16", f"ac.ratio={best['ac_ratio']}",
-           f"train.micro_batch_size={best['micro_batch_size']}", "eval.path=", "log.progress=false",
-           "checkpoint.interval=0", *overrides]
+def run_point(model_dir: Path, data: Path, out: Path, steps: int, seq_len: int, best: dict,
+              overrides: list[str]) -> dict:
+    """`finetune bench` at the plan's point (one ac.ratio, its micro-batch; no checkpoint): median step after
+    2 warm-up steps, and the peaks."""
+    cmd = [sys.executable, "-m", "finetune", "bench", "--model", str(model_dir), "--dataset", str(data),
+           "--output-dir", str(out), "--steps", str(steps), "--warmup", "2", "--sac-ratios", f"{best['ac_ratio']:g}",
+           f"data.max_seq_len={seq_len}", "data.packing=true", "train.mixed_precision=bf16",
+           f"train.micro_batch_size={best['micro_batch_size']}", *overrides]
     subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    timed = recs[2:] or recs
-    median = lambda key: sorted(r[key] for r in timed)[len(timed) // 2]  # noqa: E731
-    return {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu") if "mfu" in timed[0] else None,
-            "peak_mem_mb": max(r["peak_mem_mb"] for r in recs),
-            "peak_reserved_mb": max(r.get("peak_reserved_mb", 0) for r in recs), "losses": [r["loss"] for r in recs]}
+    point = json.loads((out / "bench.json").read_text())["points"][0]
+    return {"tokens_per_s": point["tokens_per_s"], "mfu": point["mfu"], "step_time_s": point["step_time_s"],
+            "peak_mem_mb": point["peak_mem_mb"], "peak_reserved_mb": point["peak_reserved_mb"] or 0,
+            "losses": point["losses"]}
 
 
 def main() -> None:
@@ -140,16 +141,25 @@ def main() -> None:
                     model_dir, best, results.setdefault("full", {})["model"] = candidate, fit, name
         if best is None:
             results[point] = {"error": "plan says nothing fits"}
+            save(root, results)
             continue
+        results[point] = {**results.get(point, {}), "seq_len": seq, "plan": best}
+        save(root, results)
         num_params = write_random_weights(model_dir)
-        run = run_sft(model_dir, data, root / f"run-{point}", args.steps, seq, best, overrides)
+        run = run_point(model_dir, data, root / f"run-{point}", args.steps, seq, best, overrides)
         results[point] = {**results.get(point, {}), "num_params": num_params, "seq_len": seq, "plan": best, **run}
         r = results[point]
         print(f"{point}: {num_params / 1e9:.2f}B params, seq {seq}, ac.ratio={best['ac_ratio']:g}, micro-batch "
               f"{best['micro_batch_size']}: plan {best['total'] / 2**20:,.0f} MB vs peak allocated "
               f"{r['peak_mem_mb']:,.0f} MB / reserved {r['peak_reserved_mb']:,.0f} MB; {r['tokens_per_s']:,.0f} "
               f"tokens/s" + (f", MFU {r['mfu']:.1%}" if r["mfu"] else ""), flush=True)
-    (root / "gpu_points.json").write_text(json.dumps(results, indent=1))
+        save(root, results)
+
+
+def save(root: Path, results: dict) -> None:
+    tmp = root / "gpu_points.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(root / "gpu_points.json")
 
 
 if __name__ == "__main__":

@@ -39,10 +39,14 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      sliding_window: int | None = None, softcap: float | None = None, s_aux=None,
                      cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs):
     """transformers' attention-function signature ((batch, heads, seq, dim) in, (batch, seq, heads, dim) out): causal
-    attention within each segment of cu_seq_lens_q through torch's varlen (FlashAttention) kernel on CUDA,
-    segment_attention elsewhere. Without boundaries (evaluation, generate: one unpadded sample per row) it is sdpa's
-    causal attention."""
+    attention within each segment of cu_seq_lens_q through torch's varlen kernel on CUDA (Flash, or cuDNN where
+    torch prefers it), segment_attention elsewhere. Without boundaries (evaluation, generate: one unpadded sample
+    per row) it is sdpa's causal attention, with the layer's sliding window (transformers builds no mask for an
+    attention name it does not know: window_mask). The CUDA kernel takes fp16/bf16 only: fp32 q/k/v (train.
+    mixed_precision=fp32, or autocast) are cast to bf16 and the output back, as transformers' flash path does."""
     if cu_seq_lens_q is None:
+        if attention_mask is None and sliding_window:
+            attention_mask = window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
         return _VARLEN["sdpa"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     for name, value_ in (("attention logit soft-capping", softcap), ("attention sinks", s_aux),
                          ("attention dropout", dropout or None)):
@@ -50,16 +54,27 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             raise ConfigError(f"model.attn_implementation=varlen: {type(module).__name__} uses {name}, which torch's "
                               f"varlen kernel lacks; set model.attn_implementation=sdpa")
     batch, heads, seq, dim = query.shape
+    dtype = query.dtype
     q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], dim) for x in (query, key, value))
+    if _VARLEN["half_only"] and dtype not in (torch.float16, torch.bfloat16):
+        q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     window = (sliding_window - 1 if sliding_window else -1, 0)
     extra = {"window_size": window} if _VARLEN["window"] else {"is_causal": True}
     if _VARLEN["gqa"]:
         extra["enable_gqa"] = True
-    elif k.shape[1] != heads:
-        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+    # else (torch 2.10/2.11: Flash only) K/V go with their own head count: Flash's varlen kernel takes GQA directly
     # self-attention: the same offsets for keys (one tensor: cuDNN's causal varlen wants q and k to share it)
     out = _VARLEN["kernel"](q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **extra)
-    return out.view(batch, seq, heads, dim), None
+    return out.view(batch, seq, heads, dim).to(dtype), None
+
+
+def window_mask(q_len: int, kv_len: int, sliding_window: int, device) -> torch.Tensor:
+    """(1, 1, q_len, kv_len) bool: query i (the last q_len of kv_len positions: a KV cache holds the keys before it)
+    sees key j when j <= i's position and fewer than sliding_window positions back, as transformers'
+    sliding_window_causal mask."""
+    i = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)
+    return ((j <= i) & (i - j < sliding_window))[None, None]
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
@@ -80,8 +95,8 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def varlen_kernel():
-    """torch's varlen attention on CUDA (torch >= 2.10; imported on first use: its module imports torch._dynamo),
-    segment_attention elsewhere."""
+    """torch's varlen attention on CUDA (torch >= 2.10; imported on first use: its module imports torch._dynamo;
+    it runs Flash, or cuDNN where torch 2.12+ prefers it), segment_attention elsewhere."""
     if not torch.cuda.is_available():
         return segment_attention
     from torch.nn.attention.varlen import varlen_attn
@@ -90,13 +105,14 @@ def varlen_kernel():
 
 def register() -> None:
     """Register `varlen` in transformers' attention interface, with what this torch's kernel takes (2.10: is_causal;
-    later: a window, (-1, 0) being causal; 2.12+: enable_gqa), found once, outside any compiled region."""
+    later: a window, (-1, 0) being causal; 2.12+: enable_gqa; CUDA: fp16/bf16 only), found once, outside any
+    compiled region."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     kernel = varlen_kernel()
     params = inspect.signature(kernel).parameters
     _VARLEN.update(kernel=kernel, window="window_size" in params, gqa="enable_gqa" in params,
-                   sdpa=sdpa_attention_forward)
+                   half_only=kernel is not segment_attention, sdpa=sdpa_attention_forward)
     AttentionInterface.register(VARLEN, varlen_attention)
 
 

@@ -36,6 +36,34 @@ def fake_world_parts():
     return FakeStore(), FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def sac_hooks_kwargs() -> dict:
+    """checkpoint()'s argument that sends op-level AC's kept outputs through the caller's saved_tensors_hooks
+    (torch 2.15 `respect_saved_tensors_hooks`); {} where checkpoint() has none (torch 2.11: an unknown argument would
+    flow into the block's forward kwargs, and those outputs bypass the hooks: ac.offload leaves them on the device)."""
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint
+    has = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    return {"respect_saved_tensors_hooks": True} if has else {}
+
+
+def sac_attention_ops() -> set:
+    """The attention ops op-level AC keeps besides sdpa's: torch's varlen kernel (torch_attn::_varlen_attn, torch
+    2.10+, registered when its module is imported) and flex attention's higher-order op (torch 2.11-2.15)."""
+    import torch
+    ops = set()
+    try:
+        import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError):
+        pass
+    try:
+        ops.add(torch.ops.higher_order.flex_attention)
+    except AttributeError:
+        pass
+    return ops
+
+
 def apply_liger_kernels(model, **switches) -> None:
     """Liger's kernels for the model's architecture, into this instance (liger-kernel 0.8.5; ImportError without)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance

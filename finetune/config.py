@@ -32,8 +32,8 @@ class ConfigError(FinetuneError, ValueError):
 class ModelConfig:
     path: str = ""  # HF hub id, HF model dir, or a prepared checkpoint dir
     arch: str = ""  # an HF config.json of the model, for `finetune plan` when model.path is not at hand (offline)
-    # auto: varlen on CUDA where the model allows (else sdpa), sdpa on CPU; varlen: torch's FlashAttention varlen
-    # kernel (CUDA)
+    # auto: varlen where the model allows (else sdpa), on CPU too; varlen: torch's varlen kernel on CUDA (Flash, or
+    # cuDNN where torch prefers it; fp32 inputs cast to bf16), one sdpa call per sample on CPU
     attn_implementation: Literal["auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3",
                                  "flex_attention"] = "auto"
     liger: bool | str = "auto"  # Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra); auto: on CUDA

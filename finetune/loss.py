@@ -15,6 +15,7 @@ import torch
 from .data import IGNORE_INDEX, pad_collate
 
 LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss reads; the model gets the rest
+FUSED_ACCUM_DTYPE = torch.float32  # Liger's fused loss: the dtype its lm_head (and hidden) gradients accumulate in
 
 
 def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -54,9 +55,11 @@ def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
 
     inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
     fused = is_fused(model) and reduction == "sum"
-    if fused:  # Liger reads shift_labels as given (num_items_in_batch: a sum, not a mean)
+    if fused:  # Liger reads shift_labels as given (num_items_in_batch: a sum, not a mean); the lm_head gradient
+        # summed over its ceil(V/H) chunks in fp32, not in the weights' bf16 (liger-kernel >= 0.6.2)
         one = torch.ones((), device=targets.device)
-        inputs.update(labels=targets[None], shift_labels=targets[None], num_items_in_batch=one)
+        inputs.update(labels=targets[None], shift_labels=targets[None], num_items_in_batch=one,
+                      accum_dtype=FUSED_ACCUM_DTYPE)
     handle = model.get_decoder().register_forward_hook(keep_labelled)
     try:
         out = model(**inputs, use_cache=False)

@@ -24,10 +24,11 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def flops_per_token(model, seq_len: int) -> float:
+def flops_per_token(model, seq_len: float) -> float:
     """Training FLOPs per token as torchtitan counts them (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the
     parameters without the input embedding (a lookup; a tied lm_head still counts once: its matmul runs), L layers,
-    H attention heads of Q dims, T = seq_len (causal attention counted in full, as torchtitan does)."""
+    H attention heads of Q dims, T = seq_len: the length each token attends over (causal attention counted in full,
+    as torchtitan does); for packed rows attention_length(), not the row length."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
     num_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())
@@ -38,7 +39,28 @@ def flops_per_token(model, seq_len: int) -> float:
 
 
 MFU_CONVENTION = ("MFU: torchtitan's convention, 6N + 12*L*H*Q*T FLOPs per token (N without the input embedding, "
-                  "T = seq len) over the dense bf16 peak")
+                  "T = sum(s^2)/sum(s) over the real samples s of the step: each sample attends within itself, not "
+                  "across its packed row) over the dense bf16 peak")
+
+
+def attention_length(batches: list[dict]) -> float:
+    """(host) T of MFU_CONVENTION for these micro-batches: sum(s^2) / sum(s) over their real samples s, read from
+    each batch's segments (cu_seq_lens_q: every row's samples, then its padding as one segment, whose position_ids
+    are all 0) so that 12*L*H*Q*T per token sums to 12*L*H*Q*s^2 per sample. A batch without segments counts its
+    rows whole (an unpacked row is one sample, padded to the longest)."""
+    squares, tokens = 0, 0
+    for b in batches:
+        if "cu_seq_lens_q" not in b:
+            ids = b["input_ids"]
+            squares, tokens = squares + ids.numel() * ids.shape[-1], tokens + ids.numel()
+            continue
+        cu = b["cu_seq_lens_q"].long()
+        lengths = cu.diff()
+        pos = b["position_ids"].flatten()
+        real = (lengths == 1) | (pos[cu[1:] - 1] != 0) if pos.numel() == int(cu[-1]) else \
+            lengths > 0  # a cp rank's slice of the rows (context.split_batch): the full rows' segments, padding too
+        squares, tokens = squares + int((lengths[real] ** 2).sum()), tokens + int(lengths[real].sum())
+    return squares / max(tokens, 1)
 
 
 def peak_mem_mb(device: torch.device) -> float:

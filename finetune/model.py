@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from .attention import check_packing, check_trainable, resolve_attn_implementation
-from .compat import CheckpointImpl, checkpoint_wrapper
+from .compat import CheckpointImpl, checkpoint_wrapper, sac_attention_ops, sac_hooks_kwargs
 from .distributed import print0
 from .errors import ModelError, one_line
 from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_weights
@@ -206,7 +206,7 @@ def _op_sac_policy():
     save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_cudnn_attention.default}
+            aten._scaled_dot_product_cudnn_attention.default} | sac_attention_ops()  # + varlen's and flex's ops
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
@@ -220,7 +220,7 @@ def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable
     ids = ac_layer_ids(len(layers), ratio)
     # respect_saved_tensors_hooks: the outputs op-level AC keeps go through the caller's saved_tensors_hooks
     # (save_on_cpu, the bench's saved-bytes count) like any saved tensor; torch's legacy default bypasses them
-    kwargs = {"context_fn": _op_sac_policy(), "respect_saved_tensors_hooks": True} if mode == "op" else {}
+    kwargs = {"context_fn": _op_sac_policy(), **sac_hooks_kwargs()} if mode == "op" else {}  # {} on torch 2.11
     for i in ids:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
         if wrap is not None:

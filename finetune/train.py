@@ -5,6 +5,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -17,7 +18,8 @@ from .distributed import all_reduce, init_distributed, is_main, print0, world_si
 from .errors import FinetuneError
 from .export import export_hf
 from .loss import collate_labelled, token_loss_sum
-from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
+from .metrics import (MetricsLogger, attention_length, flops_per_token, peak_flops, peak_mem_mb, progress_bar,
+                      report)
 from .model import Transforms, build_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 
@@ -223,8 +225,10 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 state.step, state.samples_seen = step, state.samples_seen + global_batch
+                if device.type == "cuda":  # the step's kernels are done: its time, not its launch time (as the
+                    torch.cuda.synchronize(device)  # peers time theirs); costs the GPU the next step's host prep
                 pending.append((result, {"step": step, "lr": lr, "step_time_s": time.perf_counter() - t0,
-                                         "skipped": skipped}))
+                                         "skipped": skipped, "attn_len": attention_length(micro_batches)}))
                 save = step == tc.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
                 if device.type != "cuda" or save or step % tc.log_interval == 0 or tc.nan_policy == "skip":
                     record, stop = flush_steps(pending, state, logger, bar, tc, device, flops_tok, peak)
@@ -281,7 +285,8 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
 
 def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, state: ckpt.TrainState):
     """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch);
-    returns (training FLOPs per token, the device's peak FLOP/s or None) for MFU."""
+    returns (training FLOPs per token as a function of the attention length, the device's peak FLOP/s or None)
+    for MFU."""
     tc, dc = cfg.train, cfg.data
     for line in samples.summary():  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {line}")
@@ -295,14 +300,14 @@ def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, s
         print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
                f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
     num_params = sum(p.numel() for p in model.parameters())
-    flops_tok = flops_per_token(model, dc.max_seq_len)
+    flops_tok = partial(flops_per_token, model)  # of the step's attention length (metrics.MFU_CONVENTION)
     print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
            f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
            + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
     return flops_tok, peak_flops(device)
 
 
-def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, flops_tok: float,
+def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, flops_tok,
                 peak: float | None) -> tuple[dict, bool]:
     """Read the pending steps' results on the host (one read) and log each; returns (the last record, whether a
     rank asked to stop). On GPU train calls it only on log and checkpoint steps (every step under nan_policy
@@ -327,7 +332,7 @@ CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "nu
 
 
 def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, nan_policy: str, device,
-                flops_tok: float, peak: float | None) -> dict:
+                flops_tok, peak: float | None) -> dict:
     """One step's metrics from train_step's values; counts tokens_seen; raises on non-finite (policy "stop")."""
     loss, grad_norm = values["loss"], values["grad_norm"]
     if nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -346,7 +351,7 @@ def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, 
         record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
     record.update((k, v) for k, v in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
     if peak:
-        record["mfu"] = tokens_per_s * flops_tok / (peak * world_size())  # metrics.MFU_CONVENTION
+        record["mfu"] = tokens_per_s * flops_tok(timing["attn_len"]) / (peak * world_size())  # MFU_CONVENTION
     return record
 
 

@@ -134,3 +134,29 @@ def test_sft_with_ac_matches_sft_without(llama8_dir, chat_file, tmp_path, refere
     assert [r["num_tokens"] for r in got] == [r["num_tokens"] for r in ref]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=1e-5), key
+
+
+def test_op_mode_keeps_the_varlen_and_flex_attention_ops():
+    """Op-level AC keeps torch's varlen kernel's output (CUDA: torch_attn::_varlen_attn) and flex attention's, as
+    sdpa's: attention is not recomputed in backward (the gpu_check.sh `opac` stage counts it on CUDA)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from finetune.model import _op_sac_policy
+    import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
+    policy = _op_sac_policy().args[0]
+    for op in (torch.ops.torch_attn._varlen_attn.default, torch.ops.higher_order.flex_attention,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    assert policy(None, torch.ops.aten.mul.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_op_mode_passes_the_block_nothing_of_checkpoints_own(model8, batch):
+    """checkpoint()'s own arguments stay with checkpoint(): on torch 2.11, where respect_saved_tensors_hooks is not
+    one of them, it must not reach the decoder block's forward as a keyword argument (compat.sac_hooks_kwargs)."""
+    model = copy.deepcopy(model8)
+    seen = []
+    for layer in find_layers(model):
+        layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
+    apply_ac(model, 1.0, "op")
+    model(**batch, use_cache=False).loss.backward()
+    assert seen and not any("respect_saved_tensors_hooks" in k for k in seen), seen

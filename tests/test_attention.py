@@ -125,3 +125,32 @@ def test_varlen_hands_torch_kernel_the_boundaries_and_equals_its_cpu_kernel():
     want = torch.nn.functional.scaled_dot_product_attention(*(x[3:10].transpose(0, 1) for x in flat), scale=0.3,
                                                             attn_mask=band, enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(windowed.reshape(20, 4, 8)[3:10], want)
+
+
+def test_varlen_casts_fp32_for_the_cuda_kernel_and_hands_torch_2_11_gqa_unrepeated():
+    """torch's CUDA varlen kernel takes fp16/bf16 only: fp32 q/k/v (train.mixed_precision=fp32) reach it as bf16 and
+    the output comes back fp32. torch 2.10/2.11's kernel has no enable_gqa (Flash only, which takes fewer K/V heads
+    directly): K/V reach it with their own head count, not repeated to every query head."""
+    from finetune import attention
+    from finetune.data.collate import sample_boundaries
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    bounds = sample_boundaries([3, 7, 6, 4])
+    seen = []
+
+    def cuda_kernel(q, k, v, *args, is_causal, **kwargs):  # torch 2.10's signature: no window, no enable_gqa
+        seen.append((q.dtype, k.dtype, v.dtype, k.shape[1]))
+        out = attention.segment_attention(q.float(), k.float(), v.float(), *args, window_size=(-1, 0),
+                                          enable_gqa=True, **kwargs)
+        return out.to(q.dtype)
+
+    attention.register()
+    reference, _ = attention.varlen_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, **bounds)
+    attention._VARLEN.update(kernel=cuda_kernel, window=False, gqa=False, half_only=True)
+    try:
+        out, _ = attention.varlen_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, **bounds)
+    finally:
+        attention.register()
+    assert seen == [(torch.bfloat16, torch.bfloat16, torch.bfloat16, 2)]
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, atol=3e-2, rtol=3e-2)  # bf16 inputs

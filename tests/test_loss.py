@@ -89,3 +89,32 @@ def test_label_targets_stop_at_packed_boundaries_and_keep_one_position():
     assert got["label_index"].tolist() == [0, 1, 3, 4] and got["label_targets"].tolist() == [5, 6, 8, 9]
     none = label_targets(torch.full((2, 3), -100), None)
     assert none["label_index"].tolist() == [0] and none["label_targets"].tolist() == [-100]
+
+
+def test_fused_loss_accumulates_its_gradients_in_fp32(llama_dir, monkeypatch):
+    """Liger's fused linear cross-entropy gets accum_dtype=torch.float32 (its lm_head gradient summed over the vocab
+    chunks in fp32, not bf16), and its loss is still the token loss sum. The kernel is a stand-in with Liger's
+    signature (the Triton kernel itself: gpu_check.sh `flce`, which measures the gradient error with and without)."""
+    import functools
+
+    import liger_kernel.transformers.functional as liger_f
+
+    from finetune.loss import label_targets, token_loss_sum
+    from finetune.model import apply_kernels
+    real, seen = liger_f.liger_fused_linear_cross_entropy, []
+
+    @functools.wraps(real)  # the same signature: Liger passes on only the arguments its function takes
+    def fused(input, weight, target, *args, reduction="mean", ignore_index=-100, accum_dtype=None, **kwargs):
+        seen.append(accum_dtype)
+        return torch.nn.functional.cross_entropy((input @ weight.T).float(), target, ignore_index=ignore_index,
+                                                 reduction=reduction)
+
+    monkeypatch.setattr(liger_f, "liger_fused_linear_cross_entropy", fused)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model, plain = load(llama_dir), load(llama_dir)
+    apply_kernels(model, liger=True, compile=True)  # the fused loss only, as with regional compile
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, **label_targets(ids, None)}
+    got = token_loss_sum(model, batch)
+    assert seen == [torch.float32]
+    assert got.item() == pytest.approx(token_loss_sum(plain, batch).item(), rel=1e-5)

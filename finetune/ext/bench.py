@@ -93,7 +93,7 @@ def saved_for_backward_mb(model, batch: dict, loss_fn) -> float:
 def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
     from ..distributed import init_distributed
-    from ..metrics import flops_per_token, peak_flops, peak_mem_mb
+    from ..metrics import attention_length, flops_per_token, peak_flops, peak_mem_mb
     from ..model import ac_layer_ids, resolve_compile
     from ..train import (Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
                          train_step)
@@ -131,7 +131,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     num_layers = model.config.num_hidden_layers  # (find_layers cannot tell mixed FSDP/AC blocks apart yet)
     num_params = sum(p.numel() for p in model.parameters())
     peak = peak_flops(device)
-    flops_tok = flops_per_token(model, dc.max_seq_len)
+    flops_tok = flops_per_token(model, attention_length([b for mbs, _ in steps_data[warmup:] for b in mbs]))
     result = {"ac_ratio": cfg.ac.ratio, "ac_mode": cfg.ac.mode, "ac_blocks": ac_layer_ids(num_layers, cfg.ac.ratio),
               "num_layers": num_layers, "num_params": num_params, "micro_batch_size": tc.micro_batch_size,
               "grad_accum_steps": tc.grad_accum_steps, "seq_len": dc.max_seq_len, "step_time_s": step_time,

@@ -16,13 +16,19 @@ from ..distributed import is_main, print0
 MAX_EVAL_TOKENS = 4096
 
 
-@torch.no_grad()
 def evaluate(model, tokenizer, path: str, num_samples: int, max_new_tokens: int, device: torch.device,
              template_kwargs: dict | None = None, max_seq_len: int = MAX_EVAL_TOKENS) -> dict:
     """Loss and exact match on the first `num_samples` conversations of `path`, each truncated to max_seq_len tokens.
     Every rank runs them all (FSDP needs every rank in every forward); fine for small sets. The exact-match target
     is the last assistant turn's trained text (reasoning and tool calls included, so a turn with null content is
-    scored too), without special tokens."""
+    scored too), without special tokens. Compiled blocks run eagerly here: generate's KV-cache shapes would
+    otherwise spend dynamo's recompile limit before training starts, and training would then run uncompiled."""
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # torch 2.6+ (2.11, 2.15)
+        return _evaluate(model, tokenizer, path, num_samples, max_new_tokens, device, template_kwargs, max_seq_len)
+
+
+def _evaluate(model, tokenizer, path: str, num_samples: int, max_new_tokens: int, device: torch.device,
+              template_kwargs: dict | None, max_seq_len: int) -> dict:
     was_training = model.training
     model.eval()
     loss_sum, num_tokens, correct, scored = 0.0, 0, 0, 0

@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..compat import ActivationWrapper
+from ..compat import ActivationWrapper, storage_key
 
 
 class _Saved:
@@ -24,11 +24,13 @@ class _Saved:
 class _Block:
     """What one call of an offloaded block saved and the block called before it, both weakly: autograd holds the
     saved tensors, they hold their block, and all of it is freed (no cycle, no wait for the garbage collector) once
-    the backward has used them."""
-    __slots__ = ("saved", "prev", "__weakref__")
+    the backward has used them. `params`: the storages of the block's parameters as this call sees them (FSDP's
+    unsharded ones), which are never offloaded: a compiled block's autograd function saves them beside its input."""
+    __slots__ = ("saved", "prev", "params", "__weakref__")
 
-    def __init__(self, prev: _Block | None):
+    def __init__(self, prev: _Block | None, params: set = frozenset()):
         self.saved, self.prev = [], weakref.ref(prev) if prev is not None else (lambda: None)
+        self.params = params
 
 
 class HostOffload:
@@ -46,7 +48,9 @@ class HostOffload:
             out.copy_(t, non_blocking=True)
         return out
 
-    def pack(self, t: torch.Tensor) -> _Saved:
+    def pack(self, t: torch.Tensor) -> _Saved | torch.Tensor:
+        if isinstance(t, nn.Parameter) or storage_key(t.untyped_storage()) in self.block.params:
+            return t  # a weight the compiled block saves for its recompute: resident anyway, never copied
         if t.is_cuda:
             if self.stream is None:
                 self.stream = torch.cuda.Stream(t.device)
@@ -56,7 +60,9 @@ class HostOffload:
         self.block.saved.append(weakref.ref(saved))
         return saved
 
-    def unpack(self, saved: _Saved) -> torch.Tensor:
+    def unpack(self, saved: _Saved | torch.Tensor) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
         out = saved.fetched if saved.fetched is not None else self.copy(saved.host, saved.device)
         saved.fetched, saved.used = None, True
         if out.is_cuda:
@@ -72,7 +78,8 @@ class HostOffload:
 
 class Offloaded(ActivationWrapper):
     """A checkpointed block (checkpoint_wrapper) whose saved inputs go through `offload`'s hooks; the hooks inside
-    are the checkpoint's own, so only what the checkpoint keeps for its recompute is offloaded."""
+    are the checkpoint's own, so only what the checkpoint keeps for its recompute is offloaded: activations, never
+    the block's parameters (which a compiled block's autograd function saves too)."""
     compile_inside = True  # model.apply_compile compiles the checkpointed block inside; these hooks stay eager
 
     def __init__(self, module: nn.Module, offload: HostOffload):
@@ -80,6 +87,7 @@ class Offloaded(ActivationWrapper):
         self.offload = offload
 
     def forward(self, *args, **kwargs):
-        self.offload.block = _Block(self.offload.block)
+        params = {storage_key(p.untyped_storage()) for p in self.parameters()}
+        self.offload.block = _Block(self.offload.block, params)
         with torch.autograd.graph.saved_tensors_hooks(self.offload.pack, self.offload.unpack):
             return self._checkpoint_wrapped_module(*args, **kwargs)
