@@ -164,7 +164,7 @@ def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch
 
 
 def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, kept: dict, disk: dict,
-                load, dtype_name: str, shard_bytes: int, verify: bool, live: bool) -> dict:
+                load, dtype_name: str, shard_bytes: int, verify: bool, live: bool, untrained: list[str] = ()) -> dict:
     """The merged/full HF model dir, written and verified; returns what the export marker records."""
     from .ext.verify import verify_export
     t0, dtype = time.perf_counter(), parse_dtype(dtype_name)
@@ -182,7 +182,7 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
     diff = None
     if verify:
         diff = verify_export(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
-                             trust_remote_code=source.trust_remote_code)
+                             trust_remote_code=source.trust_remote_code, source=(source.model_path, list(untrained)))
         print0(f"verified: {len(kept)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
                f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
     return {"source": str(Path(checkpoint).resolve()),
@@ -239,6 +239,8 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "
                    f"(tie_word_embeddings=false)")
             skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
+        from .ext.verify import untrained_keys  # wired by the lead: the check compares these with the source
+        untrained = untrained_keys(skeleton, list(stored) if source.lora else None)
         if source.lora:
             stored, load = open_merged(source, skeleton, stored, load)
         kept, disk = export_layout(source, skeleton, stored)
@@ -251,7 +253,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             record = save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
         else:
             record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, kept, disk, load, dtype_name,
-                                 shard_bytes, verify, gathered)
+                                 shard_bytes, verify, gathered, untrained)
         if is_main():  # marks the dir as our export
             (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
     return out
