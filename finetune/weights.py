@@ -64,7 +64,8 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def missing_allowed(model: nn.Module, key: str) -> bool:
-    """A tensor the model's class says is computed on load when a checkpoint lacks it (_keys_to_ignore_on_load_missing)."""
+    """A tensor the model's class says is computed on load when a checkpoint lacks it (its
+    _keys_to_ignore_on_load_missing)."""
     return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
 
 
