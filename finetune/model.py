@@ -271,7 +271,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool | str = False, liger: bool | str = False,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False, lora: dict | None = None,
                 seed: int = 0, packing: bool = False, cp_group=None,
-                ac_offload: bool = False) -> tuple[nn.Module, dict | None]:
+                ac_offload: bool = False, experts_implementation: str = "grouped_mm") -> tuple[nn.Module, dict | None]:
     """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
     bf16 (fp32 when mixed_precision is fp32); and the LoRA settings its checkpoints record (None without LoRA),
@@ -283,6 +283,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
     asked = "auto" in (attn_implementation, liger, compile)
     liger, compile = resolve_auto(liger, compile, device.type == "cuda")
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
+    from .ext.moe import apply_experts_implementation  # wired by the lead: MoE experts (grouped GEMM by default)
+    apply_experts_implementation(model, experts_implementation)
     attn = model.config._attn_implementation
     kernels = "fused loss only (compiled blocks)" if liger and compile else "on" if liger else "off"
     print0(f"kernels: attention {attn}, Liger {kernels}, regional compile {'on' if compile else 'off'} "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -23,7 +23,7 @@ from .export import export_hf
 from .loss import collate_labelled, token_loss_sum
 from .metrics import MetricsLogger, flops_per_token, peak_flops, peak_mem_mb, progress_bar, report
 from .model import build_model, load_tokenizer
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, by_mesh
 
 
 class NonFiniteError(FinetuneError):
@@ -65,34 +65,41 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
 
 
 # what train_step returns, one float64 device tensor per step: index of each value (then a loss_fn's means)
-LOSS, GRAD_NORM, NUM_TOKENS, NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS = range(6)
+LOSS, GRAD_NORM, NUM_TOKENS, NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS, AUX_LOSS = range(7)
 DPO_KEYS = ("rewards_chosen", "rewards_rejected", "accuracy")  # the means dpo's loss_fn adds
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
-               skip_nonfinite: bool = False, stop: bool = False, loss_fn=None) -> tuple[torch.Tensor, bool]:
+               skip_nonfinite: bool = False, stop: bool = False, loss_fn=None,
+               router=None) -> tuple[torch.Tensor, bool]:
     """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run): forward/backward on the
     summed token losses (gradient sync on the last), ONE all_reduce of the step's counts, gradients divided by the
     global label-token count (the mean over every label token of the global batch, whatever the split), clip,
     step. Returns (the float64 device tensor indexed by LOSS, GRAD_NORM, ... above: never read here, whether the
     update was skipped: `skip_nonfinite`, nan_policy "skip", reads it). `loss_fn(model, batch)` (dpo) -> (loss sum,
-    float64 [count, sums...]): normalised by the global count instead; the sums' global means follow."""
+    float64 [count, sums...]): normalised by the global count instead; the sums' global means follow. `router`
+    (ext.moe.RouterLoss, sft only): its load-balancing term joins each micro-batch's loss (not the reported loss)."""
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     sums = torch.zeros(0, device=device, dtype=torch.float64)  # loss_fn's [count, sums...] over the micro-batches
     num_tokens = sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    if router is not None:  # wired by the lead: MoE load-balancing loss over the global batch (ext/moe.py)
+        router.begin_step(micro_batches, num_tokens, device)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         model.set_requires_gradient_sync(last)
         model.set_is_last_backward(last)
         batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        if loss_fn is None:
-            loss = token_loss_sum(model, batch)
-        else:
-            loss, more = loss_fn(model, batch)
-            sums = more if not sums.numel() else sums + more
-        loss.backward()
+        with router.collect(batch) if router is not None else nullcontext():
+            if loss_fn is None:
+                loss = token_loss_sum(model, batch)
+            else:
+                loss, more = loss_fn(model, batch)
+                sums = more if not sums.numel() else sums + more
         loss_sum += loss.detach().double()
+        if router is not None:
+            loss = loss + router.micro_batch_loss()
+        loss.backward()
     # host-to-device copies with non_blocking: no wait for the GPU here (a blocking copy would be a sync)
     num_computed = sum(b["input_ids"].numel() for b in micro_batches)
     counts = torch.tensor([num_tokens, num_input_tokens, float(stop), num_computed], dtype=torch.float64)
@@ -100,11 +107,14 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     stats = torch.cat([counts[:1], loss_sum[None], counts[1:], sums])
     all_reduce(stats)
     count = (stats[5] if sums.numel() else stats[0]).clamp(min=1)  # label tokens, or loss_fn's count (pairs)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    torch._foreach_mul_(grads, (1 / count).float())
+    for group in by_mesh(p for p in model.parameters() if p.grad is not None):  # one foreach per device mesh
+        torch._foreach_mul_([p.grad for p in group], (1 / count).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
     # [LOSS, GRAD_NORM, NUM_TOKENS], then stats[2:] as they are: NUM_INPUT_TOKENS, STOP, NUM_COMPUTED_TOKENS
-    result = torch.cat([torch.stack([stats[1] / count, grad_norm.double(), stats[0]]), stats[2:5], stats[6:] / count])
+    aux = router.end_step()[None] if router is not None else torch.full((1,), math.nan, dtype=torch.float64,
+                                                                           device=device)
+    result = torch.cat([torch.stack([stats[1] / count, grad_norm.double(), stats[0]]), stats[2:5], aux,
+                        stats[6:] / count])
     skipped = skip_nonfinite and not bool(torch.isfinite(result[:2]).all())
     if not skipped:
         optimizer.step()
@@ -141,7 +151,8 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims):
                               ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
                               liger=cfg.model.liger, attn_implementation=cfg.model.attn_implementation,
                               trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed,
-                              packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload)
+                              packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload,
+                              experts_implementation=cfg.model.experts_implementation)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 
@@ -181,6 +192,8 @@ def train(cfg: Config, task: str = "sft") -> dict:
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
     tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
     model, optimizer, lora = build_model_and_optimizer(cfg, device, dims)
+    from .ext.moe import build_router_loss  # wired by the lead: MoE load-balancing loss (sft)
+    router = build_router_loss(model, cfg.moe.aux_loss_coef, task)
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
@@ -210,7 +223,7 @@ def train(cfg: Config, task: str = "sft") -> dict:
                                                                      (dims.cp_rank, dims.cp))
                 result, skipped = train_step(model, optimizer, micro_batches, num_input_tokens=num_input_tokens,
                                              max_grad_norm=tc.max_grad_norm, skip_nonfinite=tc.nan_policy == "skip",
-                                             stop=signals.name is not None, loss_fn=loss_fn)
+                                             stop=signals.name is not None, loss_fn=loss_fn, router=router)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 state.step, state.samples_seen = step, state.samples_seen + global_batch
@@ -331,7 +344,9 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
               "tokens_seen": state.tokens_seen}
     if device.type == "cuda":
         record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
-    record.update(zip(DPO_KEYS, values[NUM_COMPUTED_TOKENS + 1:]))
+    if not math.isnan(values[AUX_LOSS]):  # an MoE run's router load-balancing loss (ext/moe.py)
+        record["aux_loss"] = values[AUX_LOSS]
+    record.update(zip(DPO_KEYS, values[AUX_LOSS + 1:]))
     if "accuracy" in record:
         record["margin"] = record["rewards_chosen"] - record["rewards_rejected"]
     if peak:
@@ -340,8 +355,18 @@ def make_record(values: list[float], timing: dict, state: ckpt.TrainState, nan_p
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Global grad norm over all shards (clipped when max_norm > 0), as a tensor on the device."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
+    """Global grad norm over all shards (clipped when max_norm > 0), as a tensor on the device. Parameters on several
+    device meshes: the norm of each mesh's, combined (sqrt of the sum of squares), then each group clipped by it."""
+    groups = by_mesh(p for p in model.parameters() if p.grad is not None)
+    max_norm = max_norm if max_norm > 0 else float("inf")
+    if len(groups) <= 1:
+        params = groups[0] if groups else []
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    from torch.distributed.tensor.experimental import implicit_replication
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
+    norm = torch.stack([(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms]).sum().sqrt()
+    with implicit_replication():  # the plain norm scales each mesh's DTensor gradients
+        for g in groups:
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm, foreach=True)
+    return norm
