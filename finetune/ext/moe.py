@@ -98,18 +98,22 @@ class RouterLoss:
             gate.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output) -> None:
-        if not self.active:
-            return
-        logits = output[self.index] if isinstance(output, tuple) else output
+        # no op here, only a reference: under activation checkpointing the block re-runs in backward and must save
+        # the same tensors as in forward, so the loss's ops run after the forward (micro_batch_loss)
+        if self.active:
+            self.parts.append((type(module).__name__, output[self.index] if isinstance(output, tuple) else output))
+
+    def _sums(self, name: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k assignment counts per expert, detached; router probability sums per expert) over the real tokens."""
         logits = logits.reshape(-1, logits.shape[-1])
         if logits.shape[0] != self.mask.numel():
-            raise ModelError(f"the router of {type(module).__name__} saw {logits.shape[0]} tokens, the micro-batch "
-                             f"has {self.mask.numel()}: moe.aux_loss_coef cannot run with this layout (set it to 0)")
+            raise ModelError(f"the router of {name} saw {logits.shape[0]} tokens, the micro-batch has "
+                             f"{self.mask.numel()}: moe.aux_loss_coef cannot run with this layout (set it to 0)")
         probs = torch.softmax(logits.float(), dim=-1)
         selected = torch.topk(probs, self.top_k, dim=-1).indices
         counts = torch.zeros(probs.shape[-1], device=probs.device).scatter_add_(
             0, selected.reshape(-1), self.mask.repeat_interleave(self.top_k))
-        self.parts.append((counts, (probs * self.mask[:, None]).sum(dim=0)))
+        return counts, (probs * self.mask[:, None]).sum(dim=0)
 
     def begin_step(self, micro_batches: list[dict], num_label_tokens: int, device) -> None:
         """The step's global label-token count (train_step divides the gradients by it: the loss term is scaled up
@@ -132,8 +136,9 @@ class RouterLoss:
         """The differentiable term of this micro-batch (scaled by the global label count: see begin_step)."""
         if not self.parts:
             raise ModelError("moe.aux_loss_coef: no router ran in this micro-batch")
-        counts = torch.stack([c for c, _ in self.parts]).sum(dim=0)
-        probs = torch.stack([p for _, p in self.parts]).sum(dim=0)
+        sums = [self._sums(name, logits) for name, logits in self.parts]
+        counts = torch.stack([c for c, _ in sums]).sum(dim=0)
+        probs = torch.stack([p for _, p in sums]).sum(dim=0)
         rows = self.mask.sum() * len(self.parts)
         local = torch.cat([counts, probs.detach(), rows[None]]).double()
         self.step_sums = local if self.step_sums is None else self.step_sums + local
