@@ -302,8 +302,9 @@ def test_moe_models_train_on_two_ranks_as_one_process(arch, chat_file, tmp_path,
     assert "moe: router load-balancing loss coefficient 0.001 (the architecture default)" in printed, printed
     assert "moe: experts grouped_mm (2 MoE layers of " in printed
     two = sft(model_dir, chat_file, tmp_path / "two", *common, "train.micro_batch_size=2", nproc=2)
-    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
-    assert [r["aux_loss"] for r in two] == pytest.approx([r["aux_loss"] for r in one], rel=1e-5)
+    # fp32 summation order differs between the splits; at lr 1e-2 gpt-oss drifts by 1.02e-5 relative by step 4
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=5e-5)
+    assert [r["aux_loss"] for r in two] == pytest.approx([r["aux_loss"] for r in one], rel=5e-5)
     assert all(r["aux_loss"] > 0 for r in one)
     assert one[-1]["loss"] < one[0]["loss"]
     assert "aux_loss" in read_metrics(tmp_path / "one")[0]
