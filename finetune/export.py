@@ -240,7 +240,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
                    f"(tie_word_embeddings=false)")
             skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
         from .ext.verify import untrained_keys  # wired by the lead: the check compares these with the source
-        untrained = untrained_keys(skeleton, list(stored) if source.lora else None)
+        untrained = untrained_keys(skeleton)
         if source.lora:
             stored, load = open_merged(source, skeleton, stored, load)
         kept, disk = export_layout(source, skeleton, stored)

@@ -71,15 +71,10 @@ def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dt
     return entries
 
 
-def untrained_keys(skeleton: nn.Module, checkpoint_keys=None) -> list[str]:
-    """The tensors a run never trains: persistent buffers (a router's bias) and, under LoRA (`checkpoint_keys`: the
-    LoRA checkpoint's tensor names), each base weight with no adapter or trained copy of its module."""
-    keys = [n for n, _ in persistent_buffers(skeleton)]
-    if checkpoint_keys is not None:
-        adapted = {k.split(".lora_")[0].split(".modules_to_save.")[0] for k in checkpoint_keys
-                   if ".lora_" in k or ".modules_to_save." in k}
-        keys += [n for n, _ in skeleton.named_parameters() if n.rsplit(".", 1)[0] not in adapted]
-    return keys
+def untrained_keys(skeleton: nn.Module) -> list[str]:
+    """The tensors a run never trains and a full export writes from its checkpoint: persistent buffers (a router's
+    bias). (A LoRA export reads its frozen base from the source itself: open_merged.)"""
+    return [n for n, _ in persistent_buffers(skeleton)]
 
 
 @torch.no_grad()
@@ -90,6 +85,8 @@ def check_untrained(entries: dict[str, Entry], skeleton: nn.Module, disk: dict, 
     with the checkpoint alone cannot see it."""
     from ..load import is_prepared
     from ..weights import open_dcp
+    if not untrained:  # nothing to compare: the source is not opened
+        return
     if is_prepared(model_path):
         metas, load_source = open_dcp(Path(model_path) / "weights")
         by_key = {k: k for k in metas}
