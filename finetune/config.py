@@ -38,6 +38,8 @@ class ModelConfig:
                                  "flex_attention"] = "auto"
     liger: bool | str = "auto"  # Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra); auto: on CUDA
     compile: bool | str = "auto"  # torch.compile each decoder block (regional compile); auto: on CUDA
+    # MoE experts: one grouped GEMM (torch's grouped_mm), batched matmuls, or transformers' per-expert loop (eager)
+    experts_implementation: Literal["grouped_mm", "eager", "batched_mm"] = "grouped_mm"
     trust_remote_code: bool = False  # passed to from_pretrained
 
 
@@ -103,6 +105,13 @@ class LoraConfig:
 
 
 @dataclass
+class MoEConfig:  # mixture-of-experts models (finetune/ext/moe.py)
+    # router load-balancing loss weight over the global batch; -1: the architecture's router_aux_loss_coef (0 when
+    # it has none: DeepSeek-V3-style routers balance with a bias)
+    aux_loss_coef: float = -1.0
+
+
+@dataclass
 class ACConfig:
     ratio: float = 0.0  # fraction of decoder blocks under activation checkpointing, spread evenly (0..1)
     mode: Literal["block", "op"] = "block"  # block: recompute whole block; op: keep matmul/attention outputs
@@ -114,6 +123,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: replicate the model over this many groups of ranks (1 = plain FSDP over all)
     dp_shard: int = 0  # ranks that shard the model in each group (0 = launched ranks / dp_replicate / cp)
     cp: int = 1  # context parallelism: each row's tokens split over this many ranks (FSDP shards over dp_shard x cp)
+    ep: int = 1  # expert parallelism (MoE experts split over ranks): not supported yet, only 1
 
 
 @dataclass
@@ -159,6 +169,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     ac: ACConfig = field(default_factory=ACConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -349,6 +360,11 @@ def validate(cfg: Config) -> None:
             if not holds(get_key(cfg, key)):
                 raise ConfigError(f"{key} must be {rule}, got {get_key(cfg, key)!r}")
     tc, dc = cfg.train, cfg.data
+    if cfg.moe.aux_loss_coef < 0 and cfg.moe.aux_loss_coef != -1:
+        raise ConfigError(f"moe.aux_loss_coef must be >= 0 (or -1: the architecture's), got {cfg.moe.aux_loss_coef!r}")
+    if cfg.parallel.ep != 1:
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not supported yet; leave it at 1 "
+                          f"(FSDP shards the experts like every other weight)")
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
     if tc.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py

@@ -169,7 +169,7 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
     diff = None
     if check is not None:
         diff = check(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
-                     trust_remote_code=source.trust_remote_code)
+                     trust_remote_code=source.trust_remote_code, source=source.model_path)
         print0(f"verified: {len(kept)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
                f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
     return {"source": str(Path(checkpoint).resolve()),

@@ -19,7 +19,7 @@ from .compat import local_shape_and_offset
 from .distributed import is_main, print0
 from .errors import ModelError
 from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, fingerprint, hf_key, local_dir,
-                      open_dir, read_rows, read_tensor, tied_groups)
+                      missing_allowed, open_dir, persistent_buffers, read_rows, read_tensor, tied_groups)
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
@@ -46,6 +46,17 @@ def check_manifest(path: str, hf_config) -> None:
 def hf_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(HF key, parameter) for each parameter loaded from the base weights: all but the LoRA adapters."""
     return [(hf_key(n), p) for n, p in model.named_parameters() if hf_key(n) is not None]
+
+
+def hf_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(HF key, buffer) for each persistent buffer (a router's e_score_correction_bias, which picks the experts):
+    loaded like a parameter, whole on every rank (FSDP shards parameters only)."""
+    return [(hf_key(n), b) for n, b in persistent_buffers(model) if hf_key(n) is not None]
+
+
+def lacks_buffer(path: str, arch: str, key: str) -> str:
+    return (f"'{path}' lacks {key}, a persistent buffer of {arch} that transformers does not "
+            f"compute on load (left at its initial value it would change what the model computes)")
 
 
 def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, Entry] | str:
@@ -80,6 +91,15 @@ def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str,
             raise ModelError(f"'{path}': {key} is stored as {entry.dtype}, which does not load into a "
                              f"{str(param.dtype).replace('torch.', '')} parameter")
         located[key] = entry
+    for key, buf in hf_buffers(model):  # persistent buffers too: a router's bias left at zero re-routes every token
+        entry = stored.get(key)
+        if entry is None and not missing_allowed(skeleton, key):
+            raise ModelError(lacks_buffer(path, type(skeleton).__name__, key))
+        if entry is not None and entry.shape != tuple(buf.shape):
+            raise ModelError(f"'{path}': {key} has shape {list(entry.shape)}, the model of its config.json needs "
+                             f"{list(buf.shape)}")
+        if entry is not None:
+            located[key] = entry
     return located
 
 
@@ -102,6 +122,9 @@ def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
         for dim in range(1, rows.dim()):  # a layout sharded on other dims too: read the rows, keep the block
             rows = rows.narrow(dim, offset[dim], shape[dim])
         local.copy_(rows)
+    for key, buf in hf_buffers(model):
+        if key in located:
+            buf.copy_(read_tensor(located[key]))
 
 
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False) -> None:
@@ -118,19 +141,34 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
     """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards in
     turn. LoRA adapters are left to init_lora_weights."""
     from collections import Counter
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
-    full = None
-    if is_main():
-        from transformers import AutoModelForCausalLM
-        src = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
-        full = src.state_dict()
-        del src
-    params = hf_params(model)
+    full, problem = None, [None]
+    params, buffers = hf_params(model), hf_buffers(model)
     uses = Counter(key for key, _ in params)  # a module to save and its trained copy load the same tensor
     if is_main():
-        missing = [key for key in uses if key not in full]
+        from transformers import AutoModelForCausalLM
+        src, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code,
+                                                         output_loading_info=True)
+        full, arch = src.state_dict(), type(src).__name__
+        del src
+        # from_pretrained initialises what the checkpoint lacks (less what the class says it computes on load) and
+        # drops what the model has no place for (less what the class says to ignore): both would train another model
+        absent = set(info["missing_keys"])
+        missing = [key for key in uses if key not in full or key in absent]
+        lost = [key for key, _ in buffers if key in absent]
+        unexpected = sorted(info["unexpected_keys"])
         if missing:
-            raise ModelError(f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}")
+            problem[0] = f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}"
+        elif lost:
+            problem[0] = lacks_buffer(path, arch, lost[0])
+        elif unexpected:
+            problem[0] = (f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place for, "
+                          f"e.g. {unexpected[0]}")
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops, not rank 0 alone
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ModelError(problem[0])
     for key, param in params:
         uses[key] -= 1
         if is_main():
@@ -141,6 +179,11 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
         shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
         param.to_local().copy_(shard.to_local())
         del src_t
+    for key, buf in buffers:  # whole on every rank
+        if is_main():
+            buf.copy_(full.pop(key))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(buf, src=0)
 
 
 def load_prepared_weights(model: nn.Module, path: str) -> None:
@@ -153,6 +196,7 @@ def load_prepared_weights(model: nn.Module, path: str) -> None:
             copies.append((param, key))
         else:
             targets[key] = param
+    targets.update(hf_buffers(model))  # persistent buffers (a router's bias): prepare-checkpoint saved them
     dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
     with torch.no_grad():
         for param, key in copies:

@@ -156,7 +156,8 @@ def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
             f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s "
             f"({record['tokens_per_s_per_gpu']:.0f}/device" + (f", MFU {record['mfu']:.1%}" if "mfu" in record else "")
             + f") | mem {record['peak_mem_mb']:.0f} MB"
-            + (f" | reward acc {record['accuracy']:.2f} margin {record['margin']:.3f}" if "accuracy" in record else ""))
+            + (f" | reward acc {record['accuracy']:.2f} margin {record['margin']:.3f}" if "accuracy" in record else "")
+            + (f" | aux loss {record['aux_loss']:.4f}" if "aux_loss" in record else ""))
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.4f}")

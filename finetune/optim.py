@@ -8,14 +8,25 @@ import torch
 from torch import nn
 
 
+def by_mesh(params) -> list[list]:
+    """`params` grouped by the device mesh their DTensors live on (plain tensors together), in order of first
+    appearance: foreach ops and norms run per group (experts on a mesh of their own cannot share one with the rest)."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+    return list(groups.values())
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: no weight decay on embeddings, norms and biases (anything not a 2-D linear weight)."""
+    """Decay matrices only: no weight decay on embeddings, norms and biases (anything not a 2-D linear weight); each
+    split by device mesh when the parameters live on several (by_mesh)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": group, "weight_decay": wd} for params, wd in ((decay, weight_decay), (no_decay, 0.0))
+            for group in (by_mesh(params) or [[]])]
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],

@@ -21,7 +21,7 @@ from .loss import collate_labelled, token_loss_sum
 from .metrics import (MetricsLogger, attention_length, flops_per_token, peak_flops, peak_mem_mb, progress_bar,
                       report)
 from .model import Transforms, build_model, load_tokenizer
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, by_mesh
 
 
 class NonFiniteError(FinetuneError):
@@ -57,6 +57,7 @@ class Task:
     means: tuple = ()
     totals: tuple = ()
     begin_step: Callable | None = None  # (micro_batches, device) -> None: before the step's first forward
+    end_step: Callable | None = None  # () -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
     evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
     evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
 
@@ -139,12 +140,12 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     all_reduce(values)
     total = dict(zip(keys, values))
     count = total.get("count", total["num_tokens"]).clamp(min=1)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    torch._foreach_mul_(grads, (1 / count).float())
+    for group in by_mesh(p for p in model.parameters() if p.grad is not None):  # one foreach per device mesh
+        torch._foreach_mul_([p.grad for p in group], (1 / count).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
     result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
               **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means},
-              **{k: total[k] for k in task.totals}}
+              **{k: total[k] for k in task.totals}, **(task.end_step() if task.end_step is not None else {})}
     skipped = skip_nonfinite and not bool(torch.isfinite(torch.stack([result["loss"], result["grad_norm"]])).all())
     if not skipped:
         optimizer.step()
@@ -356,8 +357,18 @@ def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, 
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Global grad norm over all shards (clipped when max_norm > 0), as a tensor on the device."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
+    """Global grad norm over all shards (clipped when max_norm > 0), as a tensor on the device. Parameters on several
+    device meshes: the norm of each mesh's, combined (sqrt of the sum of squares), then each group clipped by it."""
+    groups = by_mesh(p for p in model.parameters() if p.grad is not None)
+    max_norm = max_norm if max_norm > 0 else float("inf")
+    if len(groups) <= 1:
+        params = groups[0] if groups else []
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    from torch.distributed.tensor.experimental import implicit_replication
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
+    norm = torch.stack([(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms]).sum().sqrt()
+    with implicit_replication():  # the plain norm scales each mesh's DTensor gradients
+        for g in groups:
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm, foreach=True)
+    return norm

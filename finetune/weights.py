@@ -56,6 +56,19 @@ def hf_key(fqn: str) -> str | None:
     return None if is_adapter(fqn) else base_name(clean_fqn(fqn))
 
 
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of each buffer the model's state dict holds (a router's e_score_correction_bias; not rotary
+    tables, which are computed at construction and not saved)."""
+    return [(f"{prefix}.{name}" if prefix else name, b) for prefix, m in model.named_modules()
+            for name, b in m._buffers.items() if b is not None and name not in m._non_persistent_buffers_set]
+
+
+def missing_allowed(model: nn.Module, key: str) -> bool:
+    """A tensor the model's class says is computed on load when a checkpoint lacks it (its
+    _keys_to_ignore_on_load_missing)."""
+    return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
+
+
 def tied_groups(model: nn.Module) -> list[list[str]]:
     """The names of each parameter, tied ones in one list (the first is the name it is stored by)."""
     groups: dict[int, list[str]] = {}

@@ -298,6 +298,8 @@ def dpo_task(cfg, run: Run) -> Task:
                                   partial(collate_pairs, pad_id=pad), run.device, run.out, run.resume_dir,
                                   cfg.checkpoint.resume)
     loss_fn = make_loss(cfg.dpo, reference)
+    from .moe import build_router_loss
+    build_router_loss(run.model, cfg.moe.aux_loss_coef, "dpo")  # none for dpo: a note where the model has one
 
     def evaluate_after(before):
         batches = pair_batches(iter(held_out), num_held_out, cfg.train.micro_batch_size,

@@ -49,6 +49,14 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
     if rank == 0:
         return None
     from peft import inject_adapter_in_model
+    from .moe import find_experts
+    experts = find_experts(model)
+    if target_modules == "all-linear" and experts:  # never attention-only in silence
+        raise ConfigError(f"lora.target_modules=\"all-linear\" on {type(model).__name__} would adapt no expert: its "
+                          f"experts ({len(experts)} MoE layers) are fused 3-D parameters, not Linear layers, and LoRA "
+                          f"on them is not supported yet; train the attention only (lora.target_modules=[\"q_proj\", "
+                          f"\"k_proj\", \"v_proj\", \"o_proj\"] or the model's own names) or train in full "
+                          f"(lora.rank=0)")
     targets = resolve_targets(model, layers, target_modules)
     check_names_match(model, "modules_to_save", modules_to_save)
     settings = {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": targets,

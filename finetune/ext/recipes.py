@@ -12,16 +12,19 @@ from ..train import Recipe, Run, Task
 
 
 def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    """The model transforms `cfg` asks for (Liger, context parallelism, LoRA, activation offload), bound to their
-    settings."""
+    """The model transforms `cfg` asks for (the experts' implementation and Liger, context parallelism, LoRA,
+    activation offload), bound to their settings."""
     from ..distributed import print0
     cuda, t = device.type == "cuda", Transforms()
+    liger = False
     if cfg.model.liger is not False:
         from .liger import resolve_liger
-        if resolve_liger(cfg.model.liger, cuda):
+        if liger := resolve_liger(cfg.model.liger, cuda):
             compile = resolve_compile(cfg.model.compile, cuda)
-            t.kernels, t.lm_head_in_root = partial(_kernels, compile=compile), True
+            t.lm_head_in_root = True
             t.note = "Liger fused loss only (compiled blocks)" if compile else "Liger on"
+    t.kernels = partial(_kernels, experts=cfg.model.experts_implementation, liger=liger,
+                        compile=resolve_compile(cfg.model.compile, cuda))
     if dims is not None and dims.cp > 1:
         from .context import apply_cp
         t.context_parallel = partial(apply_cp, group=dims.cp_group)
@@ -59,13 +62,19 @@ def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
     settings["base_fingerprint"] = base_fingerprint(path)
 
 
-def _kernels(model, layers, compile: bool) -> None:
-    from .liger import apply_kernels
-    apply_kernels(model, compile)
+def _kernels(model, layers, *, experts: str, liger: bool, compile: bool) -> None:
+    """The kernels slot: the MoE experts' implementation (a no-op for a dense model), then Liger's kernels."""
+    from .moe import apply_experts_implementation
+    apply_experts_implementation(model, experts)
+    if liger:
+        from .liger import apply_kernels
+        apply_kernels(model, compile)
 
 
 def sft_task(cfg: Config, run: Run) -> Task:
-    """sft's task with its extensions: the row split of context parallelism, held-out evaluation before and after."""
+    """sft's task with its extensions: the row split of context parallelism, held-out evaluation before and after,
+    an MoE router's load-balancing loss."""
+    from .moe import build_router_loss, router_task
     task = Task()
     if run.dims.cp > 1:
         from .context import collate_split
@@ -77,7 +86,8 @@ def sft_task(cfg: Config, run: Run) -> Task:
                            cfg.data.chat_template_kwargs)
         task.evaluate_before = held_out
         task.evaluate_after = lambda before: report_eval(held_out(), before, run.out)
-    return task
+    router = build_router_loss(run.model, cfg.moe.aux_loss_coef, "sft")
+    return router_task(task, router) if router is not None else task
 
 
 def export_hooks() -> dict:

@@ -14,7 +14,8 @@ from torch import nn
 from ..distributed import is_main, is_my_file
 from ..errors import FinetuneError, ModelError
 from ..model import build_skeleton, find_layers
-from ..weights import SAFETENSORS_CODES, Entry, disk_to_memory, open_dir, out_dtype_of, read_tensor, to_disk
+from ..weights import (SAFETENSORS_CODES, Entry, disk_to_memory, open_dir, open_safetensors, out_dtype_of,
+                       persistent_buffers, read_tensor, to_disk)
 
 
 class VerifyError(FinetuneError):
@@ -25,12 +26,15 @@ class VerifyError(FinetuneError):
 
 def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, kept: dict,
                   disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
-                  trust_remote_code: bool = False) -> float:
+                  trust_remote_code: bool = False, source: str | None = None) -> float:
     """`out` holds, bit for bit, what `kept`/`disk`/`shards` planned from `load` (a collective if `live`) and
-    config.json from hf_config, and reads back as the same model; returns the max abs logit diff (0.0 off rank 0)."""
+    config.json from hf_config, and reads back as the same model; returns the max abs logit diff (0.0 off rank 0).
+    `source`: the model the run started from: the tensors it never trains (untrained_keys) equal its own."""
     entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
+    if source:
+        check_untrained(entries, skeleton, disk, source, untrained_keys(skeleton))
     return check_logits(out, skeleton, load, hf_config, kept, disk, dtype, entries, trust_remote_code)
 
 
@@ -65,6 +69,41 @@ def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dt
                 raise VerifyError(f"export check: {d} in {entries[d].file.name} differs from the checkpoint's tensor")
         del want
     return entries
+
+
+def untrained_keys(skeleton: nn.Module) -> list[str]:
+    """The tensors a run never trains and a full export writes from its checkpoint: persistent buffers (a router's
+    bias). (A LoRA export reads its frozen base from the source itself: open_merged.)"""
+    return [n for n, _ in persistent_buffers(skeleton)]
+
+
+@torch.no_grad()
+def check_untrained(entries: dict[str, Entry], skeleton: nn.Module, disk: dict, model_path: str,
+                    untrained: list[str]) -> None:
+    """Each tensor the run never trained is exported as the source model holds it (rounded to the export dtype): a
+    load that dropped one (a routing bias left at its initial zeros) would also be in the checkpoint, so comparing
+    with the checkpoint alone cannot see it."""
+    from ..load import is_prepared
+    from ..weights import open_dcp
+    if not untrained:  # nothing to compare: the source is not opened
+        return
+    if is_prepared(model_path):
+        metas, load_source = open_dcp(Path(model_path) / "weights")
+        by_key = {k: k for k in metas}
+    else:
+        metas, load_source = open_safetensors(model_path, "source model")
+        by_key = {k: d for d, k in disk_to_memory(skeleton, metas).items() if k is not None}
+    from collections import Counter
+    count = Counter(k for k, _ in disk.values())  # a tensor exported in pieces (fused experts) is converted: skipped
+    pieces = {k: d for d, (k, _) in disk.items() if count[k] == 1}
+    for key in untrained:
+        name = pieces.get(key)
+        if key not in by_key or name not in entries:  # converted on disk, or computed on load
+            continue
+        got = read_tensor(entries[name])
+        if not torch.equal(got, load_source(by_key[key]).to(got.dtype)):
+            raise VerifyError(f"export check: {name} differs from the source model's ('{model_path}'): the run never "
+                              f"trains it, so it was not loaded from there")
 
 
 @torch.no_grad()

@@ -1,0 +1,197 @@
+"""Mixture-of-experts models: the router's load-balancing loss over the global batch (RouterLoss), the experts
+implementation (grouped GEMM, batched or per-expert loop), and the settings refused for now (expert parallelism).
+
+The load-balancing loss is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6, summed over the MoE
+layers): aux = E * sum_e f_e * P_e, f_e the share of top-k assignments to expert e, P_e its mean router probability,
+both over the real tokens of every layer. Here the sums run over the GLOBAL batch: counts are all-reduced, so the
+value is the same at any world size and micro-batch split. Its gradient flows through each rank's own P_e; f_e has
+none. Within a micro-batch f_e counts every rank's tokens (so 2 ranks == 1 process on their concatenation, exactly);
+across micro-batches of one step the gradient weighs each micro-batch's f_e by its share of the step's tokens (f of
+micro-batches not yet run is unknown when one runs backward); the reported value is the exact global one.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..distributed import all_reduce, print0
+from ..data import IGNORE_INDEX
+from ..errors import ModelError, one_line
+from ..train import Task
+
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
+
+
+def router_recorder(model: nn.Module) -> tuple[type, int] | None:
+    """(the router module class, the index of the router logits in its output) as transformers records them for
+    output_router_logits; None for a model without routers."""
+    rec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    if rec is None:
+        return None
+    if isinstance(rec, type):
+        return rec, 0
+    return rec.target_class, rec.index or 0
+
+
+def apply_experts_implementation(model: nn.Module, name: str) -> None:
+    """Run the experts of an MoE `model` (built from its config, before any wrapping) with `name` (one of
+    EXPERTS_IMPLEMENTATIONS), printed once; a model whose experts cannot (custom code, a per-expert module list)
+    runs its own loop, with a one-line note. A dense model is left as it is."""
+    if name not in EXPERTS_IMPLEMENTATIONS:
+        raise ConfigError(f"model.experts_implementation must be one of {', '.join(map(repr, EXPERTS_IMPLEMENTATIONS))}"
+                          f", got {name!r}")
+    if router_recorder(model) is None:
+        return
+    if not type(model)._can_set_experts_implementation():
+        print0(f"note: the experts of {type(model).__name__} cannot use model.experts_implementation={name}: they run "
+               f"the model's own per-expert loop (eager)")
+        return
+    try:
+        model.set_experts_implementation(name)
+    except (ValueError, ImportError, KeyError) as e:
+        print0(f"note: model.experts_implementation={name} cannot run here ({one_line(e)}): the experts run eager")
+        model.set_experts_implementation("eager")
+    experts = find_experts(model)
+    print0(f"moe: experts {model.config._experts_implementation} ({len(experts)} MoE layers"
+           f"{f' of {experts[0].num_experts} experts' if experts else ''})")
+
+
+def find_experts(model: nn.Module) -> list[nn.Module]:
+    """The fused expert modules (transformers' @use_experts_implementation classes: 3-D weights)."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel")]
+
+
+def default_aux_coef(model: nn.Module) -> float:
+    """The architecture's router_aux_loss_coef (0 for a model without routers, or whose family balances its experts
+    with a routing bias instead, like DeepSeek-V3: its config has no coefficient)."""
+    if router_recorder(model) is None:
+        return 0.0
+    return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def real_token_mask(batch: dict) -> torch.Tensor:
+    """(batch * seq,) float: 1 for the real tokens of a micro-batch, 0 for padding. Padded rows carry an
+    attention_mask; packed rows (position_ids, no mask) end in padding whose position ids are 0 after the last
+    sample's (a sample of 2+ tokens ends at a position > 0; a 1-token sample has no label and is never kept)."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].reshape(-1).float()
+    pos = batch["position_ids"]
+    idx = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    last = torch.where(pos != 0, idx, torch.zeros_like(idx)).amax(dim=-1, keepdim=True)
+    return (idx <= last).reshape(-1).float()
+
+
+class RouterLoss:
+    """Collects each router's logits through forward hooks while `collect(batch)` is open (a recompute under
+    activation checkpointing runs in backward, outside it, and is not counted twice). Per step: begin_step, then per
+    micro-batch `with collect(batch): loss = ...; loss = loss + micro_batch_loss()`, then end_step (the value)."""
+
+    def __init__(self, model: nn.Module, coef: float):
+        cls, self.index = router_recorder(model)
+        self.coef, self.top_k = coef, int(model.config.num_experts_per_tok)
+        self.gates = [m for m in model.modules() if isinstance(m, cls)]
+        if not self.gates:
+            raise ModelError(f"{type(model).__name__} records router logits from {cls.__name__}, but has none")
+        self.active, self.mask, self.parts = False, None, []
+        for gate in self.gates:
+            gate.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        # no op here, only a reference: under activation checkpointing the block re-runs in backward and must save
+        # the same tensors as in forward, so the loss's ops run after the forward (micro_batch_loss)
+        if self.active:
+            self.parts.append((type(module).__name__, output[self.index] if isinstance(output, tuple) else output))
+
+    def _sums(self, name: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k assignment counts per expert, detached; router probability sums per expert) over the real tokens."""
+        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.shape[0] != self.mask.numel():
+            raise ModelError(f"the router of {name} saw {logits.shape[0]} tokens, the micro-batch has "
+                             f"{self.mask.numel()}: moe.aux_loss_coef cannot run with this layout (set it to 0)")
+        probs = torch.softmax(logits.float(), dim=-1)
+        selected = torch.topk(probs, self.top_k, dim=-1).indices
+        counts = torch.zeros(probs.shape[-1], device=probs.device).scatter_add_(
+            0, selected.reshape(-1), self.mask.repeat_interleave(self.top_k))
+        return counts, (probs * self.mask[:, None]).sum(dim=0)
+
+    def begin_step(self, micro_batches: list[dict], num_label_tokens: int, device) -> None:
+        """The step's global label-token count (train_step divides the gradients by it: the loss term is scaled up
+        to match) and real-token count, in one all-reduce."""
+        num_real = sum(float(real_token_mask(b).sum()) for b in micro_batches)
+        totals = torch.tensor([num_label_tokens, num_real], dtype=torch.float64, device=device)
+        all_reduce(totals)
+        self.label_count, self.num_rows = totals[0].clamp(min=1), totals[1] * len(self.gates)
+        self.step_sums = None
+
+    @contextmanager
+    def collect(self, batch: dict):
+        self.mask, self.parts, self.active = real_token_mask(batch), [], True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def micro_batch_loss(self) -> torch.Tensor:
+        """The differentiable term of this micro-batch (scaled by the global label count: see begin_step)."""
+        if not self.parts:
+            raise ModelError("moe.aux_loss_coef: no router ran in this micro-batch")
+        sums = [self._sums(name, logits) for name, logits in self.parts]
+        counts = torch.stack([c for c, _ in sums]).sum(dim=0)
+        probs = torch.stack([p for _, p in sums]).sum(dim=0)
+        rows = self.mask.sum() * len(self.parts)
+        local = torch.cat([counts, probs.detach(), rows[None]]).double()
+        self.step_sums = local if self.step_sums is None else self.step_sums + local
+        this = torch.cat([counts, rows[None]]).double()
+        all_reduce(this)  # this micro-batch's counts over every rank
+        share = (this[:-1] / this[-1].clamp(min=1)).float()
+        num_experts = counts.numel()
+        scale = (self.coef * num_experts * self.label_count / self.num_rows.clamp(min=1)).float()
+        self.parts = []
+        return scale * (share * probs).sum()
+
+    def end_step(self) -> torch.Tensor:
+        """The step's load-balancing loss over the global batch (float64 device tensor; without the coefficient)."""
+        sums = self.step_sums.clone()
+        all_reduce(sums)
+        num_experts = (sums.numel() - 1) // 2
+        rows = sums[-1].clamp(min=1)
+        return num_experts * ((sums[:num_experts] / rows) * (sums[num_experts:-1] / rows)).sum()
+
+
+def build_router_loss(model: nn.Module, coef: float, task: str = "sft") -> RouterLoss | None:
+    """The RouterLoss of `model` at `coef` (-1: the architecture's, default_aux_coef), or None when that is 0 or the
+    model has no router; prints the coefficient an MoE model trains with."""
+    if router_recorder(model) is None:
+        if coef > 0:
+            raise ConfigError(f"moe.aux_loss_coef={coef}: {type(model).__name__} has no router")
+        return None
+    resolved = default_aux_coef(model) if coef == -1 else coef
+    if task != "sft" and resolved > 0:
+        print0(f"note: finetune {task} adds no router load-balancing loss (moe.aux_loss_coef applies to sft)")
+        return None
+    print0(f"moe: router load-balancing loss coefficient {resolved:g}"
+           f"{' (the architecture default)' if coef == -1 else ''}{', off' if resolved == 0 else ''}")
+    return RouterLoss(model, resolved) if resolved > 0 else None
+
+
+def router_task(task: Task, router: RouterLoss) -> Task:
+    """`task` with the router's load-balancing term added to each micro-batch's loss (the reported loss stays the
+    task's), and the step's global value reported as aux_loss."""
+    def begin_step(micro_batches: list[dict], device) -> None:
+        if task.begin_step is not None:
+            task.begin_step(micro_batches, device)
+        router.begin_step(micro_batches, sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches),
+                          device)
+
+    def loss(model, batch: dict):
+        with router.collect(batch):
+            value, stats = task.loss(model, batch)
+        return value + router.micro_batch_loss(), {"loss": value.detach(), **stats}
+
+    def end_step() -> dict:
+        return {**(task.end_step() if task.end_step is not None else {}), "aux_loss": router.end_step()}
+    return replace(task, loss=loss, begin_step=begin_step, end_step=end_step)
