@@ -38,6 +38,10 @@ class ModelConfig:
     liger: bool | str = "auto"  # Liger kernels (CUDA, or CPU under TRITON_INTERPRET=1; `gpu` extra); auto: on CUDA
     compile: bool | str = "auto"  # torch.compile each decoder block (regional compile); auto: on CUDA
     trust_remote_code: bool = False  # passed to from_pretrained
+    # FP8 matmuls in the decoder blocks' Linear layers through torchao (`fp8` extra; CUDA sm >= 8.9, emulated on
+    # CPU): dynamic scales per tensor or per row; lm_head, routers, embeddings stay bf16; weights stay in their dtype
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    fp8_all_gather: bool = True  # tensorwise under FSDP: all-gather weights in fp8 (scales computed after each step)
 
 
 Format = Literal["auto", "messages", "sharegpt", "alpaca", "pairs"]  # of data rows
@@ -315,6 +319,14 @@ def validate(cfg: Config) -> None:
             if not holds(get_key(cfg, key)):
                 raise ConfigError(f"{key} must be {rule}, got {get_key(cfg, key)!r}")
     tc, dc = cfg.train, cfg.data
+    if cfg.model.fp8 != "off":  # refusals that need no torchao (ext/float8.py checks the device and the shards)
+        tp = getattr(cfg.parallel, "tp", 1)  # tensor parallel, once it exists: fp8 with TP gives NaN (torchtitan#3109)
+        for bad, why in ((cfg.lora.rank, f"with LoRA (lora.rank={cfg.lora.rank}) is not supported yet: fp8 pays off "
+                                         "only from ~8B, where LoRA's frozen base would need its own fp8 path (the "
+                                         "adapter merge and export read the base weights); set model.fp8=off"),
+                         (tp > 1, f"with tensor parallel (parallel.tp={tp}) is not supported yet; set model.fp8=off")):
+            if bad:
+                raise ConfigError(f"model.fp8={cfg.model.fp8} {why}")
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
     if tc.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py

@@ -253,12 +253,16 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: str, lora: dict | None = None,
                 ac_ratio: float = 0.0, ac_mode: str = "block", ac_offload: bool = False, compile: bool = False,
-                liger: bool = False, kernels: bool = True) -> dict | None:
+                liger: bool = False, kernels: bool = True, fp8: str = "off", fp8_all_gather: bool = True,
+                fp8_emulate: bool = False) -> dict | None:
     """apply_* in their order (module docstring) on the meta skeleton; returns the LoRA settings a checkpoint records
     (None without LoRA). With `lora` (rank, alpha, dropout, target_modules, modules_to_save) the frozen base is
     kept in bf16 (fp32 when mixed_precision is fp32). kernels=False leaves Liger's kernels out but keeps the FSDP
     layout they need (plan's fake model: the kernels cannot run on fake tensors)."""
     apply_kernels(model, liger and kernels, compile)
+    if fp8 != "off":  # the float8 slot: Linear -> torchao's Float8Linear (ext/float8.py)  # wired by the lead
+        from .ext.float8 import apply_float8
+        apply_float8(model, fp8, shards=mesh.shape[-1], all_gather=fp8_all_gather, emulate=fp8_emulate)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     settings = apply_lora(model, find_layers(model), **lora, base_dtype=base_dtype) if lora and lora["rank"] else None
     apply_ac(model, ac_ratio, ac_mode, ac_offload)
@@ -271,7 +275,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool | str = False, liger: bool | str = False,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False, lora: dict | None = None,
                 seed: int = 0, packing: bool = False, cp_group=None,
-                ac_offload: bool = False) -> tuple[nn.Module, dict | None]:
+                ac_offload: bool = False, fp8: str = "off",
+                fp8_all_gather: bool = True) -> tuple[nn.Module, dict | None]:
     """A sharded model ready to train, with the weights of `path` (HF dir/id or prepared dir): fp32 masters, or
     with `lora` (rank, alpha, dropout, target_modules, modules_to_save) fp32 adapters on a frozen base kept in
     bf16 (fp32 when mixed_precision is fp32); and the LoRA settings its checkpoints record (None without LoRA),
@@ -291,11 +296,14 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, *, mixed_prec
         check_packing(model, find_layers(model), attn)
     if cp_group is not None:
         apply_cp(model, find_layers(model), cp_group)
+    if fp8 != "off":  # refuse a GPU or an install without fp8; note where it will not gain  # wired by the lead
+        from .ext.float8 import check_float8
+        check_float8(fp8, device, compile=compile, hidden_size=hf_config.get_text_config().hidden_size)
     if ac_offload and device.type != "cuda":
         print0("note: ac.offload is a no-op on CPU: activations already live in host memory")
     settings = parallelize(model, mesh, mixed_precision=mixed_precision, lora=lora, ac_ratio=ac_ratio,
                            ac_mode=ac_mode, ac_offload=ac_offload and device.type == "cuda", compile=compile,
-                           liger=liger)
+                           liger=liger, fp8=fp8, fp8_all_gather=fp8_all_gather, fp8_emulate=device.type != "cuda")
     _materialize(model, device)
     if is_prepared(path):
         load_prepared_weights(model, path)

@@ -141,8 +141,13 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims):
                               ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
                               liger=cfg.model.liger, attn_implementation=cfg.model.attn_implementation,
                               trust_remote_code=cfg.model.trust_remote_code, lora=asdict(cfg.lora), seed=tc.seed,
-                              packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload)
-    return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
+                              packing=cfg.data.packing, cp_group=dims.cp_group, ac_offload=cfg.ac.offload,
+                              fp8=cfg.model.fp8, fp8_all_gather=cfg.model.fp8_all_gather)
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    if cfg.model.fp8 == "tensorwise" and cfg.model.fp8_all_gather:  # the fp8 scales after each optimizer.step
+        from .ext.float8 import precompute_scales_after_step  # wired by the lead
+        precompute_scales_after_step(model, optimizer)
+    return model, optimizer, lora
 
 
 def setup_dpo(cfg: Config, model, tokenizer, dims, device, out: Path, resume_dir):
