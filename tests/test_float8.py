@@ -12,7 +12,8 @@ from helpers import BASE, invoke, losses, sft
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (the fp8 extra)")
-STEPS = ("train.max_steps=5", "train.micro_batch_size=2")
+# micro-batches of one row: a rank's micro-batch is then one of the 1-process run's, with the same dynamic scales
+STEPS = ("train.max_steps=5", "train.micro_batch_size=1", "train.grad_accum_steps=2")
 RECIPES = {"tensorwise": ("model.fp8=tensorwise", "model.fp8_all_gather=false"),
            "tensorwise_all_gather": ("model.fp8=tensorwise", "model.fp8_all_gather=true"),
            "rowwise": ("model.fp8=rowwise",)}
@@ -69,8 +70,7 @@ def test_two_ranks_train_like_one_process_and_within_2_percent_of_bf16(recipe, l
                                                                        bf16_two_ranks, capsys):
     two = sft(llama_dir, chat_file, tmp_path / "two", *STEPS, *RECIPES[recipe], nproc=2)
     assert "Linear layers in fp8" in capsys.readouterr().out
-    # 1 process, 2 micro-batches of 2: each micro-batch is the one a rank ran, so the same dynamic scales
-    one = sft(llama_dir, chat_file, tmp_path / "one", *STEPS, "train.grad_accum_steps=2", *RECIPES[recipe])
+    one = sft(llama_dir, chat_file, tmp_path / "one", *STEPS, "train.grad_accum_steps=4", *RECIPES[recipe])
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["loss"] for r in two] == pytest.approx(bf16_two_ranks, rel=0.02)
     assert [r["loss"] for r in two] != bf16_two_ranks  # the matmuls really ran in (emulated) fp8
@@ -79,36 +79,35 @@ def test_two_ranks_train_like_one_process_and_within_2_percent_of_bf16(recipe, l
 
 @needs_torchao
 def test_checkpoints_and_exports_keep_the_model_dtypes_and_resume_with_fp8_on_or_off(llama_dir, chat_file, tmp_path,
-                                                                                      bf16_two_ranks):
+                                                                                      capsys):
     import torch.distributed.checkpoint as dcp
 
     from test_export import export, read_weights
-    fp8 = RECIPES["tensorwise_all_gather"]
+    fp8, three = RECIPES["tensorwise_all_gather"], ("train.max_steps=3", *STEPS[1:], "checkpoint.interval=3")
     straight = [r["loss"] for r in sft(llama_dir, chat_file, tmp_path / "straight", *STEPS, *fp8, nproc=2)]
-    out = tmp_path / "run"
-    sft(llama_dir, chat_file, out, "train.max_steps=3", "train.micro_batch_size=2", "checkpoint.interval=3", *fp8,
-        nproc=2)
-    step3 = out / "checkpoints" / "step-3"
+    out, plain = tmp_path / "run", tmp_path / "plain"
+    sft(llama_dir, chat_file, out, *three, *fp8, nproc=2)
+    sft(llama_dir, chat_file, plain, *three, nproc=2)
+    step3, plain3 = out / "checkpoints" / "step-3", plain / "checkpoints" / "step-3"
     meta = dcp.FileSystemReader(str(step3)).read_metadata().state_dict_metadata
-    dtypes = {getattr(m, "properties", None) and m.properties.dtype for m in meta.values()} - {None}
+    dtypes = {m.properties.dtype for m in meta.values() if hasattr(m, "properties")}
     assert dtypes == {torch.float32}, dtypes  # fp32 masters and AdamW moments: no fp8 tensor, no torchao subclass
-    # the same names as a bf16 run's checkpoint
-    sft(llama_dir, chat_file, tmp_path / "bf16", "train.max_steps=3", "train.micro_batch_size=2",
-        "checkpoint.interval=3", nproc=2)
-    bf16_meta = dcp.FileSystemReader(str(tmp_path / "bf16" / "checkpoints" / "step-3")).read_metadata()
-    assert set(meta) == set(bf16_meta.state_dict_metadata)
-    # resumed with fp8 on: exactly the uninterrupted run; with fp8 off: the same weights go on in bf16
+    assert set(meta) == set(dcp.FileSystemReader(str(plain3)).read_metadata().state_dict_metadata)
+    # resumed with fp8 on: the uninterrupted run; with fp8 off, and fp8 on from a run without: trains on, announced
     sft(llama_dir, chat_file, out, *STEPS, "checkpoint.interval=3", *fp8, nproc=2)
-    assert losses(out) == pytest.approx(straight, rel=1e-6)
+    assert losses(out) == pytest.approx(straight, rel=1e-5)
+    capsys.readouterr()
     off = sft(llama_dir, chat_file, tmp_path / "off", *STEPS, f"checkpoint.resume_from={step3}", nproc=2)
-    assert [r["step"] for r in off] == [4, 5] and [r["loss"] for r in off] == pytest.approx(straight[3:], rel=0.02)
-    # the export: the model's own dtype, the names of a bf16 export, and its verify (logits) passes
-    printed = export(step3, tmp_path / "hf")
-    assert "verified" in printed
-    weights = read_weights(tmp_path / "hf")
-    export(tmp_path / "bf16" / "checkpoints" / "step-3", tmp_path / "hf_bf16")
-    assert {n: t.dtype for n, t in weights.items()} == \
-        {n: t.dtype for n, t in read_weights(tmp_path / "hf_bf16").items()}
+    assert "model.fp8 'tensorwise' -> 'off' (in effect from here)" in capsys.readouterr().out
+    on = sft(llama_dir, chat_file, tmp_path / "on", *STEPS, f"checkpoint.resume_from={plain3}", *fp8, nproc=2)
+    for tail in (off, on):
+        assert [r["step"] for r in tail] == [4, 5]
+        assert [r["loss"] for r in tail] == pytest.approx(straight[3:], rel=0.02)
+    # the export: the model's own dtype and tensor names, as a run without fp8 exports, and its check passes
+    assert "verified" in export(step3, tmp_path / "hf")
+    export(plain3, tmp_path / "hf_plain")
+    weights, plain_weights = read_weights(tmp_path / "hf"), read_weights(tmp_path / "hf_plain")
+    assert {n: t.dtype for n, t in weights.items()} == {n: t.dtype for n, t in plain_weights.items()}
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
 
@@ -154,3 +153,37 @@ def test_uneven_shards_under_fp8_all_gather_are_refused(capsys):
         apply_float8(skeleton(), "tensorwise", shards=3, emulate=True)
     apply_float8(skeleton(), "tensorwise", shards=3, all_gather=False, emulate=True)  # bf16 all-gather pads
     apply_float8(skeleton(), "rowwise", shards=3, emulate=True)  # rowwise never gathers fp8
+
+
+@pytest.mark.parametrize("recipe, expected", [
+    # the tiny Llama: 4 blocks of q, o (64 x 64), k, v (32 x 64), gate, up, down (160 x 64): 43,008 weights a block
+    ("tensorwise", -2 * 43_008 * (2 - 1) + 4 * 3 * 28),  # fp8 all-gather: 1 byte, not 2, for the 2 blocks in flight
+    ("rowwise", 43_008 + 4 * 4 * (2 * 128 + 2 * 96 + 3 * 224)),  # one block's fp8 copies; scales per row and column
+])
+def test_plan_counts_the_fp8_weights_in_flight_and_the_scales(recipe, expected, llama_dir):
+    import json
+    result = invoke("plan", "--model", llama_dir, "--nproc-per-node", 2, "--sac-ratios", "0", "--micro-batch-sizes",
+                    1, "--json", f"model.fp8={recipe}", "train.mixed_precision=bf16")
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = json.loads(result.stdout)
+    assert plan["in_flight"]["fp8"] == expected
+    off = json.loads(invoke("plan", "--model", llama_dir, "--nproc-per-node", 2, "--sac-ratios", "0",
+                            "--micro-batch-sizes", 1, "--json", "train.mixed_precision=bf16").stdout)
+    assert "fp8" not in off["in_flight"] and plan["points"][0]["total"] == off["points"][0]["total"] + expected
+
+
+@needs_torchao
+def test_bench_sweeps_fp8_beside_off(llama_dir, chat_file, tmp_path, monkeypatch):
+    import json
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "bench"
+    result = invoke("bench", "--model", llama_dir, "--dataset", chat_file, "--sac-ratios", "0", "--steps", 1,
+                    "--warmup", 0, "--fp8", "off,tensorwise", "--output-dir", out, "data.max_seq_len=64",
+                    "train.micro_batch_size=2", "train.mixed_precision=fp32")
+    assert result.exit_code == 0, (result.output, result.exception)
+    off, fp8 = json.loads((out / "bench.json").read_text())["points"]
+    assert (off["fp8"], fp8["fp8"]) == ("off", "tensorwise") and "error" not in off and "error" not in fp8
+    assert fp8["losses"] != off["losses"] and fp8["losses"] == pytest.approx(off["losses"], rel=0.02)
+    assert fp8["overhead"] == 0.0  # against the same model.fp8 at the smallest ratio, not against bf16
+    assert "| 0 | tensorwise | 0/4 |" in (out / "bench.md").read_text()
+    assert invoke("bench", "--model", llama_dir, "--fp8", "fp4").exit_code == 2

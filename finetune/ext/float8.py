@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import re
 
 import torch
@@ -25,7 +24,6 @@ from torch import nn
 
 from ..distributed import print0
 from ..errors import ModelError
-from ..model import shard_dim
 
 MIN_HIDDEN_SIZE = 4096  # below this the casts cost about what the fp8 GEMMs save (torchao's and torchtitan's tables)
 ROUTER_NAMES = ("gate", "router")  # the last name of an MoE's router Linear (Mixtral, Qwen-MoE: mlp.gate)
@@ -88,16 +86,11 @@ def describe_kept(kept: dict[str, str]) -> str:
 
 def float8_config(recipe: str, *, all_gather: bool, emulate: bool):
     """torchao's Float8LinearConfig for `recipe`, fp8 all-gather for tensorwise only, emulated matmuls on CPU."""
-    pytree_log = logging.getLogger("torch.utils._pytree")  # torchao registers enums that torch >= 2.15 supports
-    level = pytree_log.level  # natively: a deprecation warning per enum on import, about torchao, not this run
-    pytree_log.setLevel(logging.ERROR)
     try:
         from torchao.float8 import Float8LinearConfig
     except ImportError as e:
         raise ModelError(f"model.fp8={recipe} needs torchao: install the fp8 extra (pip install 'finetune[fp8]', "
                          f"or uv sync --extra fp8)") from e
-    finally:
-        pytree_log.setLevel(level)
     config = Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(config, emulate=emulate,
                                enable_fsdp_float8_all_gather=all_gather and recipe == "tensorwise")
@@ -115,10 +108,9 @@ def apply_float8(model: nn.Module, recipe: str, *, shards: int, all_gather: bool
     modules = dict(model.named_modules())
     if config.enable_fsdp_float8_all_gather:
         for name in convert:
-            shape = modules[name].weight.shape
-            dim = shard_dim(shape, shards)
-            if shape[dim] % shards:
-                raise ModelError(f"model.fp8=tensorwise with model.fp8_all_gather=true: {name} has {shape[dim]} rows, "
+            rows, cols = modules[name].weight.shape  # sharded on rows, or on columns the group divides (shard_dim)
+            if rows % shards and not (rows < shards and cols % shards == 0):
+                raise ModelError(f"model.fp8=tensorwise with model.fp8_all_gather=true: {name} has {rows} rows, "
                                  f"which the {shards} ranks sharding it do not divide (fp8 all-gather needs even "
                                  f"shards, pytorch/ao#3982); set model.fp8_all_gather=false or a world size that "
                                  f"divides it")
@@ -137,3 +129,26 @@ def precompute_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimi
     precompute_float8_dynamic_scale_for_fsdp), so the next forward's all-gathers need none of their own."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+
+
+def plan_float8_bytes(model: nn.Module, recipe: str, *, all_gather: bool, param_bytes: int) -> int:
+    """What fp8 changes in the bytes per GPU of `finetune plan`'s units in flight (FSDP's current and next block),
+    `model` the planned (unconverted) sharded model: gathering tensorwise weights in fp8 saves param_bytes - 1 bytes
+    per converted weight element of those two blocks (negative); otherwise the fp8 copies cast from the gathered
+    weights add one byte per element of one block (an upper bound: they live one Linear at a time). Plus the scales
+    in fp32: 3 per Linear tensorwise, one per weight row and column rowwise (the activations' per-token scales, a
+    few bytes per token, are not counted)."""
+    if recipe == "off":
+        return 0
+    convert, _ = float8_filter(model)
+    modules, per_block = dict(model.named_modules()), {}
+    for name in convert:
+        block = re.match(r"(.*?\.\d+)\.", name)  # the decoder block (FSDP unit) the Linear belongs to
+        key = block[1] if block else name
+        per_block[key] = per_block.get(key, 0) + modules[name].in_features * modules[name].out_features
+    largest = sorted(per_block.values())[-2:] or [0]
+    gathered_fp8 = recipe == "tensorwise" and all_gather
+    weights = -sum(largest) * (param_bytes - 1) if gathered_fp8 else max(largest)
+    scales = 4 * (3 * len(convert) if recipe == "tensorwise" else
+                  sum(modules[n].in_features + modules[n].out_features for n in convert))
+    return weights + scales
