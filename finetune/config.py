@@ -321,9 +321,9 @@ def validate(cfg: Config) -> None:
     tc, dc = cfg.train, cfg.data
     if cfg.model.fp8 != "off":  # refusals that need no torchao (ext/float8.py checks the device and the shards)
         tp = getattr(cfg.parallel, "tp", 1)  # tensor parallel, once it exists: fp8 with TP gives NaN (torchtitan#3109)
-        for bad, why in ((cfg.lora.rank, f"with LoRA (lora.rank={cfg.lora.rank}) is not supported yet: fp8 pays off "
-                                         "only from ~8B, where LoRA's frozen base would need its own fp8 path (the "
-                                         "adapter merge and export read the base weights); set model.fp8=off"),
+        for bad, why in ((cfg.lora.rank, f"with LoRA (lora.rank={cfg.lora.rank}) is not supported yet (peft's "
+                                         "adapters over torchao's Float8Linear, their merge and adapter export are "
+                                         "untested); set model.fp8=off or lora.rank=0"),
                          (tp > 1, f"with tensor parallel (parallel.tp={tp}) is not supported yet; set model.fp8=off")):
             if bad:
                 raise ConfigError(f"model.fp8={cfg.model.fp8} {why}")

@@ -84,7 +84,8 @@ def test_checkpoints_and_exports_keep_the_model_dtypes_and_resume_with_fp8_on_or
 
     from test_export import export, read_weights
     fp8, three = RECIPES["tensorwise_all_gather"], ("train.max_steps=3", *STEPS[1:], "checkpoint.interval=3")
-    straight = [r["loss"] for r in sft(llama_dir, chat_file, tmp_path / "straight", *STEPS, *fp8, nproc=2)]
+    straight = [r["loss"] for r in sft(llama_dir, chat_file, tmp_path / "straight", *STEPS, *fp8,
+                                       "checkpoint.export_hf=true", nproc=2)]  # and an export from the live model
     out, plain = tmp_path / "run", tmp_path / "plain"
     sft(llama_dir, chat_file, out, *three, *fp8, nproc=2)
     sft(llama_dir, chat_file, plain, *three, nproc=2)
@@ -109,6 +110,8 @@ def test_checkpoints_and_exports_keep_the_model_dtypes_and_resume_with_fp8_on_or
     weights, plain_weights = read_weights(tmp_path / "hf"), read_weights(tmp_path / "hf_plain")
     assert {n: t.dtype for n, t in weights.items()} == {n: t.dtype for n, t in plain_weights.items()}
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    live = read_weights(tmp_path / "straight" / "hf")
+    assert {n: t.dtype for n, t in live.items()} == {n: t.dtype for n, t in plain_weights.items()}
 
 
 def test_config_refusals_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path):
