@@ -173,7 +173,8 @@ def _op_sac_policy():
     save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_cudnn_attention.default}
+            aten._scaled_dot_product_cudnn_attention.default,
+            aten._scaled_mm.default}  # model.fp8's matmuls (torchao's Float8Linear on CUDA), as torchtitan saves them
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE

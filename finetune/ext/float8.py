@@ -128,7 +128,18 @@ def precompute_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimi
     """After each optimizer step, the fp8 scales of every all-gathered weight in one all-reduce (torchao's
     precompute_float8_dynamic_scale_for_fsdp), so the next forward's all-gathers need none of their own."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+
+    def precompute(*_):
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    optimizer.register_step_post_hook(precompute)
+
+    # and once more before the first forward, before FSDP's own hook all-gathers: weights change after this call
+    # without an optimizer step (a resumed checkpoint), and DCP's set-up of the optimizer state runs a step of its
+    # own before the load (state_dict._init_optim_state), whose scales would be those of the weights before it
+    def first_forward(*_):
+        precompute()
+        handle.remove()
+    handle = model.register_forward_pre_hook(first_forward, prepend=True)
 
 
 def plan_float8_bytes(model: nn.Module, recipe: str, *, all_gather: bool, param_bytes: int) -> int:
