@@ -41,6 +41,10 @@ class ModelConfig:
     # MoE experts: one grouped GEMM (torch's grouped_mm), batched matmuls, or transformers' per-expert loop (eager)
     experts_implementation: Literal["grouped_mm", "eager", "batched_mm"] = "grouped_mm"
     trust_remote_code: bool = False  # passed to from_pretrained
+    # FP8 matmuls in the decoder blocks' Linear layers through torchao (`fp8` extra; CUDA sm >= 8.9, emulated on
+    # CPU): dynamic scales per tensor or per row; lm_head, routers, embeddings stay bf16; weights stay in their dtype
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    fp8_all_gather: bool = True  # tensorwise under FSDP: all-gather weights in fp8 (scales computed after each step)
 
 
 Format = Literal["auto", "messages", "sharegpt", "alpaca", "pairs"]  # of data rows
@@ -365,6 +369,14 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.ep != 1:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not supported yet; leave it at 1 "
                           f"(FSDP shards the experts like every other weight)")
+    if cfg.model.fp8 != "off":  # refusals that need no torchao (ext/float8.py checks the device and the shards)
+        tp = getattr(cfg.parallel, "tp", 1)  # tensor parallel, once it exists: fp8 with TP gives NaN (torchtitan#3109)
+        for bad, why in ((cfg.lora.rank, f"with LoRA (lora.rank={cfg.lora.rank}) is not supported yet (peft's "
+                                         "adapters over torchao's Float8Linear, their merge and adapter export are "
+                                         "untested); set model.fp8=off or lora.rank=0"),
+                         (tp > 1, f"with tensor parallel (parallel.tp={tp}) is not supported yet; set model.fp8=off")):
+            if bad:
+                raise ConfigError(f"model.fp8={cfg.model.fp8} {why}")
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
     if tc.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py

@@ -206,7 +206,8 @@ def _op_sac_policy():
     save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_cudnn_attention.default} | sac_attention_ops()  # + varlen's and flex's ops
+            aten._scaled_dot_product_cudnn_attention.default,
+            aten._scaled_mm.default} | sac_attention_ops()  # + varlen's and flex's ops; fp8's matmuls (as torchtitan)
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE

@@ -33,6 +33,7 @@ class NonFiniteError(FinetuneError):
 class Run(NamedTuple):
     """What a task's setup may use: the built run, before its first step."""
     model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
     tokenizer: object
     dims: object  # distributed.ParallelDims
     device: torch.device
@@ -209,7 +210,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
     flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)
-    task = recipe.setup(cfg, Run(model, tokenizer, dims, device, out, resume_dir))
+    task = recipe.setup(cfg, Run(model, optimizer, tokenizer, dims, device, out, resume_dir))
     before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too

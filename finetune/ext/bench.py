@@ -111,7 +111,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
         task = Task(dpo.make_loss(cfg.dpo, dpo.reference_kind(cfg)),
                     partial(dpo.collate_pairs, table=defaultdict(lambda: [0.0, 0.0])), dpo.MEANS)
     else:
-        task = run.setup(cfg, Run(model, tok, dims, device, Path(cfg.output_dir), None))
+        task = run.setup(cfg, Run(model, optimizer, tok, dims, device, Path(cfg.output_dir), None))
     samples = iter(stream)
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
                                      dc.max_seq_len, task.collate, dims.cp) for _ in range(warmup + steps)]
@@ -202,9 +202,9 @@ def launch_point(job: dict, nproc: int) -> int:
 # ----------------------------------------------------------------------------------------------- the sweep
 
 def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps: int, warmup: int,
-              out_dir: Path, budget_mb: float | None, nproc: int = 1) -> list[dict]:
-    """Run every (ratio, accumulation) point in fresh processes (`nproc` ranks each); write bench.json/md/png;
-    print the table."""
+              out_dir: Path, budget_mb: float | None, nproc: int = 1, fp8s: list[str] | None = None) -> list[dict]:
+    """Run every (model.fp8 of `fp8s`, accumulation, ratio) point in fresh processes (`nproc` ranks each); write
+    bench.json/md/png; print the table."""
     from ..config import check_parallel
     p = cfg.parallel
     data_ranks = p.dp_replicate * check_parallel(p.dp_replicate, p.dp_shard, nproc, p.cp)
@@ -224,29 +224,29 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
     from ..model import load_hf_config
     ctx = start_workers(load_hf_config(cfg.model.path, cfg.model.trust_remote_code).model_type) if nproc == 1 else None
     rows = []
-    for accum in accums:
-        for ratio in ratios:
-            tag = f"ac.ratio={ratio:g} grad_accum={accum}"
-            overrides = {"ac.ratio": ratio, "train.grad_accum_steps": accum, "data.pad_to_max": True,
-                         "train.micro_batch_size": rank_batch // accum, "output_dir": str(out_dir)}
-            result_file = out_dir / f"point_r{ratio:g}_a{accum}.json"
-            result_file.unlink(missing_ok=True)
-            job = {"config": str(out_dir / "config.toml"), "overrides": overrides, "steps": steps,
-                   "warmup": warmup, "result": str(result_file)}
-            exit_code = launch_point(job, nproc) if ctx is None else run_process(ctx, job, tag)
-            row = json.loads(result_file.read_text()) if result_file.exists() else \
-                {"error": f"the worker died (exit code {exit_code})"}
-            result_file.unlink(missing_ok=True)
-            row.update(ac_ratio=ratio, grad_accum_steps=accum)
-            rows.append(row)
-            print(f"{tag}: " + (f"{row['step_time_s']:.3f} s/step, peak {row['peak_mem_mb']:.0f} MB, "
-                                f"saved for backward {row['saved_mb']:.1f} MB" if "error" not in row
-                                else f"failed: {row['error']}"), flush=True)
+    for fp8, accum, ratio in [(f, a, r) for f in fp8s or [cfg.model.fp8] for a in accums for r in ratios]:
+        tag = f"ac.ratio={ratio:g} grad_accum={accum}" + (f" model.fp8={fp8}" if fp8s else "")
+        overrides = {"ac.ratio": ratio, "train.grad_accum_steps": accum, "data.pad_to_max": True,
+                     "train.micro_batch_size": rank_batch // accum, "output_dir": str(out_dir), "model.fp8": fp8}
+        result_file = out_dir / f"point_r{ratio:g}_a{accum}_{fp8}.json"
+        result_file.unlink(missing_ok=True)
+        job = {"config": str(out_dir / "config.toml"), "overrides": overrides, "steps": steps,
+               "warmup": warmup, "result": str(result_file)}
+        exit_code = launch_point(job, nproc) if ctx is None else run_process(ctx, job, tag)
+        row = json.loads(result_file.read_text()) if result_file.exists() else \
+            {"error": f"the worker died (exit code {exit_code})"}
+        result_file.unlink(missing_ok=True)
+        row.update(ac_ratio=ratio, grad_accum_steps=accum, fp8=fp8)
+        rows.append(row)
+        print(f"{tag}: " + (f"{row['step_time_s']:.3f} s/step, peak {row['peak_mem_mb']:.0f} MB, "
+                            f"saved for backward {row['saved_mb']:.1f} MB" if "error" not in row
+                            else f"failed: {row['error']}"), flush=True)
     ok = [r for r in rows if "error" not in r]
     if not ok:
         raise SystemExit("error: every bench point failed; see the messages above")
-    for r in ok:  # overhead vs the smallest ratio (ratio 0 when swept) with the same split
-        base = min((b for b in ok if b["grad_accum_steps"] == r["grad_accum_steps"]), key=lambda b: b["ac_ratio"])
+    for r in ok:  # overhead vs the smallest ratio (ratio 0 when swept) with the same split and model.fp8
+        base = min((b for b in ok if (b["grad_accum_steps"], b["fp8"]) == (r["grad_accum_steps"], r["fp8"])),
+                   key=lambda b: b["ac_ratio"])
         r["overhead"] = r["step_time_s"] / base["step_time_s"] - 1
     budget_mb = budget_mb or ok[0]["device_memory_mb"]
     meta = {"model": cfg.model.path, "device": ok[0]["device"], "ac_mode": cfg.ac.mode, "seq_len": cfg.data.max_seq_len,
@@ -276,7 +276,8 @@ def recommend(rows: list[dict], budget_mb: float, cuda: bool) -> str:
         return (f"No point fits the memory budget of {budget_mb:,.0f} MB; the lowest peak is ac.ratio="
                 f"{low['ac_ratio']:g} (grad accum {low['grad_accum_steps']}) at {fit_mb(low, cuda):,.0f} MB.")
     best = max(fits, key=lambda r: r["tokens_per_s"])
-    split = f" train.micro_batch_size={best['micro_batch_size']} train.grad_accum_steps={best['grad_accum_steps']}"
+    split = f" train.micro_batch_size={best['micro_batch_size']} train.grad_accum_steps={best['grad_accum_steps']}" \
+        + (f" model.fp8={best['fp8']}" if best.get("fp8", "off") != "off" else "")
     return (f"Recommendation: ac.ratio={best['ac_ratio']:g}{split}: the fastest point within the memory budget of "
             f"{budget_mb:,.0f} MB ({best['tokens_per_s']:,.0f} tokens/s, peak {fit_mb(best, cuda):,.0f} MB).")
 
@@ -288,15 +289,17 @@ def format_table(rows: list[dict], meta: dict) -> str:
     lines = [f"AC sweep: {meta['model']} on {meta['device']}; seq {meta['seq_len']}, global batch "
              f"{meta['global_batch']}, {meta['mixed_precision']}, ac.mode={meta['ac_mode']}, median of "
              f"{meta['steps']} steps after {meta['warmup']} warm-up; {ranks}; {MFU_CONVENTION}", "",
-             f"| ac.ratio | blocks | micro x accum | step time (s) | tokens/s per device | MFU | {mem} "
-             f"| saved for backward (MB) | overhead vs ratio {base:g} |", "|---:" * 9 + "|"]
+             f"| ac.ratio | fp8 | blocks | micro x accum | step time (s) | tokens/s per device | MFU | {mem} "
+             f"| saved for backward (MB) | overhead vs ratio {base:g} |", "|---:" * 10 + "|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['ac_ratio']:g} | | x{r['grad_accum_steps']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['ac_ratio']:g} | {r['fp8']} | | x{r['grad_accum_steps']} | failed: {r['error']} "
+                         f"| | | | | |")
             continue
         peak = f"{r['peak_mem_mb']:,.0f}" + (f" / {r['peak_reserved_mb']:,.0f}" if meta["cuda"] else "")
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
-        lines.append(f"| {r['ac_ratio']:g} | {len(r['ac_blocks'])}/{r['num_layers']} | {r['micro_batch_size']} x "
+        lines.append(f"| {r['ac_ratio']:g} | {r['fp8']} | {len(r['ac_blocks'])}/{r['num_layers']} | "
+                     f"{r['micro_batch_size']} x "
                      f"{r['grad_accum_steps']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} "
                      f"| {r['saved_mb']:,.1f}{' (eager)' if r.get('saved_eager') else ''} "
                      f"| {r.get('overhead', 0):+.1%} |")
@@ -310,10 +313,10 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     mem_label = "peak reserved (MB)" if meta["cuda"] else "peak RSS (MB)"
     panels = [("step_time_s", "median step time (s)"), ("mem", mem_label), ("saved_mb", "saved for backward (MB)")]
-    for accum in sorted({r["grad_accum_steps"] for r in rows}):
-        pts = sorted((r for r in rows if r["grad_accum_steps"] == accum and "error" not in r),
+    for accum, fp8 in sorted({(r["grad_accum_steps"], r["fp8"]) for r in rows}):
+        pts = sorted((r for r in rows if (r["grad_accum_steps"], r["fp8"]) == (accum, fp8) and "error" not in r),
                      key=lambda r: r["ac_ratio"])
-        label = f"micro {pts[0]['micro_batch_size']} x accum {accum}" if pts else None
+        label = f"micro {pts[0]['micro_batch_size']} x accum {accum}, fp8 {fp8}" if pts else None
         for ax, (key, _) in zip(axes, panels):
             ys = [fit_mb(r, meta["cuda"]) if key == "mem" else r[key] for r in pts]
             ax.plot([r["ac_ratio"] for r in pts], ys, marker="o", label=label)

@@ -34,6 +34,7 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
           output_dir: str = typer.Option("outputs/bench", "--output-dir", "-o", help="bench.json/md/png go here"),
           grad_accum: Optional[str] = typer.Option(None, "--grad-accum", help="also sweep splits of the same global "
                                                    "batch into this many micro-batches, e.g. 1,2,4"),
+          fp8: Optional[str] = typer.Option(None, "--fp8", help="also sweep model.fp8 over these, e.g. off,tensorwise"),
           memory_budget: Optional[float] = typer.Option(None, "--memory-budget", help="MB the recommended point "
                                                         "must fit (default: GPU memory, or host RAM on CPU)"),
           nproc_per_node: int = NPROC, debug: bool = DEBUG):
@@ -43,6 +44,8 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         from .bench import run_bench
         ratios = parse_list(sac_ratios, "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers in [0, 1]")
         accums = parse_list(grad_accum, "--grad-accum", int, lambda a: a > 0, "integers > 0") if grad_accum else None
+        fp8s = parse_list(fp8, "--fp8", str.strip, lambda f: f in ("off", "tensorwise", "rowwise"),
+                          "off, tensorwise or rowwise") if fp8 else None
         check_flag("--steps", steps > 0, "> 0", steps)
         check_flag("--warmup", warmup >= 0, ">= 0", warmup)
         check_flag("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)", memory_budget)
@@ -50,7 +53,7 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model path fails here, not per point
         set_threads(nproc_per_node)
-        run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget, nproc_per_node)
+        run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget, nproc_per_node, fp8s)
     guarded(run, debug)
 
 

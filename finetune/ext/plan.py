@@ -185,7 +185,12 @@ def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], s
             for mbs, seq in shapes:
                 runs[ratio, (mbs, seq)] = measure_micro_batch(model, mbs, seq)
     with fake_mode:
-        return runs, measure_state(model)
+        measured = measure_state(model)
+    if cfg.model.fp8 != "off":  # fp8's weight copies in flight and scales (the fake model itself stays unconverted)
+        from .float8 import plan_float8_bytes
+        measured["in_flight"]["fp8"] = plan_float8_bytes(model, cfg.model.fp8, all_gather=cfg.model.fp8_all_gather,
+                                                         param_bytes=2 if cfg.train.mixed_precision == "bf16" else 4)
+    return runs, measured
 
 
 def point(runs: dict, ratio: float, shape: tuple[int, int], fixed: float, num_layers: int) -> dict:

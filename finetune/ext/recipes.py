@@ -25,6 +25,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
             t.note = "Liger fused loss only (compiled blocks)" if compile else "Liger on"
     t.kernels = partial(_kernels, experts=cfg.model.experts_implementation, liger=liger,
                         compile=resolve_compile(cfg.model.compile, cuda))
+    if cfg.model.fp8 != "off":
+        t.float8 = partial(_float8, cfg=cfg, device=device, shards=dims.mesh.shape[-1] if dims is not None else 1)
     if dims is not None and dims.cp > 1:
         from .context import apply_cp
         t.context_parallel = partial(apply_cp, group=dims.cp_group)
@@ -71,10 +73,27 @@ def _kernels(model, layers, *, experts: str, liger: bool, compile: bool) -> None
         apply_kernels(model, compile)
 
 
+def _float8(model, layers, *, cfg: Config, device: torch.device, shards: int) -> None:
+    """The float8 slot: refusals and notes for this device, then Linear layers swapped for torchao's Float8Linear."""
+    from .float8 import apply_float8, check_float8
+    m = cfg.model
+    check_float8(m.fp8, device, compile=resolve_compile(m.compile, device.type == "cuda"),
+                 hidden_size=model.config.get_text_config().hidden_size)
+    apply_float8(model, m.fp8, shards=shards, all_gather=m.fp8_all_gather, emulate=device.type != "cuda")
+
+
+def float8_scales(cfg: Config, run: Run) -> None:
+    """Tensorwise fp8 with fp8 all-gather: every weight's scale in one all-reduce after each optimizer step."""
+    if cfg.model.fp8 == "tensorwise" and cfg.model.fp8_all_gather:
+        from .float8 import precompute_scales_after_step
+        precompute_scales_after_step(run.model, run.optimizer)
+
+
 def sft_task(cfg: Config, run: Run) -> Task:
     """sft's task with its extensions: the row split of context parallelism, held-out evaluation before and after,
     an MoE router's load-balancing loss."""
     from .moe import build_router_loss, router_task
+    float8_scales(cfg, run)
     task = Task()
     if run.dims.cp > 1:
         from .context import collate_split
