@@ -77,7 +77,7 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, l
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
     model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
-    t = replace(transforms(cfg, None, torch.device("cuda")), kernels=None,  # as on the planned GPUs
+    t = replace(transforms(cfg, None, torch.device("cuda")), kernels=None, float8=None,  # fp8: plan_float8_bytes
                 lm_head_in_root=liger)
     parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ac_ratio, ac_mode=cfg.ac.mode)
     with fake_mode:
