@@ -3,12 +3,14 @@ parameters beside its input; those stay where they are (no host copy, no copy ba
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
 from finetune.compat import storage_key
+from finetune.ext.offload import HostOffload, Offloaded
 from finetune.model import apply_ac, apply_compile, find_layers
 from finetune.weights import clean_fqn
 
@@ -34,7 +36,7 @@ def test_offload_packs_activations_and_never_a_parameter(model2, monkeypatch, co
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     want = loss_and_grads(copy.deepcopy(model2), ids)
     model = copy.deepcopy(model2)
-    apply_ac(model, 1.0, "block", offload=True)
+    apply_ac(model, 1.0, "block", partial(Offloaded, offload=HostOffload()))  # the ac_wrap slot, as ext/recipes fills
     if compiled:  # apply_compile's path, with a backend that needs no C++ compiler: AOTAutograd saves as inductor
         compile_ = nn.Module.compile
         monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager", **kw))
