@@ -70,13 +70,14 @@ EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "
 REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 
-def extension(name: str, what: str):
-    """finetune.ext.<name>, for `what` (a command or key); a ConfigError when this installation lacks it."""
+def extension(name: str, what: str, load: bool = True):
+    """finetune.ext.<name> (imported when `load`), for `what` (a command or key); a ConfigError when this
+    installation lacks it."""
     import importlib
     import importlib.util
     if importlib.util.find_spec("finetune.ext") is None or importlib.util.find_spec(f"finetune.ext.{name}") is None:
         raise ConfigError(f"{what} needs the extension finetune/ext/{name}.py, which this installation lacks")
-    return importlib.import_module(f"finetune.ext.{name}")
+    return importlib.import_module(f"finetune.ext.{name}") if load else None
 
 
 def check_extensions(cfg: Config) -> None:
@@ -85,7 +86,7 @@ def check_extensions(cfg: Config) -> None:
     for key, name in EXTENSION_KEYS.items():
         if get_key(cfg, key) != get_key(default, key) and get_key(cfg, key) not in ("auto", False):
             try:
-                extension(name, f"{key}={get_key(cfg, key)!r}")
+                extension(name, f"{key}={get_key(cfg, key)!r}", load=False)
             except ConfigError as e:
                 if key not in REPORTS:
                     raise
@@ -332,6 +333,10 @@ def main():
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torchao (imported by peft where it is installed) registers an Enum with torch's pytree, which logs a
+    # deprecation warning in every process: not ours to act on, and it would break the one-line errors
+    import logging
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     signal.signal(signal.SIGINT, interrupted)
     app()
 

@@ -100,7 +100,7 @@ def test_fused_loss_accumulates_its_gradients_in_fp32(llama_dir, monkeypatch):
     import liger_kernel.transformers.functional as liger_f
 
     from finetune.loss import label_targets, token_loss_sum
-    from finetune.model import apply_kernels
+    from finetune.ext.liger import apply_kernels
     real, seen = liger_f.liger_fused_linear_cross_entropy, []
 
     @functools.wraps(real)  # the same signature: Liger passes on only the arguments its function takes
@@ -112,7 +112,7 @@ def test_fused_loss_accumulates_its_gradients_in_fp32(llama_dir, monkeypatch):
     monkeypatch.setattr(liger_f, "liger_fused_linear_cross_entropy", fused)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model, plain = load(llama_dir), load(llama_dir)
-    apply_kernels(model, liger=True, compile=True)  # the fused loss only, as with regional compile
+    apply_kernels(model, compile=True)  # the fused loss only, as with regional compile
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, **label_targets(ids, None)}
     got = token_loss_sum(model, batch)

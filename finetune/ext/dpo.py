@@ -299,7 +299,7 @@ def dpo_task(cfg, run: Run) -> Task:
                                   cfg.checkpoint.resume)
     loss_fn = make_loss(cfg.dpo, reference)
     from .moe import build_router_loss
-    from .recipes import float8_scales
+    from .float8 import float8_scales
     float8_scales(cfg, run)
     build_router_loss(run.model, cfg.moe.aux_loss_coef, "dpo")  # none for dpo: a note where the model has one
 

@@ -163,3 +163,9 @@ def plan_float8_bytes(model: nn.Module, recipe: str, *, all_gather: bool, param_
     scales = 4 * (3 * len(convert) if recipe == "tensorwise" else
                   sum(modules[n].in_features + modules[n].out_features for n in convert))
     return weights + scales
+
+
+def float8_scales(cfg, run) -> None:
+    """Tensorwise fp8 with fp8 all-gather: every weight's scale in one all-reduce after each optimizer step."""
+    if cfg.model.fp8 == "tensorwise" and cfg.model.fp8_all_gather:
+        precompute_scales_after_step(run.model, run.optimizer)

@@ -82,16 +82,10 @@ def _float8(model, layers, *, cfg: Config, device: torch.device, shards: int) ->
     apply_float8(model, m.fp8, shards=shards, all_gather=m.fp8_all_gather, emulate=device.type != "cuda")
 
 
-def float8_scales(cfg: Config, run: Run) -> None:
-    """Tensorwise fp8 with fp8 all-gather: every weight's scale in one all-reduce after each optimizer step."""
-    if cfg.model.fp8 == "tensorwise" and cfg.model.fp8_all_gather:
-        from .float8 import precompute_scales_after_step
-        precompute_scales_after_step(run.model, run.optimizer)
-
-
 def sft_task(cfg: Config, run: Run) -> Task:
     """sft's task with its extensions: the row split of context parallelism, held-out evaluation before and after,
     an MoE router's load-balancing loss."""
+    from .float8 import float8_scales
     from .moe import build_router_loss, router_task
     float8_scales(cfg, run)
     task = Task()
