@@ -131,6 +131,23 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def dcp_metadata_text(path: Path) -> str:
+    """A DCP .metadata's content without what differs between identical saves (StorageMeta's random save_id; its
+    checkpoint_id is the path, normalised by the caller): sorted reprs of the tensors' metadata and storage."""
+    import pickle
+
+    import torch.distributed.checkpoint  # noqa: F401  (the pickled classes)
+    md = pickle.loads(path.read_bytes())
+    lines = [f"version {md.version!r}", f"planner_data {md.planner_data!r}"]
+    lines += sorted(f"state {k!r}: {v!r}" for k, v in md.state_dict_metadata.items())
+    lines += sorted(f"storage {k!r}: {v!r}" for k, v in (md.storage_data or {}).items())
+    sm = md.storage_meta
+    if sm is not None:
+        lines.append(f"storage_meta checkpoint_id={str(sm.checkpoint_id)!r} load_id={sm.load_id!r} "
+                     f"modules={sm.modules!r}")
+    return "\n".join(lines) + "\n"
+
+
 def child_cpu() -> float:
     import resource
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -142,8 +159,8 @@ def sha(text: str | bytes) -> str:
 
 
 class Harness:
-    def __init__(self, out: Path, models: Path, fresh: bool, only: str | None):
-        self.out, self.models, self.fresh = out, models, fresh
+    def __init__(self, out: Path, models: Path, fresh: bool, only: str | None, jobs: int = 1):
+        self.out, self.models, self.fresh, self.jobs = out, models, fresh, jobs
         self.only = re.compile(only) if only else None
         self.manifest: dict = {}
         self.timings: dict = {}  # wall seconds per case
@@ -208,7 +225,7 @@ for name, argv in cases:
         if not cases:
             return
         files = [(n.replace("/", "__"), n, a) for n, a in cases]
-        cpu = child_cpu()
+        cpu, t0 = child_cpu(), time.time()
         if self.fresh:
             results = []
             for fname, name, argv in files:
@@ -218,7 +235,7 @@ for name, argv in cases:
                                         stderr=fe).returncode
                 results.append([fname, rc, round(time.time() - t, 2)])
         else:
-            spec = self.out / "_batch.json"
+            spec = self.out / f"_batch_{files[0][1].split('/')[0]}.json"
             spec.write_text(json.dumps([[f, a] for f, _, a in files]))
             proc = subprocess.run([PY, "-c", self.BATCH, str(spec), str(self.raw)], cwd=ROOT, env=self.env,
                                   stdout=subprocess.PIPE, text=True)
@@ -226,7 +243,10 @@ for name, argv in cases:
             spec.unlink()
             if proc.returncode:
                 print(f"warning: batch interpreter exited {proc.returncode}", file=sys.stderr)
-        self.cpu[f"batch:{cases[0][0].split('/')[0]}"] = round(child_cpu() - cpu, 2)
+        kind = cases[0][0].split("/")[0]
+        if self.jobs == 1:
+            self.cpu[f"batch:{kind}"] = round(child_cpu() - cpu, 2)
+        print(f"  {kind} batch: {len(cases)} calls, {time.time() - t0:.0f}s", flush=True)
         done = {r[0]: r for r in results}
         for fname, name, argv in files:
             if fname not in done:
@@ -252,7 +272,8 @@ for name, argv in cases:
         proc = subprocess.run([PY, "-m", "finetune", *argv], cwd=ROOT, env=self.env, capture_output=True, text=True)
         secs = round(time.time() - t, 2)
         self.timings[name] = secs
-        self.cpu[name] = round(child_cpu() - cpu, 2)
+        if self.jobs == 1:  # the cpu of this process's children: per case only when one runs at a time
+            self.cpu[name] = round(child_cpu() - cpu, 2)
         (self.raw / f"{fname}.out").write_text(proc.stdout)
         (self.raw / f"{fname}.err").write_text(proc.stderr)
         self.record(f"{name}:rc", proc.returncode)
@@ -262,7 +283,8 @@ for name, argv in cases:
         if proc.returncode:
             self.record_text(f"{name}:stderr", proc.stderr[-2000:], keep=400)
             print(f"  {name}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-        print(f"  {name}: rc {proc.returncode}, {secs}s ({self.cpu[name]}s cpu)", flush=True)
+        print(f"  {name}: rc {proc.returncode}, {secs}s" + (f" ({self.cpu[name]}s cpu)" if name in self.cpu else ""),
+              flush=True)
         return proc.returncode
 
     def record_files(self, name: str, root: Path, pattern: str = "*") -> None:
@@ -274,11 +296,17 @@ for name, argv in cases:
             if not p.is_file() or p.name.startswith(".finetune") or p.suffix == ".lock":
                 continue
             rel = p.relative_to(root)
+            if p.name == ".metadata":
+                self.record(f"{name}/{rel}", "sha256:" + sha(self.norm(dcp_metadata_text(p))))
+                continue
             if p.suffix == ".json":
                 try:
                     data = json.loads(p.read_text())
                     if isinstance(data, dict):
                         data.pop("time", None)
+                        if p.name == "finetune_complete.json":  # of .metadata, which holds a random save id
+                            data.pop("metadata_sha256", None)
+                            data.get("files", {}).pop(".metadata", None)
                     self.record(f"{name}/{rel}", "sha256:" + sha(self.norm(json.dumps(data, sort_keys=True))))
                     continue
                 except ValueError:
@@ -424,55 +452,79 @@ def plan_cases(models: Path) -> list[tuple[str, list[str]]]:
                                                  "--gpu-memory", "1GB", "--json", "parallel.dp_replicate=2"])]
 
 
-def run_all(h: Harness) -> None:
+def chains(h: Harness) -> list:
+    """The cases as chains of steps: a chain runs in order (later steps read earlier outputs); chains are
+    independent of each other (--jobs runs that many at a time)."""
     M = h.models
     STEPS = ["train.max_steps=3", "train.log_interval=1", "checkpoint.export_hf=true", "train.mixed_precision=fp32"]
     TEST_DATA = ["--dataset", f"{M}/data/chat.jsonl", "eval.path=", "train.micro_batch_size=4", "train.lr=1e-3"]
-
-    t = time.time()
-    h.cli_batch(preview_cases(M))
-    print(f"preview-data: {time.time() - t:.0f}s", flush=True)
-    t = time.time()
-    h.cli_batch(plan_cases(M))
-    print(f"plan: {time.time() - t:.0f}s", flush=True)
-
-    # sft on one rank
-    tiny = h.train("sft/tiny_full", "sft", STEPS + ["eval.num_samples=8"])
-    h.train("sft/tiny_full_nopack", "sft", STEPS + ["data.packing=false", "eval.path=", "train.max_steps=2"])
-    lora = h.train("sft/llama_lora", "sft", ["--model", f"{M}/llama", *TEST_DATA, *STEPS, "lora.rank=8"])
-    h.export("export/llama_lora_adapter", lora, ["--adapter"])
-    h.export("export/llama_lora_merged_fp32", lora, ["--dtype", "float32"])
-    h.train("sft/qwen_tied_lora_mts", "sft", ["--model", f"{M}/qwen_tied", *TEST_DATA, *STEPS, "lora.rank=8",
-                                              'lora.modules_to_save=["lm_head"]'])
-    qfull = h.train("sft/qwen_tied_full", "sft", ["--model", f"{M}/qwen_tied", *TEST_DATA, *STEPS,
-                                                  "train.mixed_precision=bf16", "ac.ratio=0.5"])
-    h.export("export/qwen_tied_full_sharded", qfull, ["--max-shard-size", "100KB"])
-    for arch in ("neox", "mixtral", "gemma2"):
-        h.train(f"sft/{arch}_full", "sft", ["--model", f"{M}/{arch}", *TEST_DATA, *STEPS, "train.max_steps=2"])
-    # exact resume: sft/tiny_full's final checkpoint (step 3) on to step 4 in another dir
-    h.train("sft/tiny_resume", "sft", ["--resume-from", str(tiny / "checkpoints" / "step-3"), "eval.path=",
-                                       "train.log_interval=1", "train.mixed_precision=fp32", "train.max_steps=4"])
-    # prepare-checkpoint, then sft from the prepared dir
-    if h.wanted("prepare/llama"):
-        prep = h.runs / "prepare__llama"
-        shutil.rmtree(prep, ignore_errors=True)
-        h.cli("prepare/llama", ["prepare-checkpoint", "--model", f"{M}/llama", "--output-dir", str(prep)],
-              stdout_norm=strip_timings)
-        h.record_files("prepare/llama", prep)
-        h.train("sft/llama_from_prepared", "sft", ["--model", str(prep), *TEST_DATA, *STEPS, "train.max_steps=2"])
-
-    # dpo: from the sft export (README), LoRA with the adapters as reference, SimPO
-    hf = tiny / "hf"
+    tiny = h.runs / "sft__tiny_full"
+    lora = h.runs / "sft__llama_lora"
+    qfull = h.runs / "sft__qwen_tied_full"
+    prep = h.runs / "prepare__llama"
     DPO = ["train.max_steps=3", "train.log_interval=1", "eval.num_samples=16", "train.mixed_precision=fp32"]
-    h.train("dpo/from_sft", "dpo", ["--model", str(hf), *DPO, "checkpoint.export_hf=true"])
-    h.train("dpo/lora_adapters_ref", "dpo", [*DPO, "lora.rank=8", "eval.path="])
-    h.train("dpo/simpo", "dpo", [*DPO, "dpo.loss=simpo", "dpo.beta=2.0", "eval.path=", "train.max_steps=2"])
-
-    # ranks: context parallelism and HSDP
     RANKS = ["train.max_steps=3", "train.log_interval=1", "eval.path=", "train.mixed_precision=fp32",
              "checkpoint.export_hf=true"]
-    h.train("ranks/cp2", "sft", RANKS + ["parallel.cp=2"], nproc=2)
-    h.train("ranks/hsdp_2x2", "sft", RANKS + ["parallel.dp_replicate=2", "train.micro_batch_size=2"], nproc=4)
+
+    def prepare():
+        if h.wanted("prepare/llama"):
+            shutil.rmtree(prep, ignore_errors=True)
+            h.cli("prepare/llama", ["prepare-checkpoint", "--model", f"{M}/llama", "--output-dir", str(prep)],
+                  stdout_norm=strip_timings)
+            h.record_files("prepare/llama", prep)
+
+    return [
+        # ranks: context parallelism and HSDP (first: the longest chain)
+        [lambda: h.train("ranks/cp2", "sft", RANKS + ["parallel.cp=2"], nproc=2),
+         lambda: h.train("ranks/hsdp_2x2", "sft", RANKS + ["parallel.dp_replicate=2", "train.micro_batch_size=2"],
+                         nproc=4)],
+        # preview-data and plan, each a batch in one interpreter
+        [lambda: h.cli_batch(preview_cases(M)), lambda: h.cli_batch(plan_cases(M))],
+        # the embedded model; exact resume from its final checkpoint (step 3 -> 4, another dir); dpo from its
+        # export (README)
+        [lambda: h.train("sft/tiny_full", "sft", STEPS + ["eval.num_samples=8"]),
+         lambda: h.train("sft/tiny_resume", "sft", ["--resume-from", str(tiny / "checkpoints" / "step-3"),
+                                                    "eval.path=", "train.log_interval=1",
+                                                    "train.mixed_precision=fp32", "train.max_steps=4"]),
+         lambda: h.train("dpo/from_sft", "dpo", ["--model", str(tiny / "hf"), *DPO, "checkpoint.export_hf=true"]),
+         lambda: h.train("sft/tiny_full_nopack", "sft", STEPS + ["data.packing=false", "eval.path=",
+                                                                 "train.max_steps=2"])],
+        # LoRA (export-hf --adapter), tied + modules_to_save, tied full (bf16, ac; export fp32 in 100KB shards)
+        [lambda: h.train("sft/llama_lora", "sft", ["--model", f"{M}/llama", *TEST_DATA, *STEPS, "lora.rank=8"]),
+         lambda: h.export("export/llama_lora_adapter", lora, ["--adapter"]),
+         lambda: h.train("sft/qwen_tied_lora_mts", "sft", ["--model", f"{M}/qwen_tied", *TEST_DATA, *STEPS,
+                                                           "lora.rank=8", 'lora.modules_to_save=["lm_head"]']),
+         lambda: h.train("sft/qwen_tied_full", "sft", ["--model", f"{M}/qwen_tied", *TEST_DATA, *STEPS,
+                                                       "train.mixed_precision=bf16", "ac.ratio=0.5"]),
+         lambda: h.export("export/qwen_tied_full_fp32_sharded", qfull, ["--dtype", "float32", "--max-shard-size",
+                                                                        "100KB"])],
+        # other architectures' load/export paths; prepare-checkpoint and sft from the prepared dir
+        [*[(lambda arch=arch: h.train(f"sft/{arch}_full", "sft", ["--model", f"{M}/{arch}", *TEST_DATA, *STEPS,
+                                                                  "train.max_steps=2"]))
+           for arch in ("neox", "mixtral", "gemma2")],
+         prepare,
+         lambda: h.train("sft/llama_from_prepared", "sft", ["--model", str(prep), *TEST_DATA, *STEPS,
+                                                            "train.max_steps=2"])],
+        # dpo: LoRA with the adapters as reference, SimPO
+        [lambda: h.train("dpo/lora_adapters_ref", "dpo", [*DPO, "lora.rank=8", "eval.path="]),
+         lambda: h.train("dpo/simpo", "dpo", [*DPO, "dpo.loss=simpo", "dpo.beta=2.0", "eval.path=",
+                                              "train.max_steps=2"])],
+    ]
+
+
+def run_all(h: Harness, jobs: int) -> None:
+    def run(chain):
+        for step in chain:
+            step()
+    todo = chains(h)
+    if jobs <= 1:
+        for chain in todo:
+            run(chain)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(jobs) as pool:
+        for f in [pool.submit(run, c) for c in todo]:
+            f.result()
 
 
 def main() -> int:
@@ -483,10 +535,11 @@ def main() -> int:
                                                 "OUT_DIR/models")
     ap.add_argument("--build-models", type=Path, metavar="DIR", help="only build the fixed inputs into DIR")
     ap.add_argument("--fresh", action="store_true", help="preview-data/plan: one process per case")
-    ap.add_argument("--only", help="regex: run only the matching cases")
+    ap.add_argument("--only", help="regex: run only the matching cases (and what they read must be there)")
+    ap.add_argument("--jobs", type=int, default=1, help="independent chains of cases run at a time (default 1)")
     args = ap.parse_args()
-    if not (ROOT / "finetune").is_dir() or not (ROOT / "tests").is_dir():
-        ap.error(f"run from a checkout of finetune (cwd {ROOT})")
+    if not (ROOT / "pyproject.toml").is_file() or not (ROOT / "examples").is_dir():
+        ap.error(f"run from the root of a checkout of finetune (cwd {ROOT})")
     if args.build_models:
         build_models(args.build_models.resolve())
         return 0
@@ -502,13 +555,13 @@ def main() -> int:
     bad = [k for k, v in listed.items() if not (models / k).exists() or sha256_file(models / k) != v]
     if bad:
         sys.exit(f"error: {models} differs from its MANIFEST.json: {bad[:5]}")
-    h = Harness(out, models, args.fresh, args.only)
+    h = Harness(out, models, args.fresh, args.only, args.jobs)
     t0 = time.time()
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
     try:
-        run_all(h)
+        run_all(h, args.jobs)
     finally:
         shutil.rmtree(out / "_datasets_cache", ignore_errors=True)
         total = round(time.time() - t0, 1)
@@ -516,7 +569,8 @@ def main() -> int:
         (out / "manifest.json").write_text(json.dumps(dict(sorted(h.manifest.items())), indent=1) + "\n")
         (out / "run_info.json").write_text(json.dumps({
             "commit": git, "dirty": bool(dirty), "root": str(ROOT), "python": PY, "models": str(models),
-            "fresh": args.fresh, "only": args.only, "seconds": total, "cpu_seconds": round(child_cpu(), 1),
+            "fresh": args.fresh, "only": args.only, "jobs": args.jobs, "seconds": total,
+            "cpu_seconds": round(child_cpu(), 1),
             "timings": h.timings, "cpu": h.cpu}, indent=1) + "\n")
     kinds: dict = {}
     for key in h.manifest:
