@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path.cwd().resolve()
 PY = sys.executable
+PARTIAL = re.compile(r"(\.partial-)\d+")
 VOLATILE_METRICS = re.compile(r"(per_s|time|mem|mfu)")  # wall-clock and memory fields of metrics.jsonl
 
 # ----------------------------------------------------------------------------- fixed inputs (built once)
@@ -181,7 +182,7 @@ class Harness:
         """Paths that differ between checkouts and output dirs, as placeholders."""
         for path, tag in ((self.out, "$OUT"), (self.models, "$MODELS"), (ROOT, "$ROOT")):
             text = text.replace(str(path), tag)
-        return text
+        return PARTIAL.sub(r"\1<pid>", text)  # staging dirs (.<name>.partial-<pid>) in DCP metadata
 
     def record(self, key: str, value) -> None:
         self.manifest[key] = value
