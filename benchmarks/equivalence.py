@@ -18,8 +18,17 @@ their wall-clock "time" dropped). Paths are written as $ROOT (the checkout), $OU
 preview-data and plan run in one interpreter (runpy of the `finetune` package as `python -m finetune` does, one
 case after the other: the import of torch/transformers is paid once); --fresh runs each in its own process.
 Training, export and prepare run as their own processes (ranks through the CLI's launcher).
-`--only REGEX` keeps the matching cases (a partial manifest). Environment: offline, OMP_NUM_THREADS=1,
-TOKENIZERS_PARALLELISM=false, a fresh datasets cache under OUT_DIR (removed at the end).
+`--only REGEX` keeps the matching cases (a partial manifest; compare it with equivalence_compare.py --common; a case
+that reads another's output needs that one too). `--jobs 2` runs independent chains of cases side by side.
+Environment: offline, OMP_NUM_THREADS=1, TOKENIZERS_PARALLELISM=false, a fresh datasets cache under OUT_DIR
+(removed at the end).
+
+Determinism (93647d2, CPU, torch gloo): two runs (--jobs 2 and --jobs 1) give equal manifests, every float and
+every shard bit for bit, the 2- and 4-rank runs included; --fresh gives what the shared interpreter gives. What
+differed before normalising, and is normalised here: DCP's .metadata (a random StorageMeta.save_id and the
+checkpoint path, with the pid of prepare-checkpoint's staging dir) and the checkpoint marker's sha256/size of it;
+the markers' and exports' wall-clock "time"; tokens/s, memory and seconds in metrics.jsonl and on the console.
+About 13 minutes of CPU (15 s of it per process is importing torch/transformers).
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path.cwd().resolve()
 PY = sys.executable
+PARTIAL = re.compile(r"(\.partial-)\d+")
 VOLATILE_METRICS = re.compile(r"(per_s|time|mem|mfu)")  # wall-clock and memory fields of metrics.jsonl
 
 # ----------------------------------------------------------------------------- fixed inputs (built once)
@@ -181,7 +191,7 @@ class Harness:
         """Paths that differ between checkouts and output dirs, as placeholders."""
         for path, tag in ((self.out, "$OUT"), (self.models, "$MODELS"), (ROOT, "$ROOT")):
             text = text.replace(str(path), tag)
-        return text
+        return PARTIAL.sub(r"\1<pid>", text)  # staging dirs (.<name>.partial-<pid>) in DCP metadata
 
     def record(self, key: str, value) -> None:
         self.manifest[key] = value

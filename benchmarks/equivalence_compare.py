@@ -78,7 +78,8 @@ def main() -> int:
     ignore = [re.compile(r) for r in args.ignore]
     tolerant = {re.compile(k): v for k, v in TOLERANT.items()} if args.tolerant else {}
     differ = 0
-    for key in sorted(set(ma) | set(mb)):
+    keys = sorted(set(ma) & set(mb) if args.common else set(ma) | set(mb))
+    for key in keys:
         if key.startswith("_inputs/") and key in ma and key in mb and ma[key] != mb[key]:
             print(f"INPUTS DIFFER {key}: the two runs used different --models dirs")
             differ += 1
@@ -96,9 +97,15 @@ def main() -> int:
         if rtol is None:
             continue
         if not close(ma[key], mb[key], rtol):
-            print(f"DIFFERS {key}\n    A: {show(ma[key])}\n    B: {show(mb[key])}{raw_hint(args.a, args.b, key)}")
+            va, vb = ma[key], mb[key]
+            where = ""
+            if isinstance(va, list) and isinstance(vb, list):  # metrics: the first differing step
+                i = next((i for i, (x, y) in enumerate(zip(va, vb)) if not close(x, y, rtol)), min(len(va), len(vb)))
+                where, va, vb = f" (item {i} of {len(va)} / {len(vb)})", va[i:i + 1], vb[i:i + 1]
+            print(f"DIFFERS {key}{where}\n    A: {show(va, 400)}\n    B: {show(vb, 400)}"
+                  f"{raw_hint(args.a, args.b, key)}")
             differ += 1
-    print(f"{differ} of {len(set(ma) | set(mb))} entries differ ({args.a} vs {args.b})")
+    print(f"{differ} of {len(keys)} entries differ ({args.a} vs {args.b})")
     return 1 if differ else 0
 
 
