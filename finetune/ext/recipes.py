@@ -16,15 +16,13 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     activation offload), bound to their settings."""
     from ..distributed import print0
     cuda, t = device.type == "cuda", Transforms()
-    liger = False
+    compile, liger = resolve_compile(cfg.model.compile, cuda), False
     if cfg.model.liger is not False:
         from .liger import resolve_liger
         if liger := resolve_liger(cfg.model.liger, cuda):
-            compile = resolve_compile(cfg.model.compile, cuda)
             t.lm_head_in_root = True
             t.note = "Liger fused loss only (compiled blocks)" if compile else "Liger on"
-    t.kernels = partial(_kernels, experts=cfg.model.experts_implementation, liger=liger,
-                        compile=resolve_compile(cfg.model.compile, cuda))
+    t.kernels = partial(_kernels, experts=cfg.model.experts_implementation, liger=liger, compile=compile)
     if cfg.model.fp8 != "off":
         t.float8 = partial(_float8, cfg=cfg, device=device, shards=dims.mesh.shape[-1] if dims is not None else 1)
     if dims is not None and dims.cp > 1:
