@@ -1,5 +1,4 @@
-"""What every command shares: the common options, the run's config built from preset + flags + overrides, and the
-checks of flag values (one line naming the flag)."""
+"""What every command shares: the common options, the config from preset + flags + overrides, flag checks."""
 from __future__ import annotations
 
 import os
@@ -25,8 +24,8 @@ FLAGS = {"model.path": "--model", "data.path": "--dataset", "output_dir": "--out
 
 
 def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
-    """Preset + flags (--model etc., by their config keys) + key=value overrides, validated, with a model, data and
-    output dir (FLAGS); with check, their paths too."""
+    """Preset + flags (by their config keys) + key=value overrides, validated, with the FLAGS' keys set; with check,
+    their paths too."""
     values = {key: value for key, value in flags.items() if value is not None}
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -46,8 +45,8 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], check: 
 
 
 def check_paths(cfg: Config) -> None:
-    """Path errors within a second, before torch is imported: a local-looking path that is not there, an output
-    dir that is a file, and hub ids while the hub cannot be reached (huggingface_hub would retry for ~30 s)."""
+    """Path errors before torch is imported: a missing local-looking path, an output dir that is a file, hub ids
+    while the hub cannot be reached (huggingface_hub would retry for ~30 s)."""
     paths = {"model.path": cfg.model.path, "data.path": cfg.data.path, "eval.path": cfg.eval.path,
              **{f"data.sources[{j}].path": src.path for j, src in enumerate(cfg.data.sources)}}
     remote = {k: v for k, v in paths.items() if v and not Path(v).expanduser().exists()}
@@ -67,17 +66,6 @@ def check_paths(cfg: Config) -> None:
         key, value = next(iter(remote.items()))
         raise ConfigError(f"{key} '{value}' is not a local path and the Hugging Face hub ({url.netloc}) cannot be "
                           f"reached: pass a local path, or set HF_HUB_OFFLINE=1 to use the local cache") from None
-
-
-def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
-    """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(ok(v) for v in values):
-        raise ConfigError(f"{flag} must be comma-separated {rule}, got {text!r}")
-    return values
 
 
 def check_flag(flag: str, ok: bool, rule: str, value) -> None:

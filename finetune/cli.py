@@ -1,7 +1,4 @@
-"""The `finetune` command: sft, dpo, preview-data, prepare-checkpoint, export-hf, bench, plan; launches ranks
-(torchrun's engine).
-
-Bad input (config, paths, data, checkpoints) ends with one line on stderr and exit code 2 (`guarded`)."""
+"""The `finetune` command and its subcommands; bad input ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
 
 import os
@@ -11,40 +8,49 @@ from pathlib import Path
 from typing import List, NoReturn, Optional
 
 import typer
-try:  # typer >= 0.22 carries its own click
-    from typer._click.exceptions import NoSuchOption
-except ImportError:
-    from click.exceptions import NoSuchOption
 
 from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
-from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, closest_key, export_dtype_name, get_key,
-                     parse_shard_size, set_key)
-from .launch import guarded, launch
+from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key, parse_shard_size,
+                     set_key)
+from .launch import guarded
+from .launch import launch as launch_ranks
 from .lock import RUN_LOCK, hold_run_lock, release_lock
 from .outdir import check_writable
 
 
-class Commands(typer.core.TyperGroup):
-    """The commands; an unknown --flag that names a config key says how to set it (`--lr` -> train.lr=VALUE),
-    where click alone would suggest --help."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except NoSuchOption as e:
-            key = e.option_name.lstrip("-").replace("-", "_")
-            hint = closest_key(key, Config)  # " (did you mean 'train.lr'?)"
-            takes_keys = any(p.name == "overrides" for p in self.commands[ctx.invoked_subcommand].params)
-            # click's own near flag wins (--outpt -> --output-dir), except its --help for anything short
-            if hint and takes_keys and ("." in hint or not [p for p in e.possibilities or [] if p != "--help"]):
-                e.message, e.possibilities = f"No such option: {e.option_name}{hint[:-2]} as a key=value " \
-                                             "override?)", None
-            raise
+# The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
+# need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
+EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan"}  # ext/commands.py
+EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
+                  "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
+                  "model.fp8": "float8"}
+REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 
-app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Fine-tune Hugging Face causal LMs with FSDP2: sft, dpo, preview-data, prepare-checkpoint, "
-                       "export-hf, bench, plan.")
+def has_extensions() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("finetune.ext") is not None
+
+
+def extension(name: str, what: str, load: bool = True):
+    """finetune.ext.<name> (imported when `load`), for `what`; a ConfigError when this installation lacks it."""
+    import importlib.util
+    if not has_extensions() or importlib.util.find_spec(f"finetune.ext.{name}") is None:
+        raise ConfigError(f"{what} needs the extension finetune/ext/{name}.py, which this installation lacks")
+    return importlib.import_module(f"finetune.ext.{name}") if load else None
+
+
+def optional(name: str):
+    """finetune.ext.<name>, or None where this installation lacks it."""
+    try:
+        return extension(name, "")
+    except ConfigError:
+        return None
+
+
+app = typer.Typer(cls=getattr(optional("flag_hints"), "Commands", None), add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False, help="Fine-tune Hugging Face causal LMs with FSDP2: sft, dpo, "
+                  "preview-data, prepare-checkpoint, export-hf, bench, plan.")
 
 
 def print_version(value: bool) -> None:
@@ -60,24 +66,9 @@ def options(version: bool = typer.Option(False, "--version", callback=print_vers
     pass
 
 
-
-# The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
-# need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
-EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan"}  # ext/commands.py
-EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
-                  "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
-                  "model.fp8": "float8"}
-REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
-
-
-def extension(name: str, what: str, load: bool = True):
-    """finetune.ext.<name> (imported when `load`), for `what` (a command or key); a ConfigError when this
-    installation lacks it."""
-    import importlib
-    import importlib.util
-    if importlib.util.find_spec("finetune.ext") is None or importlib.util.find_spec(f"finetune.ext.{name}") is None:
-        raise ConfigError(f"{what} needs the extension finetune/ext/{name}.py, which this installation lacks")
-    return importlib.import_module(f"finetune.ext.{name}") if load else None
+def launch(*args, **kwargs):
+    """launch.launch, the ranks' errors as one line where the extension is installed (ext/rank_errors.py)."""
+    return launch_ranks(*args, errors=getattr(optional("rank_errors"), "rank_errors", None), **kwargs)
 
 
 def check_extensions(cfg: Config) -> None:
@@ -97,13 +88,11 @@ def check_extensions(cfg: Config) -> None:
 
 def run_recipe(cfg: Config, task: str):
     """What a run of `task` passes to train.train: finetune.ext's recipe, or (without extensions) the core's sft."""
-    import importlib.util
-
     from .train import Recipe
     if task != "sft":
         extension(task, f"finetune {task}")
     check_extensions(cfg)
-    if importlib.util.find_spec("finetune.ext") is None:
+    if not has_extensions():
         return Recipe()
     return extension("recipes", f"finetune {task}").recipe(cfg, task)
 
@@ -114,55 +103,11 @@ def export_hooks() -> dict:
     return {} if importlib.util.find_spec("finetune.ext") is None else extension("recipes", "export-hf").export_hooks()
 
 
-def preflight(cfg: Config, task: str = "sft") -> str | None:
-    """Fail fast, before any rank starts: model config, tokenizer with a chat template, the checkpoint to resume
-    (intact, same architecture, a LoRA one on its base), readable data and eval set. Returns why there is nothing
-    to do, if so."""
-    from dataclasses import asdict
-
-    from .checkpoint import check_arch, check_base, check_run, find_resume, read_marker
-    from .data import open_sources, require_chat_template
-    from .load import base_fingerprint
-    from .model import load_hf_config
-    from .train import run_tokenizer
-    import torch
-    from .attention import check_trainable
-    check_trainable(cfg.model.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")  # ranks' device
-    hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
-    resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
-    require_chat_template(run_tokenizer(cfg, resume)[0], f"model {cfg.model.path}")
-    if resume is not None:
-        check_arch(resume, hf_config)
-        lora = read_marker(resume).get("lora")
-        # the LoRA base now, not after loading it (a hub id: by the ranks, once downloaded)
-        if lora and cfg.lora.rank and "base_fingerprint" in lora and Path(cfg.model.path).is_dir():
-            check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
-    # the same task and (of the same architecture) the same model, or a hint for what was asked
-    check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task, cfg.model.path, base_fingerprint)
-    dc = cfg.data
-    sources = open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split,
-                           name=dc.name or None, streaming=dc.streaming)
-    sources += open_sources(cfg.eval.path) if cfg.eval.path else []  # checked now, not when training ends
-    for src in sources:  # sft trains (and evaluates) conversations, dpo preference pairs
-        if (src.fmt == "pairs") != (task == "dpo"):
-            raise ConfigError(f"{src.spec['path']}: " + ("preference pairs (columns 'chosen' and 'rejected'): train "
-                              "them with `finetune dpo`" if task == "sft" else "`finetune dpo` needs preference "
-                              "pairs: columns 'chosen' and 'rejected' (and optionally 'prompt')"))
-    if task == "dpo":
-        extension("dpo", "finetune dpo").reference_kind(cfg)
-    step = read_marker(resume)["step"] if resume is not None else 0
-    if step >= cfg.train.max_steps:
-        return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
-                f"{cfg.train.max_steps}; raise train.max_steps to train on")
-    return None
-
-
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
 
 
 def train_command(task: str):
-    """The `sft` or `dpo` command: the same flags, presets, output dir, lock and launch; train.train(cfg, the task's
-    recipe)."""
+    """The `sft` or `dpo` command: train.train(cfg, the task's recipe) on the launched ranks."""
     def command(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
                 model: Optional[str] = MODEL, dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT,
                 nproc_per_node: int = NPROC,
@@ -201,7 +146,7 @@ def train_command(task: str):
             if locks and lock.parent.is_dir():
                 hold_run_lock(lock, f"output dir {cfg.output_dir}")
             try:
-                nothing_to_do = preflight(cfg, task)
+                nothing_to_do = (checks := optional("preflight")) and checks.preflight(cfg, task)
             except BaseException:
                 release_lock(lock)
                 raise
@@ -244,10 +189,7 @@ def missing(name: str):
 
 def add_extension_commands() -> None:
     """The extensions' commands (ext/commands.py), or where it is missing, commands that say so."""
-    try:
-        commands = extension("commands", "").COMMANDS
-    except ConfigError:
-        commands = {}
+    commands = getattr(optional("commands"), "COMMANDS", {})
     loose = {"ignore_unknown_options": True, "allow_extra_args": True}
     for name in [n for n in EXTENSION_COMMANDS if n != "dpo"]:
         app.command(name, context_settings={} if name in commands else loose)(commands.get(name) or missing(name))

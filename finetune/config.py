@@ -1,8 +1,5 @@
-"""Typed run configuration: dataclasses with defaults and docs, TOML presets, dotted overrides, validation.
-
-A run's config is built once: preset (configs/tiny.toml unless --config) -> CLI flags -> `section.key=value`
-overrides -> `validate()`. Errors are `ConfigError`s whose message is one line naming the key.
-"""
+"""Typed run configuration: preset (configs/tiny.toml unless --config) -> CLI flags -> `section.key=value`
+overrides -> `validate()`; a `ConfigError`'s message is one line naming the key."""
 from __future__ import annotations
 
 import dataclasses
@@ -190,13 +187,10 @@ def _closest(name: str, options) -> str:
 
 
 def closest_key(dotted: str, root: type) -> str:
-    """A hint among every section's keys: those whose last part is the key's (`lr` -> train.lr, `data.seed` ->
-    train.seed), else the closest dotted keys (`trian.lr` -> train.lr); "" when none is close."""
-    keys = []
-    for f in fields(root):
-        typ = get_type_hints(root)[f.name]
-        keys += [f.name, *(f"{f.name}.{g.name.rstrip('_')}" for g in (fields(typ) if dataclasses.is_dataclass(typ)
-                                                                       else []))]
+    """The hint " (did you mean 'train.lr'?)" for `lr`, `data.lr`, `trian.lr` or `lrr`; "" when none is close."""
+    hints = get_type_hints(root)
+    keys = [f.name for f in fields(root)] + [f"{f.name}.{g.name.rstrip('_')}" for f in fields(root)
+                                             if dataclasses.is_dataclass(hints[f.name]) for g in fields(hints[f.name])]
     leaf, leaves = dotted.split(".")[-1], [k.split(".")[-1] for k in keys]
     near = difflib.get_close_matches(leaf, leaves, n=1)  # last: `sead` -> train.seed
     match = [k for k in keys if k.endswith(f".{leaf}")] or difflib.get_close_matches(dotted, keys, n=1) or \
@@ -205,7 +199,7 @@ def closest_key(dotted: str, root: type) -> str:
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """Check `value` against the field type; ints are accepted for floats. Raises ConfigError."""
+    """`value` checked against the field type (ints are accepted for floats)."""
     if getattr(typ, "__origin__", None) is Literal:
         choices = get_args(typ)
         if value not in choices:
@@ -242,8 +236,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 
 
 def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
-    """Set `section.key` (or a top-level key, or `section.table.key` of a table-valued key) on cfg (a Config, or a
-    SourceConfig whose keys messages name as prefix + key), checking that the key exists and the type fits."""
+    """Set `section.key` (or a top-level key, or `section.table.key` of a dict key) on cfg, checking that the key
+    exists and the type fits; messages name it as prefix + key."""
     parts = dotted.split(".")
     target, full = cfg, prefix + dotted
     for i, part in enumerate(parts):
@@ -283,10 +277,7 @@ def parse_value(text: str) -> Any:
 def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in table.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
@@ -321,7 +312,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def resolve_path(value: str, base: Path) -> str:
-    """A relative path in a preset means the cwd if it exists there, else relative to the preset (or repo)."""
+    """A preset's relative path: from the cwd if it exists there, else from the preset's dir (or the repo)."""
     p = Path(value).expanduser()
     if p.is_absolute() or p.exists():
         return str(p)
@@ -358,7 +349,7 @@ MAX_EPOCHS = 1_000_000  # passes over one source in an epoch of a mixture (beyon
 
 
 def validate(cfg: Config) -> None:
-    """Range checks that types cannot express; each error names the key and the allowed range."""
+    """Range checks that types cannot express; each error names the key."""
     for rule, holds, keys in RANGES:
         for key in keys.split():
             if not holds(get_key(cfg, key)):
@@ -420,50 +411,6 @@ def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1
     return dp_shard
 
 
-# On resume a changed key takes effect from the resumed step (the optimizer settings and the schedule too:
-# optim.reapply_settings), except: a changed DATA_KEY moves what the checkpoint's data position (samples seen) points
-# at, which is announced; lora.* and the architecture are refused (checkpoint.check_compatible); and where the run
-# starts from is not compared.
-DATA_KEYS = ("model.path", "data.path", "data.split", "data.name", "data.format", "data.streaming",
-             "data.max_seq_len", "data.packing", "train.seed")  # (and data.sources, data.chat_template_kwargs.*:
-# resume_note names what changed in them)
-NOT_COMPARED = ("output_dir", "model.arch", "checkpoint.resume", "checkpoint.resume_from")
-
-
-def resume_note(saved: dict, cfg: Config, samples_seen: int) -> str | None:
-    """The one line a resumed run prints about the keys whose value differs from `saved` (the config its checkpoint's
-    marker records); None when none does."""
-    def value(key, v):  # the same local path, however written
-        return str(Path(v).resolve()) if key in PATH_KEYS and v and Path(v).exists() else v
-
-    def listed(keys):
-        return ", ".join(f"{k.rstrip('_')} {before[k]!r} -> {now[k]!r}" for k in keys)
-    before, now = _flatten(saved), _flatten(dataclasses.asdict(cfg))
-    kwargs = "data.chat_template_kwargs."  # a table: an entry added or removed is a change too
-    changed = [k for k in now if k in before and k not in NOT_COMPARED and not k.startswith(("lora.", kwargs))
-               and k != "data.sources" and value(k, before[k]) != value(k, now[k])]
-    notes = []
-    if effect := [k for k in changed if k not in DATA_KEYS]:
-        notes.append(f"{listed(effect)} (in effect from here)")
-    if data := [k for k in changed if k in DATA_KEYS]:
-        notes.append(f"{listed(data)} (the data position, {samples_seen} samples, was counted under the checkpoint's "
-                     f"values: what comes next is not what its run would have read)")
-    if "data.max_seq_len" in before:  # a marker of this config's shape (not an older finetune's without these keys)
-        def shown(values, k):
-            return repr(values[k]) if k in values else "unset"
-        entries = sorted({k for k in (*before, *now) if k.startswith(kwargs)})
-        if moved := [k for k in entries if shown(before, k) != shown(now, k)]:
-            notes.append(", ".join(f"{k} {shown(before, k)} -> {shown(now, k)}" for k in moved)
-                         + f" (a change of the data: the chat template renders other text "
-                         f"to train from here, and the data position, {samples_seen} samples, was counted under the "
-                         f"checkpoint's values)")
-        if sources := changed_sources(before.get("data.sources") or [], now["data.sources"], value):
-            notes.append(f"{sources} (a change of the mixture: the data position, {samples_seen} samples, now "
-                         f"indexes the new mixture's order: the run skips its first {samples_seen} samples, not the "
-                         f"ones the checkpoint's run trained on; some of those come again, others are never read)")
-    return "note: changed since the checkpoint: " + "; ".join(notes) if notes else None
-
-
 def changed_sources(before: list[dict], now: list[dict], value) -> str:
     """"data.sources[1] (b.jsonl): weight 1.0 -> 3.0, ..." for each source of the mixture that differs ("" if none);
     `value(key, v)` normalises paths."""
@@ -483,7 +430,7 @@ def changed_sources(before: list[dict], now: list[dict], value) -> str:
 
 
 def export_dtype_name(name: str) -> str:
-    """export-hf --dtype: the torch dtype's name. Here, not in export.py, so that the CLI checks it before torch."""
+    """export-hf --dtype: the torch dtype's name (here so that the CLI checks it before importing torch)."""
     names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
     if name not in names:
         raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
@@ -491,9 +438,8 @@ def export_dtype_name(name: str) -> str:
 
 
 def parse_shard_size(text: str) -> int:
-    """Bytes from what transformers' `convert_file_size_to_int` (save_pretrained's max_shard_size) takes, to the same
-    number: '5GB', '500MB', '100KB' (decimal), '2GiB', '500MiB', '64KiB' (binary), or a number of bytes; and also
-    fractions ('1.5GB') and TB/TiB. A lowercase b ('5Gb') means bits to transformers: refused rather than guessed."""
+    """Bytes, as transformers' max_shard_size reads '5GB', '2GiB', '100KB' or a number (also '1.5GB', TB/TiB); a
+    lowercase b ('5Gb': bits to transformers) is refused."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(([KMGT])(i?)([Bb]))?\s*", text, re.IGNORECASE)
     if m and m[5] == "b" and not m[4]:
         raise ConfigError(f"--max-shard-size {text!r}: a lowercase b means bits (transformers reads it as "
@@ -516,13 +462,10 @@ def to_toml(cfg: Config) -> str:
             return "[" + ", ".join(map(fmt, v)) + "]"
         return json.dumps(v, ensure_ascii=False)  # TOML writes strings, numbers and booleans as JSON does
 
-    top, sections = [], []
     as_dict = dataclasses.asdict(cfg)
     as_dict["data"]["sources"] = [{k: v for k, v in src.items() if v or k not in ("weight", "samples", "epochs")}
                                   for src in as_dict["data"]["sources"]]  # unset: a written 0 is refused
-    for name, v in as_dict.items():
-        if isinstance(v, dict):
-            sections.append(f"[{name}]\n" + "\n".join(f"{k.rstrip('_')} = {fmt(x)}" for k, x in v.items()))
-        else:
-            top.append(f"{name} = {fmt(v)}")
+    top = [f"{name} = {fmt(v)}" for name, v in as_dict.items() if not isinstance(v, dict)]
+    sections = [f"[{name}]\n" + "\n".join(f"{k.rstrip('_')} = {fmt(x)}" for k, x in v.items())
+                for name, v in as_dict.items() if isinstance(v, dict)]
     return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"

@@ -1,19 +1,19 @@
-"""Where commands run: `guarded` (our errors as one line and their exit code), `launch` (this process as the one
-rank, or local ranks through torch's elastic launcher, torchrun's engine, one launcher per node when nnodes > 1)
-and `rank_main` (one rank's life)."""
+"""Where commands run: `guarded` (our errors as one line and their exit code), `launch` (here, or on ranks started
+by torch's elastic launcher) and `rank_main` (one rank's life)."""
 from __future__ import annotations
 
 import os
 import signal
 import sys
+from contextlib import nullcontext
 from typing import Callable
 
 from .errors import STORAGE_ERRNOS, FinetuneError, os_error_line
 
 
 def guarded(fn: Callable, debug: bool, *args):
-    """Run fn; our errors become `error: <one line>` on stderr and their exit code (2: bad input, 1: a failed run),
-    and so do OS errors about a file (disk full, read-only, no permission: exit 1); with --debug, the traceback."""
+    """Run fn; our errors and OS errors about a file (exit 1) become `error: <one line>` on stderr and their exit
+    code; with --debug, the traceback."""
     try:
         return fn(*args)
     except FinetuneError as e:
@@ -33,25 +33,13 @@ RANK_ERRORS = "FINETUNE_RANK_ERRORS"  # a dir where the ranks our launcher start
 
 
 def report(line: str) -> None:
-    """An error line on stderr; in a rank our launcher started, into its file instead: the launcher prints one line
-    for the run (launch), not one per rank beside its own account of the failure."""
+    """An error line on stderr; in a rank our launcher started, into its file instead (the launcher prints one)."""
     where = os.environ.get(RANK_ERRORS)
     if where and "RANK" in os.environ and os.path.isdir(where):
         with open(os.path.join(where, f"rank{int(os.environ['RANK']):06d}"), "w") as f:
             f.write(line)
         return
     print(line, file=sys.stderr, flush=True)
-
-
-def print_rank_errors(where: str) -> bool:
-    """The first rank's error line that the ranks left in `where` (they may all say the same), with how many ranks
-    failed so; False when none left one (a crash: torch's account of it then stands)."""
-    lines = [open(os.path.join(where, name)).read() for name in sorted(os.listdir(where))]
-    if lines:
-        others = len(lines) - lines.count(lines[0])
-        print(lines[0] + (f" ({others} other rank(s) failed otherwise: --debug shows each)" if others else ""),
-              file=sys.stderr, flush=True)
-    return bool(lines)
 
 
 def set_threads(nproc: int) -> None:
@@ -63,10 +51,9 @@ def set_threads(nproc: int) -> None:
 
 
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None,
-           nnodes: int = 1, rdzv_endpoint: str = ""):
-    """Run entry(*args) here when one rank (or when torchrun already launched us); else start `nproc` local ranks
-    that re-run this same command line through torch's elastic launcher (torchrun's engine) and wait for them.
-    With nnodes > 1, one such launcher per node meets the others at `rdzv_endpoint` (c10d rendezvous)."""
+           nnodes: int = 1, rdzv_endpoint: str = "", errors: Callable | None = None):
+    """Run entry(*args) here when one rank (or under torchrun); else start `nproc` local ranks re-running this
+    command line through torch's elastic launcher, one launcher per node meeting at `rdzv_endpoint`."""
     set_threads(nproc)  # nproc >= 1: checked with the rest of the input
     if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
         return rank_main(entry, args, debug)
@@ -91,42 +78,20 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
         print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
         os._exit(130)
     signal.signal(signal.SIGINT, on_sigint)
-    import logging
-    import shutil
-    import tempfile
-    from logging.handlers import MemoryHandler
-    # torch's own lines about the ranks (a rank "failed (exitcode: 2)", SIGTERM sent to the others) are held: shown
-    # when a rank crashed, left out when the ranks refused the input (then one line says why: print_rank_errors)
-    held, loggers = MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 1), [
-        logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing",
-                                             "torch.distributed.elastic.agent")]  # rendezvous logs stay live
-    for logger in loggers:
-        logger.addHandler(held)
-        logger.propagate = False
-    os.environ[RANK_ERRORS] = errors = tempfile.mkdtemp(prefix="finetune-rank-errors-")
-    refused = False
-    try:
-        elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",
-                                                                                         *sys.argv[1:])
-    except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values()]
-        refused = print_rank_errors(errors)
-        raise SystemExit(2 if 2 in codes else (codes[0] or 1)) from None
-    except SignalException as e:
-        ok = on_signal() if on_signal else False
-        print(f"finetune: {e.sigval.name} forwarded to the ranks; "
-              f"{'they saved and stopped' if ok else 'no new checkpoint was completed'}", file=sys.stderr)
-        raise SystemExit(0 if ok else 1) from None
-    finally:
-        for logger in loggers:
-            logger.removeHandler(held)
-            logger.propagate = True
-        if not refused:
-            for record in held.buffer:
-                logging.getLogger(record.name).handle(record)
-        held.close()
-        del os.environ[RANK_ERRORS]
-        shutil.rmtree(errors, ignore_errors=True)
+    with (errors or nullcontext)() as refused:  # errors: a context whose value is called when the ranks failed
+        try:
+            elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",
+                                                                                             *sys.argv[1:])
+        except ChildFailedError as e:
+            codes = [f.exitcode for f in e.failures.values()]
+            if refused is not None:
+                refused()
+            raise SystemExit(2 if 2 in codes else (codes[0] or 1)) from None
+        except SignalException as e:
+            ok = on_signal() if on_signal else False
+            print(f"finetune: {e.sigval.name} forwarded to the ranks; "
+                  f"{'they saved and stopped' if ok else 'no new checkpoint was completed'}", file=sys.stderr)
+            raise SystemExit(0 if ok else 1) from None
 
 
 def local_launch_config(nproc: int, nnodes: int = 1, rdzv_endpoint: str = ""):

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import checkpoint as ckpt
-from .config import Config, ConfigError, resume_note, to_toml
+from .config import Config, ConfigError, to_toml
 from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
@@ -48,11 +48,9 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 
 @dataclass
 class Task:
-    """What a task does on the loop, as plain functions (the defaults: sft). `loss(model, batch)` -> (the loss summed
-    over the batch, {statistic: 0-dim sum}); train_step divides the loss's gradient by the global "count" of those
-    sums (default: label tokens), reports a "loss" statistic in place of the loss (when the loss carries terms
-    that are not reported as it: MoE's router loss), each of `means` as its global mean per count and each of
-    `totals` as its global sum."""
+    """What a task does on the loop (the defaults: sft). `loss(model, batch)` -> (the loss summed over the batch,
+    {statistic: 0-dim sum}); train_step divides the gradient by the global "count" statistic (default: label
+    tokens), reports a "loss" statistic in place of the loss, `means` as global means per count, `totals` as sums."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
@@ -63,24 +61,15 @@ class Task:
     evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
 
 
-def sft_task(cfg: Config, run: Run) -> Task:
-    return Task()
-
-
-def no_transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    return Transforms()
-
-
 @dataclass
 class Recipe:
-    """A run as its caller configures it (the defaults: sft with the core alone; finetune.ext.recipe fills the
-    extensions' parts): the task set up once the model is built, the model transforms, and what export_hf is
-    handed (adapters=, check=) for the final export."""
+    """A run as its caller configures it (the defaults: sft with the core alone; finetune.ext.recipes fills it)."""
     name: str = "sft"
-    setup: Callable = sft_task  # (cfg, Run) -> Task
-    transforms: Callable = no_transforms  # (cfg, dims, device) -> model.Transforms
-    export: dict = field(default_factory=dict)
+    setup: Callable = lambda cfg, run: Task()  # (cfg, Run) -> Task, once the model is built
+    transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
+    export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
     labellers: dict = field(default_factory=dict)  # build_samples' labellers: formats the task labels its own way
+    resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None
 
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
@@ -97,9 +86,8 @@ def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pa
 
 def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: int, max_seq_len: int,
                 num_ranks: int) -> int:
-    """Micro-batches per rank per step. With tokens_per_step (packed data), a step is R = tokens_per_step /
-    max_seq_len rows (the next R global units, rank r taking those with g % num_ranks == r), so R / (ranks x
-    micro_batch_size) micro-batches: the same global batch at any world size that divides it."""
+    """Micro-batches per rank per step; with tokens_per_step (packed data) R = tokens_per_step / max_seq_len rows
+    a step, so R / (ranks x micro_batch_size): the same global batch at any world size that divides it."""
     if not tokens_per_step:
         return grad_accum_steps
     rows = tokens_per_step // max_seq_len
@@ -112,11 +100,9 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
                skip_nonfinite: bool = False, stop: bool = False,
                task: Task | None = None) -> tuple[dict[str, torch.Tensor], bool]:
-    """One optimizer step over this rank's micro-batches (what `sft` and `bench` both run): forward/backward on the
-    summed losses (gradient sync on the last), ONE all_reduce of the step's sums, gradients divided by the global
-    count (label tokens, or the task's "count": the mean over the global batch, whatever the split), clip, step.
-    Returns ({name: float64 0-dim device tensor}: loss, grad_norm, num_tokens, num_input_tokens, stop,
-    num_computed_tokens and the task's means and totals; never read here), whether the update was skipped."""
+    """One optimizer step over this rank's micro-batches: forward/backward (gradient sync on the last), ONE
+    all_reduce of the step's sums, gradients divided by the global count, clip, step. Returns ({name: float64 0-dim
+    device tensor}, never read here; CORE_STATS and the task's), whether the update was skipped."""
     task = task or Task()
     device = next(model.parameters()).device
     if task.begin_step is not None:
@@ -177,8 +163,7 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
 
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
-    """The model with `transforms` (Recipe.transforms' for cfg), its AdamW and its adapters' settings (build_model's)
-    as configured: what `sft` and `bench` train."""
+    """(the model with `transforms`, its AdamW, its adapters' settings (build_model's)) as configured."""
     tc = cfg.train
     model, lora = build_model(cfg.model.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
                               ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
@@ -188,8 +173,7 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transform
 
 
 def train(cfg: Config, recipe: Recipe | None = None) -> dict:
-    """Run the recipe (default: SFT with the core alone) as configured; returns the final metrics record (rank 0)
-    and held-out results."""
+    """Run the recipe (default: SFT with the core alone); returns the final metrics record and held-out results."""
     recipe = recipe or Recipe()
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
@@ -203,7 +187,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
     if resume_dir is not None:
-        resume(resume_dir, cfg, model, optimizer, scheduler, state, lora)
+        resume(resume_dir, cfg, model, optimizer, scheduler, state, lora, recipe.resume_note)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen, labellers=recipe.labellers)
@@ -251,20 +235,20 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     return record
 
 
-def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.TrainState, lora: dict | None) -> None:
-    """Load the checkpoint at `path` into the run; say where it continues, and what differs from the run saved."""
+def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.TrainState, lora: dict | None,
+           note: Callable | None = None) -> None:
+    """Load the checkpoint at `path` into the run; say where it continues (and `note`'s line about changed keys)."""
     ckpt.load_checkpoint(path, model, optimizer, scheduler, state, model.config, lora)
     print0(f"resumed from {path} at step {state.step} ({state.samples_seen} samples seen)")
-    if note := resume_note(ckpt.read_marker(path).get("config", {}), cfg, state.samples_seen):
-        print0(note)
+    if note is not None and (line := note(ckpt.read_marker(path).get("config", {}), cfg, state.samples_seen)):
+        print0(line)
 
 
 @contextmanager
 def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None,
                  task: str = "sft"):
-    """Once the run is accepted (a refused run rewrites nothing): config.toml, and (the metrics logger, the
-    checkpointer, whose checkpoints record the config export-hf reads and `lora`, the progress bar or None), closed
-    on exit."""
+    """Once the run is accepted (a refused run rewrites nothing): config.toml; (the metrics logger, the checkpointer,
+    the progress bar or None), closed on exit."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
@@ -286,9 +270,7 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
 
 
 def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, state: ckpt.TrainState):
-    """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch);
-    returns (training FLOPs per token as a function of the attention length, the device's peak FLOP/s or None)
-    for MFU."""
+    """Print what this run trains on; returns (FLOPs per token of the attention length, peak FLOP/s or None)."""
     tc, dc = cfg.train, cfg.data
     for line in samples.summary():  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {line}")
@@ -312,9 +294,7 @@ def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, s
 def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, flops_tok,
                 peak: float | None) -> tuple[dict, bool]:
     """Read the pending steps' results on the host (one read) and log each; returns (the last record, whether a
-    rank asked to stop). On GPU train calls it only on log and checkpoint steps (every step under nan_policy
-    "skip"), so the GPU never waits for the host in between; signals and "stop" non-finite steps are acted on
-    here, always before a checkpoint is written."""
+    rank asked to stop). On GPU only log and checkpoint steps call it, so the GPU never waits for the host."""
     keys = list(pending[0][0])
     rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
     values = [dict(zip(keys, row)) for row in rows]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from finetune.ext.bench import recommend, run_bench, run_point
-from finetune.args import parse_list
+from finetune.ext.commands import parse_list
 from finetune.config import ConfigError, load_config
 from helpers import invoke, run_ranks, sft, sft_config
 

@@ -325,7 +325,8 @@ def test_resume_note_names_changes_of_the_data_the_config_keys_do_not_show(tmp_p
     are announced as changes of the data, each with what the data position means now; nothing else is listed."""
     from dataclasses import asdict
 
-    from finetune.config import load_config, resume_note
+    from finetune.config import load_config
+    from finetune.ext.resume_note import resume_note
     a, b = (str((tmp_path / f"{n}.jsonl").resolve()) for n in "ab")
     sources = {"data.sources": [{"path": a, "weight": 1.0}, {"path": b, "weight": 1.0}]}
     saved = asdict(load_config(None, {"data.chat_template_kwargs": {"enable_thinking": True}, **sources}))

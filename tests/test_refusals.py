@@ -125,7 +125,7 @@ def test_a_refusal_inside_the_ranks_is_one_line_for_the_run(tmp_path, llama_dir)
 
 
 def test_the_launcher_prints_the_first_ranks_line_and_counts_other_errors(tmp_path, capsys):
-    from finetune.launch import print_rank_errors
+    from finetune.ext.rank_errors import print_rank_errors
     assert not print_rank_errors(str(tmp_path))  # none left a line (a crash): torch's account stands
     for rank, line in enumerate(["error: a", "error: a", "error: b"]):
         (tmp_path / f"rank{rank:06d}").write_text(line)

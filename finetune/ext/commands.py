@@ -8,8 +8,20 @@ from typing import List, Optional
 
 import typer
 
-from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, build_config, check_flag, parse_list
+from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, build_config, check_flag
+from ..config import ConfigError
 from ..launch import guarded, set_threads
+
+
+def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0]; anything else is a ConfigError that names the flag."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        raise ConfigError(f"{flag} must be comma-separated {rule}, got {text!r}")
+    return values
 
 
 def preview_data(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,

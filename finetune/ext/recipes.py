@@ -114,4 +114,5 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     if task == "dpo":
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
-    return Recipe(task, setup, transforms, export_hooks(), labellers)
+    from .resume_note import resume_note
+    return Recipe(task, setup, transforms, export_hooks(), labellers, resume_note)

@@ -1,0 +1,49 @@
+"""`finetune sft`/`dpo` fail fast, before any rank starts: what the ranks would refuse only after loading."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..attention import check_trainable
+from ..checkpoint import check_arch, check_base, check_run, find_resume, read_marker
+from ..config import Config, ConfigError
+from ..data import open_sources, require_chat_template
+from ..load import base_fingerprint
+from ..model import load_hf_config
+from ..train import run_tokenizer
+
+
+def preflight(cfg: Config, task: str = "sft") -> str | None:
+    """Model config, tokenizer with a chat template, the checkpoint to resume (intact, same architecture, a LoRA one
+    on its base), readable data and eval set. Returns why there is nothing to do, if so."""
+    check_trainable(cfg.model.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")  # ranks' device
+    hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)
+    resume = find_resume(Path(cfg.output_dir), cfg.checkpoint.resume, cfg.checkpoint.resume_from, report=False)
+    require_chat_template(run_tokenizer(cfg, resume)[0], f"model {cfg.model.path}")
+    if resume is not None:
+        check_arch(resume, hf_config)
+        lora = read_marker(resume).get("lora")
+        # the LoRA base now, not after loading it (a hub id: by the ranks, once downloaded)
+        if lora and cfg.lora.rank and "base_fingerprint" in lora and Path(cfg.model.path).is_dir():
+            check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
+    # the same task and (of the same architecture) the same model, or a hint for what was asked
+    check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task, cfg.model.path, base_fingerprint)
+    dc = cfg.data
+    sources = open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split,
+                           name=dc.name or None, streaming=dc.streaming)
+    sources += open_sources(cfg.eval.path) if cfg.eval.path else []  # checked now, not when training ends
+    for src in sources:  # sft trains (and evaluates) conversations, dpo preference pairs
+        if (src.fmt == "pairs") != (task == "dpo"):
+            raise ConfigError(f"{src.spec['path']}: " + ("preference pairs (columns 'chosen' and 'rejected'): train "
+                              "them with `finetune dpo`" if task == "sft" else "`finetune dpo` needs preference "
+                              "pairs: columns 'chosen' and 'rejected' (and optionally 'prompt')"))
+    if task == "dpo":
+        from .dpo import reference_kind
+        reference_kind(cfg)
+    step = read_marker(resume)["step"] if resume is not None else 0
+    if step >= cfg.train.max_steps:
+        return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
+                f"{cfg.train.max_steps}; raise train.max_steps to train on")
+    return None
