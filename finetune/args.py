@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from .config import Config, ConfigError, get_key, load_config, parse_value
+from .config import Config, ConfigError, get_key, load_config
+from .keys import parse_value
 
 OVERRIDES = typer.Argument(None, help="Config overrides as section.key=value, e.g. train.lr=1e-4 data.max_seq_len=4096",
                            show_default=False)

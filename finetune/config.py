@@ -3,26 +3,19 @@ overrides -> `validate()`; a `ConfigError`'s message is one line naming the key.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import re
 import tomllib
-import types
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from fractions import Fraction
-from functools import reduce
 from pathlib import Path
-from typing import Any, get_args, get_type_hints, Literal
+from typing import Any, Literal
 
-from .errors import FinetuneError
+from .keys import ConfigError, _flatten, get_key, set_key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PRESET = REPO_ROOT / "configs" / "tiny.toml"
-
-
-class ConfigError(FinetuneError, ValueError):
-    """A bad key or value; the message is one line that names it."""
 
 
 @dataclass
@@ -179,111 +172,6 @@ class Config:
 
 
 PATH_KEYS = ("model.path", "model.arch", "data.path", "data.chat_template", "eval.path")
-
-
-def _closest(name: str, options) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean '{match[0]}'?)" if match else ""
-
-
-def closest_key(dotted: str, root: type) -> str:
-    """The hint " (did you mean 'train.lr'?)" for `lr`, `data.lr`, `trian.lr` or `lrr`; "" when none is close."""
-    hints = get_type_hints(root)
-    keys = [f.name for f in fields(root)] + [f"{f.name}.{g.name.rstrip('_')}" for f in fields(root)
-                                             if dataclasses.is_dataclass(hints[f.name]) for g in fields(hints[f.name])]
-    leaf, leaves = dotted.split(".")[-1], [k.split(".")[-1] for k in keys]
-    near = difflib.get_close_matches(leaf, leaves, n=1)  # last: `sead` -> train.seed
-    match = [k for k in keys if k.endswith(f".{leaf}")] or difflib.get_close_matches(dotted, keys, n=1) or \
-        [k for k in keys if near and k.endswith(f".{near[0]}")]
-    return f" (did you mean {' or '.join(repr(k) for k in match[:3])}?)" if match else ""
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """`value` checked against the field type (ints are accepted for floats)."""
-    if getattr(typ, "__origin__", None) is Literal:
-        choices = get_args(typ)
-        if value not in choices:
-            hint = _closest(str(value), choices) if isinstance(value, str) else ""
-            raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}")
-        return value
-    if getattr(typ, "__origin__", None) is list:  # an array of tables (data.sources)
-        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-            raise ConfigError(f"{key} must be an array of tables, e.g. [{{path = \"a.jsonl\", weight = 2}}], got "
-                              f"{value!r}")
-        items = [get_args(typ)[0]() for _ in value]
-        for j, (item, table) in enumerate(zip(items, value)):
-            for k, v in _flatten(table).items():
-                set_key(item, k, v, f"{key}[{j}].")
-                # 0 is what an unset weight/samples/epochs reads as (one epoch of the source): a written 0, meant
-                # as "none of it", would train all of it. Refused; to_toml never writes these zeros.
-                if k in ("weight", "samples", "epochs") and v == 0:
-                    raise ConfigError(f"{key}[{j}].{k} = 0 would take none of {table.get('path', 'the source')}, "
-                                      f"but an unset {k} reads as 0 (one epoch of it): remove the source to leave "
-                                      f"it out")
-        return items
-    if isinstance(typ, types.UnionType):  # str | list: any of the members
-        if not any(isinstance(value, t) for t in get_args(typ)):
-            raise ConfigError(f"{key} must be {' or '.join(t.__name__ for t in get_args(typ))}, got {value!r}")
-        return value
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    ok = isinstance(value, bool) if typ is bool else isinstance(value, typ) and not isinstance(value, bool)
-    if not ok:
-        raise ConfigError(f"{key} must be {typ.__name__}, got {value!r}")
-    if typ is float and not math.isfinite(value):  # TOML has inf and nan; no setting means them
-        raise ConfigError(f"{key} must be a finite number, got {value!r}")
-    return value
-
-
-def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
-    """Set `section.key` (or a top-level key, or `section.table.key` of a dict key) on cfg, checking that the key
-    exists and the type fits; messages name it as prefix + key."""
-    parts = dotted.split(".")
-    target, full = cfg, prefix + dotted
-    for i, part in enumerate(parts):
-        names = {f.name.rstrip("_"): f.name for f in fields(target)}  # async_ is TOML's `async` (a Python keyword)
-        if part not in names:
-            where = (prefix + ".".join(parts[:i])).rstrip(".") or "the top level"
-            hint = _closest(part, names) if i else ""  # in its section first (train.lrr -> lr), then anywhere
-            hint = hint or (closest_key(dotted, type(cfg)) if not prefix else "") or _closest(part, names)
-            raise ConfigError(f"unknown config key '{full}'{hint}; "
-                              f"keys in {where}: {', '.join(sorted(names))}")
-        name = names[part]
-        typ = get_type_hints(type(target))[name]
-        if typ is dict and i < len(parts) - 1:  # one entry of a table (nested tables: one level per part)
-            table = getattr(target, name)
-            for key in parts[i + 1:-1]:
-                table = table.setdefault(key, {})
-            table[parts[-1]] = value
-            return
-        if i < len(parts) - 1:
-            target = getattr(target, name)
-            if not dataclasses.is_dataclass(target):
-                raise ConfigError(f"unknown config key '{full}': '{'.'.join(parts[:i + 1])}' is not a section")
-        elif dataclasses.is_dataclass(typ):
-            raise ConfigError(f"'{full}' is a section; set one of its keys, e.g. {full}.{fields(typ)[0].name}=...")
-        else:
-            setattr(target, name, _coerce(full, value, typ))
-
-
-def parse_value(text: str) -> Any:
-    """A CLI override value in TOML syntax (numbers, true/false, "strings"); bare words are strings."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in table.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def get_key(cfg, dotted: str) -> Any:
-    """cfg's value at `section.key`."""
-    return reduce(getattr, dotted.split("."), cfg)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
@@ -17,59 +17,18 @@ from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .export import export_hf
-from .loss import collate_labelled, token_loss_sum
+from .loss import collate_labelled
 from .metrics import (MetricsLogger, attention_length, flops_per_token, peak_flops, peak_mem_mb, progress_bar,
                       report)
 from .model import Transforms, build_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler, by_mesh
+from .task import Recipe, Run, Task
 
 
 class NonFiniteError(FinetuneError):
     """Loss or grad norm became NaN/inf with train.nan_policy = "stop": the run failed (exit 1)."""
 
     exit_code = 1
-
-
-class Run(NamedTuple):
-    """What a task's setup may use: the built run, before its first step."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    tokenizer: object
-    dims: object  # distributed.ParallelDims
-    device: torch.device
-    out: Path
-    resume_dir: Path | None
-
-
-def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
-    """The summed token loss at the label positions; normalised by the global label-token count (no "count")."""
-    return token_loss_sum(model, batch), {}
-
-
-@dataclass
-class Task:
-    """What a task does on the loop (the defaults: sft). `loss(model, batch)` -> (the loss summed over the batch,
-    {statistic: 0-dim sum}); train_step divides the gradient by the global "count" statistic (default: label
-    tokens), reports a "loss" statistic in place of the loss, `means` as global means per count, `totals` as sums."""
-    loss: Callable = sft_loss
-    collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
-    means: tuple = ()
-    totals: tuple = ()
-    begin_step: Callable | None = None  # (micro_batches, device) -> None: before the step's first forward
-    end_step: Callable | None = None  # () -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
-    evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
-    evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
-
-
-@dataclass
-class Recipe:
-    """A run as its caller configures it (the defaults: sft with the core alone; finetune.ext.recipes fills it)."""
-    name: str = "sft"
-    setup: Callable = lambda cfg, run: Task()  # (cfg, Run) -> Task, once the model is built
-    transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
-    export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
-    labellers: dict = field(default_factory=dict)  # build_samples' labellers: formats the task labels its own way
-    resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None
 
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
@@ -247,8 +206,9 @@ def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.Tra
 @contextmanager
 def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None,
                  task: str = "sft"):
-    """Once the run is accepted (a refused run rewrites nothing): config.toml; (the metrics logger, the checkpointer,
-    the progress bar or None), closed on exit."""
+    """Once the run is accepted (a refused run rewrites nothing): config.toml, and (the metrics logger, the
+    checkpointer, whose checkpoints record the config export-hf reads and `lora`, the progress bar or None), closed
+    on exit."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
@@ -270,7 +230,9 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
 
 
 def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, state: ckpt.TrainState):
-    """Print what this run trains on; returns (FLOPs per token of the attention length, peak FLOP/s or None)."""
+    """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch);
+    returns (training FLOPs per token as a function of the attention length, the device's peak FLOP/s or None)
+    for MFU."""
     tc, dc = cfg.train, cfg.data
     for line in samples.summary():  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {line}")
@@ -294,7 +256,9 @@ def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, s
 def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, flops_tok,
                 peak: float | None) -> tuple[dict, bool]:
     """Read the pending steps' results on the host (one read) and log each; returns (the last record, whether a
-    rank asked to stop). On GPU only log and checkpoint steps call it, so the GPU never waits for the host."""
+    rank asked to stop). On GPU train calls it only on log and checkpoint steps (every step under nan_policy
+    "skip"), so the GPU never waits for the host in between; signals and "stop" non-finite steps are acted on
+    here, always before a checkpoint is written."""
     keys = list(pending[0][0])
     rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
     values = [dict(zip(keys, row)) for row in rows]

@@ -83,7 +83,7 @@ def count_saved(model):
 def saved_for_backward_mb(model, batch: dict, loss_fn=None) -> float:
     """MB that one forward keeps for backward (count_saved), the loss as train_step computes it (a task's loss;
     default: sft's)."""
-    from ..train import sft_loss
+    from ..task import sft_loss
     with count_saved(model) as storages:
         loss = (loss_fn or sft_loss)(model, batch)[0]
     num_bytes = sum(s.nbytes() for s in storages.values())  # FSDP frees resharded storages (nbytes 0)

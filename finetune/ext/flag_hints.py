@@ -7,7 +7,8 @@ try:  # typer >= 0.22 carries its own click
 except ImportError:
     from click.exceptions import NoSuchOption
 
-from ..config import Config, closest_key
+from ..config import Config
+from ..keys import closest_key
 
 
 class Commands(typer.core.TyperGroup):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import PATH_KEYS, Config, _flatten, changed_sources
+from ..config import PATH_KEYS, Config, changed_sources
+from ..keys import _flatten
 
 
 # On resume a changed key takes effect from the resumed step (the optimizer settings and the schedule too:

@@ -1,0 +1,54 @@
+"""What a caller passes to train.train: the `Recipe` (the task's setup, the model transforms, the export's hooks), and
+the `Task` its setup returns for the built `Run`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from .loss import collate_labelled, token_loss_sum
+from .model import Transforms
+
+
+class Run(NamedTuple):
+    """What a task's setup may use: the built run, before its first step."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    dims: object  # distributed.ParallelDims
+    device: torch.device
+    out: Path
+    resume_dir: Path | None
+
+
+def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The summed token loss at the label positions; normalised by the global label-token count (no "count")."""
+    return token_loss_sum(model, batch), {}
+
+
+@dataclass
+class Task:
+    """What a task does on the loop (the defaults: sft). `loss(model, batch)` -> (the loss summed over the batch,
+    {statistic: 0-dim sum}); train_step divides the gradient by the global "count" statistic (default: label
+    tokens), reports a "loss" statistic in place of the loss, `means` as global means per count, `totals` as sums."""
+    loss: Callable = sft_loss
+    collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
+    means: tuple = ()
+    totals: tuple = ()
+    begin_step: Callable | None = None  # (micro_batches, device) -> None: before the step's first forward
+    end_step: Callable | None = None  # () -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
+    evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
+    evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
+
+
+@dataclass
+class Recipe:
+    """A run as its caller configures it (the defaults: sft with the core alone; finetune.ext.recipes fills it)."""
+    name: str = "sft"
+    setup: Callable = lambda cfg, run: Task()  # (cfg, Run) -> Task, once the model is built
+    transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
+    export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
+    labellers: dict = field(default_factory=dict)  # build_samples' labellers: formats the task labels its own way
+    resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None
