@@ -18,15 +18,6 @@ from .lock import RUN_LOCK, hold_run_lock, release_lock
 from .outdir import check_writable
 
 
-# The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
-# need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
-EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan"}  # ext/commands.py
-EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
-                  "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
-                  "model.fp8": "float8"}
-REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
-
-
 def has_extensions() -> bool:
     import importlib.util
     return importlib.util.find_spec("finetune.ext") is not None
@@ -64,6 +55,16 @@ def print_version(value: bool) -> None:
 def options(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
                                          help="print the version and exit")):
     pass
+
+
+
+# The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
+# need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
+EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan"}  # ext/commands.py
+EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
+                  "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
+                  "model.fp8": "float8"}
+REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 
 def launch(*args, **kwargs):
