@@ -80,7 +80,7 @@ class Recipe:
     setup: Callable = sft_task  # (cfg, Run) -> Task
     transforms: Callable = no_transforms  # (cfg, dims, device) -> model.Transforms
     export: dict = field(default_factory=dict)
-    labellers: dict = field(default_factory=dict)  # build_samples' labellers: formats the task labels its own way
+    samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
 
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
@@ -206,7 +206,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
         resume(resume_dir, cfg, model, optimizer, scheduler, state, lora)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
-                                start_sample=state.samples_seen, labellers=recipe.labellers)
+                                start_sample=state.samples_seen, **recipe.samples)
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
     flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)

@@ -10,7 +10,6 @@ import torch
 
 from finetune.data import (
     DataError,
-    build_samples,
     detect_format,
     load_rows,
     pad_collate,
@@ -18,6 +17,7 @@ from finetune.data import (
     to_conversation,
     tokenize_messages,
 )
+from finetune.ext.mixture import build_samples  # data.build_samples, with data.sources mixtures
 from finetune.ext.preview import format_preview
 
 try:

@@ -1,10 +1,9 @@
-"""Samples in a world-size-independent order: tokenize rows of one source or a mixture, shuffle, shard, pack."""
+"""Samples in a world-size-independent order: tokenize rows of one source (or several), shuffle, shard, pack."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import math
 from collections import Counter
 from typing import NamedTuple
 
@@ -17,7 +16,6 @@ from .labels import DROP_REASONS, tokenize_messages
 from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _entries)
-MAX_EPOCH_SAMPLES = 2**32  # of one source (8 bytes each: 32 GiB of indices)
 PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
 
 
@@ -40,23 +38,6 @@ def open_sources(data: str | list[dict], *, fmt: str = "auto", split: str = "tra
                          streaming=streaming)
         sources.append(Source(spec, rows, detect_format(rows.columns, spec.get("format") or "auto")))
     return sources
-
-
-def mixture_sizes(specs: list[dict], sizes: list[int]) -> list[int]:
-    """Samples each source gives an epoch, from its size: `samples`; else `epochs` x size; the weighted sources share
-    their pooled samples by weight; none of the three: epochs=1."""
-    pooled = sum(m for spec, m in zip(specs, sizes) if spec.get("weight"))
-    weights = sum(spec.get("weight") or 0 for spec in specs)
-
-    def share(w):  # pooled * w overflows for a weight near the float maximum: then the ratio first
-        return pooled * w / weights if math.isfinite(pooled * w) else pooled * (w / weights)
-    counts = [spec["samples"] if spec.get("samples") else share(spec["weight"]) if spec.get("weight")
-              else (spec.get("epochs") or 1) * m for spec, m in zip(specs, sizes)]
-    for k, n in enumerate(counts):
-        if not n <= MAX_EPOCH_SAMPLES:  # an epoch's sample indices are held in memory
-            raise DataError(f"data.sources[{k}] ({specs[k]['path']}): {n:.3g} samples an epoch, more than "
-                            f"{MAX_EPOCH_SAMPLES:,} can be held; lower its samples or epochs")
-    return [round(n) for n in counts]
 
 
 def _best_fit_packs(items, max_len: int, window: int = PACK_WINDOW):
@@ -128,8 +109,8 @@ def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, 
 
 class SampleStream(torch.utils.data.IterableDataset):
     """This rank's samples, forever (or epoch_limit epochs): global sample g (counted across epochs) goes to rank
-    g % world_size, from global sample start_sample on. An epoch: each source's mixture_sizes share, interleaved
-    evenly in file order, packed, then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]."""
+    g % world_size, from global sample start_sample on. An epoch: the samples _choose takes of each source, packed,
+    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]."""
 
     def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,
                  shuffle=True, seed=0, rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1,
@@ -143,7 +124,6 @@ class SampleStream(torch.utils.data.IterableDataset):
         self.sources, self._tokenizers = sources, tokenizers
         self.counts = _new_counts()
         self.source_counts = [_new_counts() for _ in sources]
-        self.shares: list[tuple[int, int]] = []  # samples and real tokens of each source in an epoch
         self.num_samples: int | None = None
         if streaming:
             return
@@ -183,27 +163,22 @@ class SampleStream(torch.utils.data.IterableDataset):
         for src, counts, ids in zip(self.sources, self.source_counts, kept):
             if not ids:
                 raise DataError(f"{src.spec['path']}: no usable samples ({describe_counts(counts)})")
-        chosen = []
-        for k, (ids, n) in enumerate(zip(kept, mixture_sizes([s.spec for s in self.sources], list(map(len, kept))))):
-            reps, rest = divmod(n, len(ids))  # the source n // len times, then a fixed part of it, in file order
-            part = np.sort(np.random.default_rng([self.seed, k]).choice(len(ids), rest, replace=False))
-            chosen.append(np.concatenate([np.tile(ids, reps), np.asarray(ids)[part]]).astype(np.int64))
-            self.shares.append((n, int(lengths[chosen[-1]].sum())))
-        # interleaved evenly: the j-th of a source's n samples at (j + 0.5) / n of the epoch
-        at = np.concatenate([(np.arange(len(c)) + 0.5) / len(c) for c in chosen if len(c)])
-        order = np.concatenate(chosen)[np.argsort(at, kind="stable")]
-        if not len(order):
-            raise DataError(f"{self.describe_source()}: an epoch of this mixture holds no sample")
+        order = self._choose(kept, lengths)
         if not self.packing:
             return order, lengths[order]
         units = list(_best_fit_packs(((int(i), int(lengths[i])) for i in order), self.max_seq_len, self.pack_window))
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
+    def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
+        """An epoch's samples in order from each source's usable ones: all, source after source (a mixture's shares:
+        finetune/ext/mixture.py)."""
+        return np.concatenate(kept).astype(np.int64)
+
     def describe_source(self) -> str:
         return ", ".join(src.spec["path"] for src in self.sources)
 
     def summary(self) -> list[str]:
-        """Start-up lines: the files read, the counts, a mixture's share of each source."""
+        """Start-up lines: the files read and the counts."""
         lines = []
         for src in self.sources:
             path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
@@ -212,11 +187,6 @@ class SampleStream(torch.utils.data.IterableDataset):
             lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
         if self.num_samples is not None or self.counts["rows"]:  # streaming: counted as rows are read
             lines.append(("streamed so far: " if self.num_samples is None else "") + describe_counts(self.counts))
-        total_samples, total_tokens = (sum(x) for x in zip(*self.shares)) if self.shares else (0, 0)
-        if len(self.sources) > 1 and total_samples:
-            lines += [f"source {k} {src.spec['path']}: {n} samples an epoch ({n / total_samples:.1%}), "
-                      f"{t / max(total_tokens, 1):.1%} of tokens; {describe_counts(counts)}"
-                      for k, (src, (n, t), counts) in enumerate(zip(self.sources, self.shares, self.source_counts))]
         return lines
 
     def _assemble(self, samples: list[dict]) -> dict:
@@ -286,12 +256,13 @@ class SampleStream(torch.utils.data.IterableDataset):
 
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, streaming=False,
                   max_seq_len=2048, on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None,
-                  **order) -> SampleStream:
+                  stream=SampleStream, **order) -> SampleStream:
     """This rank's samples (SampleStream; `order`: its keyword arguments) of `data`: a path (fmt, split, name apply)
-    or a mixture (dicts: path, optionally split, name, format, one of weight/samples/epochs; no streaming).
-    `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
+    or a list of source dicts (path, optionally split, name, format; no streaming). `stream`: SampleStream or a subclass
+    (ext/mixture.py's Mixture). `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported,
+    template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = open_sources(data, fmt=fmt, split=split, name=name, streaming=streaming)
     tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {})
                   for src in sources]
-    return SampleStream(sources, tokenizers, streaming=streaming, max_seq_len=max_seq_len, **order)
+    return stream(sources, tokenizers, streaming=streaming, max_seq_len=max_seq_len, **order)
