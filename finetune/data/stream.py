@@ -110,7 +110,8 @@ def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, 
 class SampleStream(torch.utils.data.IterableDataset):
     """This rank's samples, forever (or epoch_limit epochs): global sample g (counted across epochs) goes to rank
     g % world_size, from global sample start_sample on. An epoch: the samples _choose takes of each source, packed,
-    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]."""
+    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process
+    (num_workers=0): streamed data's counts fill in as it goes."""
 
     def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,
                  shuffle=True, seed=0, rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1,
@@ -257,10 +258,9 @@ class SampleStream(torch.utils.data.IterableDataset):
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, streaming=False,
                   max_seq_len=2048, on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None,
                   stream=SampleStream, **order) -> SampleStream:
-    """This rank's samples (SampleStream; `order`: its keyword arguments) of `data`: a path (fmt, split, name apply)
-    or a list of source dicts (path, optionally split, name, format; no streaming). `stream`: SampleStream or a subclass
-    (ext/mixture.py's Mixture). `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported,
-    template_kwargs) -> Labelled}."""
+    """This rank's samples (`stream`: SampleStream or a subclass, ext/mixture.py's Mixture; `order`: its keyword
+    arguments) of `data`: a path (fmt, split, name apply) or source dicts (path, split, name, format; no streaming).
+    `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = open_sources(data, fmt=fmt, split=split, name=name, streaming=streaming)
     tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {})
