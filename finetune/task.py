@@ -50,5 +50,5 @@ class Recipe:
     setup: Callable = lambda cfg, run: Task()  # (cfg, Run) -> Task, once the model is built
     transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
     export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
-    labellers: dict = field(default_factory=dict)  # build_samples' labellers: formats the task labels its own way
+    samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
     resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None

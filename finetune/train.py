@@ -149,7 +149,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
         resume(resume_dir, cfg, model, optimizer, scheduler, state, lora, recipe.resume_note)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
-                                start_sample=state.samples_seen, labellers=recipe.labellers)
+                                start_sample=state.samples_seen, **recipe.samples)
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
     flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)

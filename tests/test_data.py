@@ -10,15 +10,15 @@ import torch
 
 from finetune.data import (
     DataError,
-    build_samples,
     detect_format,
-    format_preview,
     load_rows,
     pad_collate,
     row_of,
     to_conversation,
     tokenize_messages,
 )
+from finetune.ext.mixture import build_samples  # data.build_samples, with data.sources mixtures
+from finetune.ext.preview import format_preview
 
 try:
     from tests._tokenizers import build_tokenizer

@@ -69,7 +69,7 @@ def test_mixture_weights_near_the_float_maximum():
     from finetune.args import build_config
     from finetune.config import ConfigError
     from finetune.data import DataError
-    from finetune.data.stream import mixture_sizes
+    from finetune.ext.mixture import mixture_sizes
     with pytest.raises(ConfigError, match=r"data.sources: the weights sum past the largest number \(inf\); only "
                                           r"their ratios count"):
         build_config(None, ["data.path=", 'data.sources=[{path="a.jsonl", weight=1.7e308}, '

@@ -608,7 +608,7 @@ def test_template_kwargs_change_what_is_rendered_and_trained():
         context = decode(tok, ids[:next(k for k, lab in enumerate(labels) if lab != -100)])
         assert context.endswith("assistant\n<think>\n\n</think>\n\n" if kwargs else "assistant\n")
     assert trained == {False: "<think>\n\n</think>\n\nSunny.<|im_end|>", True: "Sunny.<|im_end|>"}
-    from finetune.data import prompt_text
+    from finetune.ext.evaluate import prompt_text
     assert prompt_text(tok, messages[:1], None, {"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
 
 

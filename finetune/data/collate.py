@@ -1,8 +1,6 @@
-"""Batches and the preview: right-pad (or keep packed position_ids), and decoded samples with trained text marked."""
+"""Batches: right-pad (or keep packed position_ids), with the boundaries of the samples in them."""
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import torch
@@ -11,10 +9,8 @@ from .labels import IGNORE_INDEX
 
 
 def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> dict:
-    """Right-pad to the longest sample (or pad_to), with each row's samples' boundaries (sample_boundaries).
-    Packed samples (with position_ids) get no attention_mask: the boundaries, or for sdpa/eager the block-diagonal
-    causal mask transformers builds from the position_ids restarts (call the model with use_cache=False: a cache
-    disables that detection), keep each sample to itself."""
+    """Right-pad to the longest sample (or pad_to), with sample_boundaries. Packed samples (with position_ids) get no
+    attention_mask: transformers builds the block-diagonal mask from the position_ids restarts (use_cache=False)."""
     longest = max(len(s["input_ids"]) for s in samples)
     width = longest if pad_to is None else pad_to
     if width < longest:
@@ -36,17 +32,15 @@ def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> 
 
 
 def sample_boundaries(lengths: list[int]) -> dict:
-    """(host) The attention kwargs that keep each sample to itself, from the lengths of the segments of the flattened
-    (batch x seq) tokens (each row's samples, then its padding as one): cumulative offsets `cu_seq_lens_q`/`_k`
-    (int32) and the longest `max_length_q`/`_k` (int), as flash-attention's varlen kernels take them."""
+    """(host) flash-attention's varlen kwargs (int32 `cu_seq_lens_q`/`_k`, int `max_length_q`/`_k`) from the lengths
+    of the segments of the flattened (batch x seq) tokens: each row's samples, then its padding as one."""
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
 
 
 def batch_efficiency(lengths, micro_batch_size: int, num_ranks: int, pad_to: int | None = None) -> float:
-    """Real tokens / computed tokens of units (samples or packed rows) of these lengths, in global order, batched as
-    train does: global unit g on rank g % num_ranks, micro_batch_size consecutive units of a rank per micro-batch,
-    right-padded to its longest (or pad_to). Whole rounds of micro-batches only (the stream wraps the rest)."""
+    """Real / computed tokens of units of these lengths (in global order) batched as train does: unit g on rank
+    g % num_ranks, micro_batch_size of a rank per micro-batch, padded to its longest (or pad_to); whole rounds only."""
     lengths = np.asarray(lengths, dtype=np.int64)
     group = micro_batch_size * num_ranks
     n = max(len(lengths) // group, 1) * group
@@ -54,13 +48,3 @@ def batch_efficiency(lengths, micro_batch_size: int, num_ranks: int, pad_to: int
     width = x.max(axis=1) if pad_to is None else np.full(x[:, 0].shape, pad_to)
     return float(x.sum() / (width.sum() * micro_batch_size))
 
-
-def format_preview(tokenizer, sample: dict, color: bool = True) -> str:
-    """The decoded sample with trained tokens highlighted (ANSI green, or [[...]] without color), then counts."""
-    ids, labels = list(sample["input_ids"]), list(sample["labels"])
-    parts = []
-    for trained, group in itertools.groupby(zip(ids, labels), key=lambda t: t[1] != IGNORE_INDEX):
-        text = tokenizer.decode([t for t, _ in group], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        parts.append((f"\x1b[30;42m{text}\x1b[0m" if color else f"[[{text}]]") if trained else text)
-    trained = sum(x != IGNORE_INDEX for x in labels)
-    return "".join(parts) + f"\ntrained tokens: {trained} / total: {len(ids)}"

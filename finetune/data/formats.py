@@ -41,9 +41,8 @@ class DataError(FinetuneError):
 
 
 def _split_files(path: str, split: str, name: str | None) -> list[str]:
-    """A dataset dir's files for `split`, resolved as `datasets` resolves a local dataset dir: the README's `configs`
-    (data.name, else its default config), else split names in file or dir names (data/train-00000-of-00001.parquet,
-    test.jsonl, train/), else every file is the train split."""
+    """A dataset dir's files for `split`, resolved as `datasets` resolves one (the README's `configs`, else split
+    names in file or dir names, else all files are train)."""
     from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
     base, card = path, os.path.join(path, "README.md")
@@ -86,7 +85,7 @@ def _local_files(path: str, split: str, name: str | None) -> list[str] | None:
 
 
 def _iter_file(file: str):
-    """Yield (location, JSON text, row) with exact line numbers, so errors point at the offending line."""
+    """(location "file:line" or "file item N", JSON text, row) of each row of a JSON/JSONL file."""
     with open(file, encoding="utf-8-sig") as f:  # -sig: tolerate a BOM
         head = f.read(4096).lstrip()
         f.seek(0)
@@ -145,8 +144,8 @@ def _not_utf8(file: str) -> str:
 
 
 def load_rows(path: str, *, split: str = "train", name: str | None = None, streaming: bool = False) -> Rows:
-    """Rows of a local .json/.jsonl/.parquet file, of a dataset dir's split (see _split_files), or of a hub dataset
-    id (optionally "id:split"), as a datasets.Dataset (streaming=False) or IterableDataset; read items with row_of."""
+    """Rows of a local .json/.jsonl/.parquet file, a dataset dir's split or a hub dataset id (optionally "id:split"),
+    as a datasets.Dataset (or IterableDataset when streaming); read items with row_of."""
     files = _local_files(path, split, name)
     if files is None:
         ref, _, hub_split = path.partition(":")
@@ -185,15 +184,14 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
 
 
 def _no_rows(path: str, split: str, files: list[str]) -> str:
-    """Why a local source gives nothing, naming it (format detection would only see no columns)."""
+    """Why a local source gives no rows."""
     if files == [path]:
         return f"{path}: has no rows (the file is empty)"
     return f"{path}: split {split!r} has no rows (its files are empty: {', '.join(files)})"
 
 
 def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
-    """(the row, where it is: "file:line", "file item N", "file row N"; hub data "source row N") of an item of
-    Rows.data: local JSON rows decoded from the text they were read as."""
+    """(the row, where it is) of an item of Rows.data."""
     where = item.get(WHERE) or f"{source} row {index}"
     if JSON_ROW in item:
         return json.loads(item[JSON_ROW]), where
@@ -201,8 +199,7 @@ def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
 
 
 def detect_format(columns: list[str], fmt: str = "auto") -> str:
-    """fmt ('messages' | 'sharegpt' | 'alpaca' | 'pairs') checked against the column names (Rows.columns), or with
-    fmt='auto' the first of them that they fit (pairs: preference pairs for `finetune dpo`, see ext/pairs.py)."""
+    """fmt checked against the column names, or with fmt='auto' the first format they fit (pairs: see ext/pairs.py)."""
     cols = set(columns)
     fits = {"pairs": {"chosen", "rejected"} <= cols, "messages": "messages" in cols,
             "sharegpt": "conversations" in cols, "alpaca": {"instruction", "output"} <= cols}
@@ -234,8 +231,7 @@ def _text(value, where: str, what: str) -> str:
 
 
 def _content(value, where: str, what: str) -> str | list[dict]:
-    """A message's content: text, or a list of text parts ({"type": "text", "text": ...}, the OpenAI and HF shape)
-    kept as the row has them, for templates that read parts; other parts (images, audio) cannot be trained here."""
+    """A message's content: text, or a list of text parts kept as the row has them (other parts are refused)."""
     if not isinstance(value, list):
         return _text(value, where, what)
     for k, part in enumerate(value):
@@ -264,8 +260,7 @@ def _json(value, where: str, what: str):
 
 
 def _tool_calls(raw, where: str, what: str) -> list[dict]:
-    """OpenAI tool calls ({id, type, function: {name, arguments}}), arguments as an object (most templates `tojson`
-    it; labels.py turns it back into a string for templates that concatenate one)."""
+    """OpenAI tool calls ({id, type, function: {name, arguments}}), arguments as an object."""
     calls = _json(raw, where, what)
     calls = calls if isinstance(calls, list) else [calls]
     out = []

@@ -1,12 +1,9 @@
 """Exact labels: the tokens a model emits at inference for each assistant turn, in the context it sees there.
 
-For assistant message i, prompt_i is the template's rendering of messages[:i] (with the row's tools) and a generation
-prompt; completion_i is the rendering of messages[:i+1] minus prompt_i (where that rendering also changes the
-history, as GPT-OSS does, what follows its generation prompt for message i), cut right after the end-of-turn token
-that closes it. Turns whose prompt_i + completion_i begin the full rendering share one sample (the rendering of the
-whole row); a turn the full rendering shows differently (reasoning dropped from history, a think block only in the
-last turn, a system prompt moved) gets a sample of its own, prompt_i + completion_i. A turn that cannot be trained so
-(Unsupported) is left untrained: it stays in the rendering as context of the later turns, which train as before.
+For assistant message i, prompt_i is the rendering of messages[:i] with a generation prompt; completion_i is the
+rendering of messages[:i+1] after prompt_i, cut right after its end-of-turn token. Turns whose prompt_i + completion_i
+begin the whole row's rendering share its sample; a turn it shows differently gets a sample of its own. A turn that
+cannot be trained so (Unsupported) stays untrained, as context of the later turns.
 """
 
 from __future__ import annotations
@@ -31,25 +28,14 @@ class Labelled(NamedTuple):
     left_out: list[Unsupported]  # why each assistant turn left untrained is ("message i: ...", and its reason)
 
 
-def prompt_text(tokenizer, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> str:
-    """The context the model answers after messages (prompt_i for what follows): rendered as the labels are."""
-    t = template_of(tokenizer, template_kwargs)
-    return t.render(prepared(messages, t.args_as_string[bool(tools)], t.reads_parts), tools, True)
-
-
 def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
     """Where message i's answer starts in `upto` (the rendering through message i) when `upto` does not extend
-    `prompt` because the history renders differently once message i follows (GPT-OSS drops tool-call analysis,
-    Mistral moves the system prompt): of the places after which `upto` holds nothing of the previous message (so
-    never an earlier turn answering the same question), the one whose preceding text ends as `prompt` does the
-    longest, through the previous message's text at least; None if there is none."""
+    `prompt` (GPT-OSS drops tool-call analysis, Mistral moves the system prompt): of the places after which `upto`
+    holds nothing of the previous message, the one whose preceding text ends as `prompt` does the longest; or None."""
     history = t.render(msgs[:i], tools, False)
     if not prompt.startswith(history):
         return None
-    try:
-        before = t.render(msgs[:i - 1], tools, False)
-    except Unsupported:
-        before = ""
+    before = _render_or_none(t, msgs[:i - 1], tools, False) or ""
     rendered = (history[len(before):] if history.startswith(before) else history).strip()  # the previous message
     gen, backwards = prompt[len(history):], prompt[::-1]
     text = msgs[i - 1].get("content")
@@ -72,9 +58,8 @@ def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) 
 
 
 def _way_out(t: Template, msgs, i: int, tools) -> str:
-    """For a turn that is not a prefix of its generation prompt: the template switch that, set to false, makes it one
-    (a thinking template whose generation prompt opens a think block the row's answer has no reasoning for), as a
-    hint; "" if none does."""
+    """The hint for a turn that does not extend its generation prompt: the template switch that, set to false, fixes
+    it (a generation prompt opening a think block), or ""."""
     for name in t.switches():
         off = {name: False}
         prompt = _render_or_none(t, msgs[:i], tools, True, **off)
@@ -91,8 +76,7 @@ def _way_out(t: Template, msgs, i: int, tools) -> str:
 
 
 def _check_kept(m: dict, i: int, completion: str) -> None:
-    """What the row carries must be in what is trained: the message's content, reasoning and tool calls (templates
-    strip text; Qwen-style ones re-render inline <think> reasoning, so its parts are looked for one by one)."""
+    """The message's content, reasoning and tool calls must be in what is trained (Unsupported otherwise)."""
     head, _, answer = text_of(m.get("content")).rpartition("</think>")  # without </think>: head "", answer all of it
     if any(p.strip() not in completion for p in (answer, head.split("<think>")[-1])):
         raise Unsupported("drops_content", f"message {i}: the chat template drops (or rewrites) its content")
@@ -108,9 +92,8 @@ def _check_kept(m: dict, i: int, completion: str) -> None:
 
 
 def _tokens(tokenizer, t: Template, text: str, where: str, base=None, shared: int = 0) -> tuple[list, tuple, tuple]:
-    """(ids, start offsets, end offsets) of `text`, as apply_chat_template(tokenize=True) gives them (checked on the
-    first row). base: the same of a text sharing `text`'s first `shared` characters: its tokens before the last
-    added token within them are reused (checked once per template against a whole encode)."""
+    """(ids, start offsets, end offsets) of `text`. base: the same of a text sharing `text`'s first `shared`
+    characters, whose tokens before the last added token within them are reused (checked once per template)."""
     if base is not None and t.reuse is not False:
         ids, starts, ends = base
         k = bisect.bisect_right(ends, shared)
@@ -139,7 +122,7 @@ def _tokens(tokenizer, t: Template, text: str, where: str, base=None, shared: in
 
 
 def _shared(a: str, b: str) -> int:
-    """The length of the common prefix of a and b (a binary search of startswith: C speed)."""
+    """The length of the common prefix of a and b."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -149,10 +132,8 @@ def _shared(a: str, b: str) -> int:
 
 def _encode(t: Template, ids: list, starts, ends, spans, max_seq_len: int) -> dict:
     """The sample whose labels are the tokens of each span (message index, start, end) of trained text: every token
-    that holds answer text, also one straddling the prompt/answer boundary ('ĠParis' after a prompt ending in ' ', an
-    end-of-turn token with rstrip that swallowed the '\n' after it), never a template token that only swallowed the
-    answer's leading whitespace (a header with rstrip); a token touching two spans is the first's. Offsets grow
-    along the text, so each span is a range of tokens."""
+    holding answer text (also one straddling the boundary), never an added token that only swallowed the answer's
+    leading whitespace; a token touching two spans is the first's."""
     labels, turns, done = [IGNORE_INDEX] * len(ids), [], 0
     for i, a, b in spans:
         lo, hi = max(bisect.bisect_right(ends, a), done), bisect.bisect_left(starts, b)
@@ -166,8 +147,7 @@ def _encode(t: Template, ids: list, starts, ends, spans, max_seq_len: int) -> di
 
 
 def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: str, prompt: str | None):
-    """(prompt_i, completion_i, the stop token ending it where the template writes none) of assistant message i, or
-    Unsupported when the template cannot show it as at inference."""
+    """(prompt_i, completion_i, the stop token the template does not write) of assistant message i, or Unsupported."""
     prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
     upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
     start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
@@ -191,9 +171,8 @@ def refuse(e: Unsupported, where: str, on_unsupported: str, then: str) -> None:
 
 def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: str = "", tools=None,
                       on_unsupported: str = "error", template_kwargs: dict | None = None) -> Labelled:
-    """The samples of one conversation by the rule in the module docstring, the turns left untrained and why, or why
-    the row gives no sample. A turn (or a row: template_error, drops_tools) the template cannot hold raises DataError
-    (on_unsupported="error") or is left untrained and reported ("drop")."""
+    """One conversation's Labelled by the module docstring's rule. A turn (or row) the template cannot hold raises a
+    DataError (on_unsupported="error") or is left untrained and reported ("drop")."""
     where = where or "conversation"
     require_chat_template(tokenizer, where)
     # An assistant message that opens the conversation (a greeting) is context only: no prompt precedes it at inference

@@ -1,11 +1,10 @@
-"""Samples in a world-size-independent order: tokenize rows (one row may give several samples) of one source or a
-weighted mixture of sources, shuffle, shard, pack."""
+"""Samples in a world-size-independent order: tokenize rows of one source (or several), shuffle, shard, pack."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import math
+from collections import Counter
 from typing import NamedTuple
 
 import datasets
@@ -17,7 +16,6 @@ from .labels import DROP_REASONS, tokenize_messages
 from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _entries)
-MAX_EPOCH_SAMPLES = 2**32  # of one source (8 bytes each: 32 GiB of indices)
 PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
 
 
@@ -29,8 +27,7 @@ class Source(NamedTuple):
 
 def open_sources(data: str | list[dict], *, fmt: str = "auto", split: str = "train", name: str | None = None,
                  streaming: bool = False) -> list[Source]:
-    """The rows of `data` (a path: fmt, split and name apply; or a list of source dicts, see build_samples), their
-    format checked."""
+    """The rows of `data` (a path, or a list of source dicts: see build_samples), their format checked."""
     specs = [{"path": data, "split": split, "name": name, "format": fmt}] if isinstance(data, str) else data
     if streaming and len(specs) > 1:
         raise DataError("data.sources: a mixture needs each source's size before it starts, so it cannot stream; set "
@@ -43,29 +40,9 @@ def open_sources(data: str | list[dict], *, fmt: str = "auto", split: str = "tra
     return sources
 
 
-def mixture_sizes(specs: list[dict], sizes: list[int]) -> list[int]:
-    """Samples each source gives an epoch, from its size (usable samples): `samples`; else `epochs` x its size; the
-    sources with a `weight` share the samples they hold together, in proportion to their weights. A source with none
-    of the three: epochs=1."""
-    pooled = sum(m for spec, m in zip(specs, sizes) if spec.get("weight"))
-    weights = sum(spec.get("weight") or 0 for spec in specs)
-
-    def share(w):  # pooled * w overflows for a weight near the float maximum: then the ratio first
-        return pooled * w / weights if math.isfinite(pooled * w) else pooled * (w / weights)
-    counts = [spec["samples"] if spec.get("samples") else share(spec["weight"]) if spec.get("weight")
-              else (spec.get("epochs") or 1) * m for spec, m in zip(specs, sizes)]
-    for k, n in enumerate(counts):
-        if not n <= MAX_EPOCH_SAMPLES:  # an epoch's sample indices are held in memory
-            raise DataError(f"data.sources[{k}] ({specs[k]['path']}): {n:.3g} samples an epoch, more than "
-                            f"{MAX_EPOCH_SAMPLES:,} can be held; lower its samples or epochs")
-    return [round(n) for n in counts]
-
-
 def _best_fit_packs(items, max_len: int, window: int = PACK_WINDOW):
-    """Best-fit-decreasing packing of (item, length) pairs (each length <= max_len), one window of `window`
-    consecutive pairs at a time: longest first, each into the fullest row it fits (ties: the older row), else a
-    new row. Each row keeps its items in input order; rows come in the order of their first item. Deterministic,
-    and the same whatever reads it (so the same on every rank)."""
+    """Best-fit-decreasing packing of (item, length) pairs, `window` pairs at a time: longest first, into the fullest
+    row it fits (ties: the older), else a new row; rows keep input order and come in the order of their first item."""
     it = iter(items)
     while chunk := list(itertools.islice(it, window)):
         rows: list[list[int]] = []
@@ -81,46 +58,33 @@ def _best_fit_packs(items, max_len: int, window: int = PACK_WINDOW):
             yield [chunk[j][0] for j in row]
 
 
-def _new_counts() -> dict:
-    return dict(rows=0, kept=0, samples=0, turns_trained=0, **{f"dropped_{r}": 0 for r in DROP_REASONS})
+def _new_counts() -> Counter:
+    return Counter(dict(rows=0, kept=0, samples=0, turns_trained=0, **{f"dropped_{r}": 0 for r in DROP_REASONS}))
 
 
 def _entries(labelled, row: int, source: int) -> list[dict]:
-    """A row's samples with _META, length and drop (why the row is dropped, or "": then one empty entry); its turns
-    left untrained ("<reason> message <i>: <why>") go with the first."""
+    """A row's samples with _META, length and drop (a dropped row: one empty entry); left_out goes with the first."""
     left_out = [f"{e.reason} {e}" for e in labelled.left_out]
     samples = labelled.samples or [{"input_ids": [], "labels": [], "turns": [], "split": ""}]
     return [{"starts": [], **s, "length": len(s["input_ids"]), "drop": labelled.dropped or "", "row": row,
              "left_out": [] if n else left_out, "source": source} for n, s in enumerate(samples)]
 
 
-def _add(counts: dict, key: str, n: int = 1) -> None:
-    counts[key] = counts.get(key, 0) + n
-
-
 def _count(counts: dict, entries) -> None:
-    """Count one row from its _entries: samples, or why it is dropped; turns left untrained by reason, per turn and
-    per row."""
+    """Count one row from its _entries: samples or why it is dropped, turns left untrained by reason."""
     counts["rows"] += 1
     reasons = [x.split(" ", 1)[0] for x in entries[0]["left_out"]]
-    for r in reasons:
-        _add(counts, f"turns_unsupported_{r}")
-    for r in dict.fromkeys(reasons):
-        _add(counts, f"rows_unsupported_{r}")
+    counts.update(f"turns_unsupported_{r}" for r in reasons)
+    counts.update(f"rows_unsupported_{r}" for r in dict.fromkeys(reasons))
     if entries[0]["drop"]:
-        _add(counts, f"dropped_{entries[0]['drop']}")
+        counts[f"dropped_{entries[0]['drop']}"] += 1
         return
-    counts["kept"] += 1
-    counts["samples"] += len(entries)
-    counts["turns_trained"] += sum(len(s["turns"]) for s in entries)
-    for s in entries:
-        if s["split"]:
-            _add(counts, f"turns_split_{s['split']}")
+    counts.update(kept=1, samples=len(entries), turns_trained=sum(len(s["turns"]) for s in entries))
+    counts.update(f"turns_split_{s['split']}" for s in entries if s["split"])
 
 
 def describe_counts(counts: dict) -> str:
-    """One line: rows kept and dropped (by reason), samples, turns trained, split out and left untrained (by reason:
-    turns, and the rows they are in)."""
+    """The counts as one line."""
     parts = []
     for k, v in counts.items():
         if k.startswith("dropped_"):
@@ -144,12 +108,10 @@ def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, 
 
 
 class SampleStream(torch.utils.data.IterableDataset):
-    """This rank's samples, forever (or epoch_limit epochs). Global sample g (world-size independent, counted
-    across epochs) goes to rank g % world_size; iteration starts at global sample start_sample. An epoch is the
-    samples mixture_sizes gives each source (one source: all its samples), interleaved evenly in file order
-    (a row's samples follow each other), packed, then shuffled. Iterate it in the training process (DataLoader
-    num_workers=0): counts for streaming data are filled in as it goes. `tokenizers[k](item, idx)` labels a row of
-    sources[k] (a labels.Labelled)."""
+    """This rank's samples, forever (or epoch_limit epochs): global sample g (counted across epochs) goes to rank
+    g % world_size, from global sample start_sample on. An epoch: the samples _choose takes of each source, packed,
+    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process
+    (num_workers=0): streamed data's counts fill in as it goes."""
 
     def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,
                  shuffle=True, seed=0, rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1,
@@ -163,24 +125,19 @@ class SampleStream(torch.utils.data.IterableDataset):
         self.sources, self._tokenizers = sources, tokenizers
         self.counts = _new_counts()
         self.source_counts = [_new_counts() for _ in sources]
-        self.shares: list[tuple[int, int]] = []  # samples and real tokens of each source in an epoch
         self.num_samples: int | None = None
         if streaming:
             return
-        ints = getattr(datasets, "List", datasets.Sequence)(datasets.Value("int32"))  # List is datasets>=4
+        seq, v = getattr(datasets, "List", datasets.Sequence), datasets.Value  # List is datasets>=4
         features = datasets.Features({
-            "input_ids": ints, "labels": ints, "length": datasets.Value("int32"), "drop": datasets.Value("string"),
-            "row": datasets.Value("int64"), "turns": ints, "split": datasets.Value("string"),
-            "left_out": getattr(datasets, "List", datasets.Sequence)(datasets.Value("string")),
-            "source": datasets.Value("int32"), "starts": ints})
+            "input_ids": seq(v("int32")), "labels": seq(v("int32")), "length": v("int32"), "drop": v("string"),
+            "row": v("int64"), "turns": seq(v("int32")), "split": v("string"), "left_out": seq(v("string")),
+            "source": v("int32"), "starts": seq(v("int32"))})
 
         def tokenize_batch(batch, indices, k):
-            out = {name: [] for name in features}
-            for j, idx in enumerate(indices):
-                for entry in _entries(tokenizers[k]({c: v[j] for c, v in batch.items()}, idx), idx, k):
-                    for name in features:
-                        out[name].append(entry[name])
-            return out
+            entries = [e for j, idx in enumerate(indices)
+                       for e in _entries(tokenizers[k]({c: v[j] for c, v in batch.items()}, idx), idx, k)]
+            return {name: [e[name] for e in entries] for name in features}
 
         # Tokenize once; every epoch then only reorders sample indices.
         parts = [src.rows.data.map(tokenize_batch, batched=True, batch_size=64, with_indices=True, fn_kwargs={"k": k},
@@ -192,8 +149,7 @@ class SampleStream(torch.utils.data.IterableDataset):
         self.num_samples = len(self._units)
 
     def _epoch_units(self):
-        """Count the tokenized rows, choose each source's samples of an epoch and interleave them; pack them (in that
-        order) or not: (units, their real token counts)."""
+        """(an epoch's units in order, their real token counts): rows counted, sources chosen, interleaved, packed."""
         names = ("drop", "turns", "split", "left_out", "row", "source")
         entries = (dict(zip(names, values)) for values in zip(*(self._tok[c] for c in names)))
         lengths = np.asarray(self._tok["length"], dtype=np.int64)
@@ -204,32 +160,26 @@ class SampleStream(torch.utils.data.IterableDataset):
             if not group[0]["drop"]:
                 kept[k] += ids
         for counts in self.source_counts:
-            for key, v in counts.items():
-                _add(self.counts, key, v)
+            self.counts.update(counts)
         for src, counts, ids in zip(self.sources, self.source_counts, kept):
             if not ids:
                 raise DataError(f"{src.spec['path']}: no usable samples ({describe_counts(counts)})")
-        chosen = []
-        for k, (ids, n) in enumerate(zip(kept, mixture_sizes([s.spec for s in self.sources], list(map(len, kept))))):
-            reps, rest = divmod(n, len(ids))  # the source n // len times, then a fixed part of it, in file order
-            part = np.sort(np.random.default_rng([self.seed, k]).choice(len(ids), rest, replace=False))
-            chosen.append(np.concatenate([np.tile(ids, reps), np.asarray(ids)[part]]).astype(np.int64))
-            self.shares.append((n, int(lengths[chosen[-1]].sum())))
-        # interleaved evenly: the j-th of a source's n samples at (j + 0.5) / n of the epoch
-        at = np.concatenate([(np.arange(len(c)) + 0.5) / len(c) for c in chosen if len(c)])
-        order = np.concatenate(chosen)[np.argsort(at, kind="stable")]
-        if not len(order):
-            raise DataError(f"{self.describe_source()}: an epoch of this mixture holds no sample")
+        order = self._choose(kept, lengths)
         if not self.packing:
             return order, lengths[order]
         units = list(_best_fit_packs(((int(i), int(lengths[i])) for i in order), self.max_seq_len, self.pack_window))
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
+    def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
+        """An epoch's samples in order from each source's usable ones: all, source after source (a mixture's shares:
+        finetune/ext/mixture.py)."""
+        return np.concatenate(kept).astype(np.int64)
+
     def describe_source(self) -> str:
         return ", ".join(src.spec["path"] for src in self.sources)
 
     def summary(self) -> list[str]:
-        """Start-up lines: the files read, what became of the rows, and a mixture's share of each source."""
+        """Start-up lines: the files read and the counts."""
         lines = []
         for src in self.sources:
             path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
@@ -238,11 +188,6 @@ class SampleStream(torch.utils.data.IterableDataset):
             lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
         if self.num_samples is not None or self.counts["rows"]:  # streaming: counted as rows are read
             lines.append(("streamed so far: " if self.num_samples is None else "") + describe_counts(self.counts))
-        total_samples, total_tokens = (sum(x) for x in zip(*self.shares)) if self.shares else (0, 0)
-        if len(self.sources) > 1 and total_samples:
-            lines += [f"source {k} {src.spec['path']}: {n} samples an epoch ({n / total_samples:.1%}), "
-                      f"{t / max(total_tokens, 1):.1%} of tokens; {describe_counts(counts)}"
-                      for k, (src, (n, t), counts) in enumerate(zip(self.sources, self.shares, self.source_counts))]
         return lines
 
     def _assemble(self, samples: list[dict]) -> dict:
@@ -259,7 +204,7 @@ class SampleStream(torch.utils.data.IterableDataset):
         return np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
 
     def unit_lengths(self, epoch: int = 0) -> np.ndarray:
-        """Real tokens of each global unit (sample, or packed row) of an epoch, in global order (not streaming)."""
+        """Real tokens of each global unit of an epoch, in global order (not streaming)."""
         return self._unit_lengths[self._order(epoch)]
 
     def _epoch_indexed(self, epoch: int, g0: int):
@@ -312,16 +257,12 @@ class SampleStream(torch.utils.data.IterableDataset):
 
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, streaming=False,
                   max_seq_len=2048, on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None,
-                  **order) -> SampleStream:
-    """This rank's tokenized (optionally packed) samples in SampleStream's order (`order`: its keyword arguments).
-    `data`: a path (hub id, file or dataset dir; fmt, split and name apply), or a mixture: dicts with a path and
-    optionally split, name, format and one of weight, samples, epochs (see mixture_sizes; no streaming).
-    Non-streaming data is tokenized up front (num_proc workers) and shuffled per epoch (seed + epoch) when shuffle;
-    streaming data is read lazily in file order, never shuffled. A turn the chat template cannot hold raises a
-    DataError (on_unsupported="error") or is left untrained and counted ("drop"). `labellers`: {format: fn(tokenizer,
-    row, where, max_seq_len, on_unsupported, template_kwargs) -> labels.Labelled} for formats labelled otherwise."""
+                  stream=SampleStream, **order) -> SampleStream:
+    """This rank's samples (`stream`: SampleStream or a subclass, ext/mixture.py's Mixture; `order`: its keyword
+    arguments) of `data`: a path (fmt, split, name apply) or source dicts (path, split, name, format; no streaming).
+    `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = open_sources(data, fmt=fmt, split=split, name=name, streaming=streaming)
     tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {})
                   for src in sources]
-    return SampleStream(sources, tokenizers, streaming=streaming, max_seq_len=max_seq_len, **order)
+    return stream(sources, tokenizers, streaming=streaming, max_seq_len=max_seq_len, **order)

@@ -30,8 +30,7 @@ def require_chat_template(tokenizer, where: str) -> None:
 
 
 def read_chat_template(path: str) -> str | dict:
-    """The chat template of data.chat_template: a Jinja file's text, or a tokenizer dir's template; checked to be a
-    template (an empty file would leave the model's own in place, unnoticed) that compiles."""
+    """data.chat_template's template (a Jinja file's text, or a tokenizer dir's), checked to be one that compiles."""
     try:
         if not Path(path).is_dir():
             template = Path(path).expanduser().read_text(encoding="utf-8")
@@ -101,8 +100,7 @@ class Template:
                          for has in (False, True)}  # a template dict may have its own "tool_use" template
 
     def render(self, messages: list[dict], tools, generation_prompt: bool, **extra) -> str:
-        """The template's text for prepared messages (extra: template kwargs over the run's); a template that raises
-        is Unsupported("template_error")."""
+        """The template's text for prepared messages (extra: kwargs over the run's); Unsupported if it raises."""
         try:
             return self.compiled[bool(tools)].render(messages=messages, tools=tools, documents=None,
                                                      add_generation_prompt=generation_prompt,
@@ -111,8 +109,7 @@ class Template:
             raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
 
     def switches(self) -> list[str]:
-        """The template's variables that may switch thinking off (enable_thinking, ...): the ones it reads whose name
-        says thinking or reasoning, not set to false already (found once)."""
+        """The template's variables that may switch thinking off (enable_thinking, ...), not set to false already."""
         if self.switch_names is None:
             import jinja2.meta
             texts = self.text.values() if isinstance(self.text, dict) else [self.text]
@@ -150,8 +147,7 @@ def template_of(tokenizer, extra: dict | None = None) -> Template:
 
 def prepared(messages: list[dict], args_as_string: bool, reads_parts: bool = True) -> list[dict]:
     """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning also as `thinking`,
-    which GPT-OSS templates read; content parts as text where the template does not read parts), made once per row
-    so that each prefix renders without copying."""
+    content parts as text where the template does not read parts)."""
     out = []
     for m in _args_as_strings(messages) if args_as_string else messages:
         m = {k: v for k, v in m.items() if v is not None and k != "train"}
@@ -166,10 +162,9 @@ def _shape(m: dict) -> tuple:
 
 
 def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | None, str] | None:
-    """(tail, cut, stop): the text the template writes after the last row text of message i (its content, or the last
-    tool call's arguments), how much of it the model emits (through the end-of-turn token; None: no token), and, for
-    a template that writes no end-of-turn token (GLM-style: the next role's token ends the turn, and is an eos id of
-    the model), that next control token, which the model must emit to stop ("" otherwise)."""
+    """(tail, cut, stop): the text the template writes after message i's last row text, how much of it the model
+    emits (through the end-of-turn token; None: no token), and where the template writes none (GLM-style) the next
+    role's control token, which the model must emit to stop ("" otherwise)."""
     m = dict(messages[i])
     if m.get("content") or not m.get("tool_calls"):
         m["content"] = _like(m.get("content"), _PROBE)
@@ -219,9 +214,8 @@ def _like(content, text: str):
 
 
 def _next_probe(messages: list[dict], i: int, m: dict) -> dict:
-    """The message after turn i in the probes: a tool result after tool calls, else a user turn, carrying what the
-    row's own next message of that role carries (tool_call_id, name) or, where the row has none, the id and name of
-    the turn's last call, as templates that check them want."""
+    """The message after turn i in the probes: a tool result after tool calls (with the call's id and name), else a
+    user turn; the row's own next message of that role where it has one."""
     role = "tool" if m.get("tool_calls") else "user"
     after = messages[i + 1] if i + 1 < len(messages) else {}
     shape = next((x.get("content") for x in messages[:i + 1] if isinstance(x.get("content"), list)), None)
@@ -249,9 +243,8 @@ def find_all(text: str, sub: str):
 
 
 def turn_length(tokenizer, t: Template, messages, i, tools, completion: str) -> tuple[int, str]:
-    """How much of completion_i is trained: through its end-of-turn token, never the template text after it (the
-    '\n' after <|im_end|>, an eos the template adds at the end of a conversation); and the stop token to add after
-    it where the template writes none in the turn (see _probe_tail)."""
+    """(how much of completion_i is trained: through its end-of-turn token, the stop token to add after it where the
+    template writes none: see _probe_tail)."""
     key = _shape(messages[i])
     found = t.tails.get(key, False)
     if found is False or (found is not None and not completion.endswith(found[0])):

@@ -33,6 +33,7 @@ from ..distributed import is_main, print0, world_size
 from ..errors import FinetuneError
 from ..loss import collate_labelled, token_loss_sum
 from ..train import Run, Task, build_run_samples
+from .mixture import Mixture
 from .pairs import label_pair
 
 LABELLERS = {"pairs": label_pair}  # build_samples' labeller of the preference-pair format
@@ -293,7 +294,7 @@ def dpo_task(cfg, run: Run) -> Task:
     tables = {"train": None, "eval": None}
     if reference == "precomputed":
         train_samples = build_run_samples(cfg, run.tokenizer, rank=run.dims.dp_rank, world_size=run.dims.dp_size,
-                                          shuffle=False, labellers=LABELLERS)
+                                          shuffle=False, labellers=LABELLERS, stream=Mixture)
         tables = reference_tables(run.model, train_samples, held_out, num_held_out, cfg.train.micro_batch_size,
                                   partial(collate_pairs, pad_id=pad), run.device, run.out, run.resume_dir,
                                   cfg.checkpoint.resume)

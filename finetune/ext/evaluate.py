@@ -7,13 +7,19 @@ from pathlib import Path
 
 import torch
 
-from ..data import (IGNORE_INDEX, detect_format, load_rows, pad_collate, prompt_text, row_of,
-                   to_conversation, tokenize_messages)
+from ..data import IGNORE_INDEX, detect_format, load_rows, pad_collate, row_of, to_conversation, tokenize_messages
+from ..data.template import prepared, template_of
 from ..distributed import is_main, print0
 
 
 # a held-out conversation is scored whole up to this many tokens, not cut at the training data.max_seq_len
 MAX_EVAL_TOKENS = 4096
+
+
+def prompt_text(tokenizer, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> str:
+    """The context the model answers after messages, rendered as the labels are."""
+    t = template_of(tokenizer, template_kwargs)
+    return t.render(prepared(messages, t.args_as_string[bool(tools)], t.reads_parts), tools, True)
 
 
 def evaluate(model, tokenizer, path: str, num_samples: int, max_new_tokens: int, device: torch.device,

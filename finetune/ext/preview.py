@@ -1,24 +1,36 @@
 """`finetune preview-data`: the first samples in dataset order as the trainer sees them, trained tokens highlighted."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 
 from ..config import Config
-from ..data import format_preview
+from ..data import IGNORE_INDEX
 from ..train import build_run_samples, run_tokenizer
 
 SPLIT_WHY = {"history": "the full conversation renders this turn differently",
              "context": "the full conversation renders what precedes it differently"}
 
 
+def format_preview(tokenizer, sample: dict, color: bool = True) -> str:
+    """The decoded sample with trained tokens highlighted (ANSI green, or [[...]] without color), then counts."""
+    ids, labels = list(sample["input_ids"]), list(sample["labels"])
+    parts = []
+    for trained, group in itertools.groupby(zip(ids, labels), key=lambda t: t[1] != IGNORE_INDEX):
+        text = tokenizer.decode([t for t, _ in group], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        parts.append((f"\x1b[30;42m{text}\x1b[0m" if color else f"[[{text}]]") if trained else text)
+    trained = sum(x != IGNORE_INDEX for x in labels)
+    return "".join(parts) + f"\ntrained tokens: {trained} / total: {len(ids)}"
+
+
 def preview(cfg: Config, num: int, json_out: bool) -> None:
     """Print `num` samples (json_out: one {"input_ids", "labels"} object per line), each with where it comes from and
     the turns left untrained, then the data summary."""
-    from . import dpo
+    from . import dpo, mixture
     tok, _ = run_tokenizer(cfg)
-    samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1, labellers=dpo.LABELLERS)
+    samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1, labellers=dpo.LABELLERS, stream=mixture.Mixture)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     for i, sample in zip(range(num), samples):
         if json_out:

@@ -110,9 +110,10 @@ def export_hooks() -> dict:
 
 def recipe(cfg: Config, task: str = "sft") -> Recipe:
     """What a run of `task` ("sft", "dpo") passes to train.train."""
+    from .mixture import Mixture
     labellers, setup = {}, sft_task
     if task == "dpo":
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
     from .resume_note import resume_note
-    return Recipe(task, setup, transforms, export_hooks(), labellers, resume_note)
+    return Recipe(task, setup, transforms, export_hooks(), {"labellers": labellers, "stream": Mixture}, resume_note)
