@@ -1,6 +1,5 @@
-"""Private third-party APIs in one place, each checked against the version named beside it (torch 2.15,
-transformers 5.23, huggingface_hub 2.4, liger-kernel 0.8.5): an upgrade that moves one breaks here first.
-Imports nothing of ours; optional packages only when called."""
+"""Private third-party APIs in one place, checked against the versions named (torch 2.15, transformers 5.23;
+liger-kernel's: ext/liger.py): an upgrade that moves one breaks here first."""
 from __future__ import annotations
 
 # torch 2.15: the module wrappers for non-reentrant activation checkpointing live in a private package
@@ -22,24 +21,21 @@ def storage_key(storage) -> int:
 
 
 def fsdp_param_group(module):
-    """The FSDP2 parameter group of a fully_shard-ed module, or None (torch 2.15 `_get_fsdp_state()`); plan reads
-    its fsdp_params' _orig_size, param_dtype, orig_dtype, reduce_dtype, sharded_param and post_forward_mesh_info."""
+    """The FSDP2 parameter group of a fully_shard-ed module, or None (torch 2.15 `_get_fsdp_state()`)."""
     from torch.distributed.fsdp import FSDPModule
     return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
 
 
 def fake_world_parts():
-    """(a store for a "fake" process group: ranks with no process behind them, a mode for tensors with shapes and
-    dtypes but no storage) (torch 2.15 testing._internal and _subclasses)."""
+    """(a store for a "fake" process group, a mode for tensors without storage) (torch 2.15)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
     return FakeStore(), FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def sac_hooks_kwargs() -> dict:
-    """checkpoint()'s argument that sends op-level AC's kept outputs through the caller's saved_tensors_hooks
-    (torch 2.15 `respect_saved_tensors_hooks`); {} where checkpoint() has none (torch 2.11: an unknown argument would
-    flow into the block's forward kwargs, and those outputs bypass the hooks: ac.offload leaves them on the device)."""
+    """checkpoint()'s `respect_saved_tensors_hooks` (torch 2.15: op-level AC's kept outputs go through the caller's
+    saved_tensors_hooks); {} where checkpoint() lacks it (torch 2.11: it would reach the block's forward)."""
     import inspect
 
     from torch.utils.checkpoint import checkpoint
@@ -48,8 +44,7 @@ def sac_hooks_kwargs() -> dict:
 
 
 def sac_attention_ops() -> set:
-    """The attention ops op-level AC keeps besides sdpa's: torch's varlen kernel (torch_attn::_varlen_attn, torch
-    2.10+, registered when its module is imported) and flex attention's higher-order op (torch 2.11-2.15)."""
+    """The attention ops op-level AC keeps besides sdpa's: torch's varlen kernel's (torch 2.10+) and flex's."""
     import torch
     ops = set()
     try:
@@ -62,12 +57,6 @@ def sac_attention_ops() -> set:
     except AttributeError:
         pass
     return ops
-
-
-def apply_liger_kernels(model, **switches) -> None:
-    """Liger's kernels for the model's architecture, into this instance (liger-kernel 0.8.5; ImportError without)."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    _apply_liger_kernel_to_instance(model=model, **switches)
 
 
 def compile_jinja_template(template: str):

@@ -15,7 +15,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     """The model transforms `cfg` asks for (the experts' implementation and Liger, context parallelism, LoRA,
     activation offload), bound to their settings."""
     from ..distributed import print0
-    cuda, t = device.type == "cuda", Transforms()
+    from .varlen import register
+    cuda, t = device.type == "cuda", Transforms(varlen=register)
     compile, liger = resolve_compile(cfg.model.compile, cuda), False
     if cfg.model.liger is not False:
         from .liger import resolve_liger
@@ -114,4 +115,5 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     if task == "dpo":
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
-    return Recipe(task, setup, transforms, export_hooks(), labellers)
+    from .mfu import meter
+    return Recipe(task, setup, transforms, export_hooks(), labellers, meter)
