@@ -33,32 +33,6 @@ def fake_world_parts():
     return FakeStore(), FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def sac_hooks_kwargs() -> dict:
-    """checkpoint()'s `respect_saved_tensors_hooks` (torch 2.15: op-level AC's kept outputs go through the caller's
-    saved_tensors_hooks); {} where checkpoint() lacks it (torch 2.11: it would reach the block's forward)."""
-    import inspect
-
-    from torch.utils.checkpoint import checkpoint
-    has = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
-    return {"respect_saved_tensors_hooks": True} if has else {}
-
-
-def sac_attention_ops() -> set:
-    """The attention ops op-level AC keeps besides sdpa's: torch's varlen kernel's (torch 2.10+) and flex's."""
-    import torch
-    ops = set()
-    try:
-        import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
-        ops.add(torch.ops.torch_attn._varlen_attn.default)
-    except (ImportError, AttributeError):
-        pass
-    try:
-        ops.add(torch.ops.higher_order.flex_attention)
-    except AttributeError:
-        pass
-    return ops
-
-
 def compile_jinja_template(template: str):
     """A chat template compiled as transformers renders it (transformers 5.23 chat_template_utils)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template

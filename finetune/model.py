@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +21,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from .attention import check_packing, check_trainable, resolve_attn_implementation
-from .compat import CheckpointImpl, checkpoint_wrapper, sac_attention_ops, sac_hooks_kwargs
+from .compat import CheckpointImpl, checkpoint_wrapper
+from .config import ConfigError
 from .distributed import print0
 from .errors import ModelError, one_line
 from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_weights
@@ -38,6 +38,7 @@ class Transforms:
     float8: Callable | None = None  # Linear layers swapped for float8 ones
     adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
     ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
+    sac: Callable | None = None  # () -> checkpoint()'s arguments for ac.mode=op (op-level selective AC)
     after_load: Callable | None = None  # (model, settings) once the weights are in (the adapters' init)
     lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
@@ -193,28 +194,15 @@ def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
     return [i for i in range(num_layers) if (i + 1) * k // num_layers > i * k // num_layers]
 
 
-def _op_sac_policy():
-    """Op-level selective AC: keep matmul and attention outputs, recompute the pointwise ops."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-    aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
-            aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_cudnn_attention.default,
-            aten._scaled_mm.default} | sac_attention_ops()  # + varlen's and flex's ops; fp8's matmuls (as torchtitan)
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-    return partial(create_selective_checkpoint_contexts, policy)
-
-
-def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None) -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint (then `wrap`); returns their indices."""
+def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None,
+             sac: Callable | None = None) -> list[int]:
+    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint (then `wrap`); returns their indices.
+    mode "op" takes checkpoint()'s arguments from `sac` (the Transforms slot)."""
+    if mode == "op" and sac is None:
+        raise ConfigError("ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
-    # respect_saved_tensors_hooks: the outputs op-level AC keeps go through the caller's saved_tensors_hooks
-    # (save_on_cpu, the bench's saved-bytes count) like any saved tensor; torch's legacy default bypasses them
-    kwargs = {"context_fn": _op_sac_policy(), **sac_hooks_kwargs()} if mode == "op" else {}  # {} on torch 2.11
+    kwargs = sac() if mode == "op" else {}
     for i in ids:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
         if wrap is not None:
@@ -279,7 +267,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: Transforms, *, m
         if slot is not None:
             slot(model, layers)
     settings = t.adapters(model, layers) if t.adapters is not None else None
-    apply_ac(model, ac_ratio, ac_mode, t.ac_wrap)
+    apply_ac(model, ac_ratio, ac_mode, t.ac_wrap, t.sac)
     apply_compile(model, compile)
     apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not t.lm_head_in_root)
     return settings

@@ -15,8 +15,9 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     """The model transforms `cfg` asks for (the experts' implementation and Liger, context parallelism, LoRA,
     activation offload), bound to their settings."""
     from ..distributed import print0
+    from .sac import checkpoint_kwargs
     from .varlen import register
-    cuda, t = device.type == "cuda", Transforms(varlen=register)
+    cuda, t = device.type == "cuda", Transforms(varlen=register, sac=checkpoint_kwargs)
     compile, liger = resolve_compile(cfg.model.compile, cuda), False
     if cfg.model.liger is not False:
         from .liger import resolve_liger
