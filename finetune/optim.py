@@ -37,13 +37,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
 
 
 def lr_at(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine down to min_lr_ratio.
-
-    >>> lr_at(0, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
-    0.5
-    >>> lr_at(9, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
-    0.1
-    """
+    """Multiplier of the peak lr at `step` (0-based): linear warm-up ((step + 1) / warmup_steps), then cosine down
+    to min_lr_ratio at the last step."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(max_steps - 1 - warmup_steps, 1)

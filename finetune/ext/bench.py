@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..compat import storage_key
 from ..config import Config, ConfigError, load_config, to_toml
 from ..errors import one_line
+from .compat import storage_key
 from .mfu import MFU_CONVENTION
 from .offload import Offloaded
 

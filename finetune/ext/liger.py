@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
+from .compat import apply_liger_kernels
 
 
 def resolve_liger(liger: bool | str, cuda: bool) -> bool:
@@ -30,8 +31,7 @@ def apply_kernels(model: nn.Module, compile: bool = False) -> None:
     off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm"), False) if interpret else {}
     if compile:  # outside the compiled blocks only (see above)
         off = dict.fromkeys(("cross_entropy", "rms_norm", "swiglu", "geglu", "layer_norm", "rope"), False)
-    try:  # liger-kernel 0.8.5's private entry point (compat.py's rule: checked against that version)
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        _apply_liger_kernel_to_instance(model=model, **off)
+    try:
+        apply_liger_kernels(model, **off)
     except ImportError as e:
         raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e

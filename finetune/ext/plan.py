@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
 from ..config import Config, ConfigError
 from ..errors import one_line
+from .compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
 
 SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
 GIB = 2**30
