@@ -12,8 +12,8 @@ from ..train import Recipe, Run, Task
 
 
 def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    """The model transforms `cfg` asks for (the experts' implementation and Liger, context parallelism, LoRA,
-    activation offload), bound to their settings."""
+    """The model transforms `cfg` asks for (the varlen attention kernel, the experts' implementation and Liger,
+    context parallelism, LoRA, op-level AC, activation offload), bound to their settings."""
     from ..distributed import print0
     from .sac import checkpoint_kwargs
     from .varlen import register
