@@ -117,4 +117,4 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
     from .mfu import meter
-    return Recipe(task, setup, transforms, export_hooks(), labellers, meter)
+    return Recipe(task, setup, transforms, export_hooks(), labellers, mfu=meter)
