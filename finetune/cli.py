@@ -108,6 +108,12 @@ def run_recipe(cfg: Config, task: str):
     return extension("recipes", f"finetune {task}").recipe(cfg, task)
 
 
+def varlen_kernel():
+    """The varlen attention's registration (model.Transforms.varlen) where the extensions are installed, else None."""
+    import importlib.util
+    return None if importlib.util.find_spec("finetune.ext") is None else extension("varlen", "varlen").register
+
+
 def export_hooks() -> dict:
     """export_hf's hooks (LoRA checkpoints, the check) where the extensions are installed."""
     import importlib.util
@@ -282,7 +288,7 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
     from .prepare import prepare_checkpoint as run_prepare
     try:
         launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
-                             cfg.model.attn_implementation), nproc_per_node, debug)
+                             cfg.model.attn_implementation, varlen_kernel()), nproc_per_node, debug)
     finally:
         release_lock(lock)
 
