@@ -63,7 +63,7 @@ def options(version: bool = typer.Option(False, "--version", callback=print_vers
 EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan"}  # ext/commands.py
 EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
                   "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
-                  "model.fp8": "float8", "data.sources": "mixture"}
+                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac"}
 REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 
@@ -96,6 +96,12 @@ def run_recipe(cfg: Config, task: str):
     if not has_extensions():
         return Recipe()
     return extension("recipes", f"finetune {task}").recipe(cfg, task)
+
+
+def varlen_kernel():
+    """The varlen attention's registration (model.Transforms.varlen) where the extensions are installed, else None."""
+    import importlib.util
+    return None if importlib.util.find_spec("finetune.ext") is None else extension("varlen", "varlen").register
 
 
 def export_hooks() -> dict:
@@ -225,7 +231,7 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
     from .prepare import prepare_checkpoint as run_prepare
     try:
         launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
-                             cfg.model.attn_implementation), nproc_per_node, debug)
+                             cfg.model.attn_implementation, varlen_kernel()), nproc_per_node, debug)
     finally:
         release_lock(lock)
 

@@ -1,73 +1,16 @@
-"""Private third-party APIs in one place, each checked against the version named beside it (torch 2.15,
-transformers 5.23, huggingface_hub 2.4, liger-kernel 0.8.5): an upgrade that moves one breaks here first.
-Imports nothing of ours; optional packages only when called."""
+"""Private third-party APIs of the core in one place (the extensions': ext/compat.py), checked against the versions
+named (torch 2.15, transformers 5.23): an upgrade that moves one breaks here first."""
 from __future__ import annotations
 
 # torch 2.15: the module wrappers for non-reentrant activation checkpointing live in a private package
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
     ActivationWrapper, CheckpointImpl, checkpoint_wrapper)
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - torch 2.15
-from torch.utils._pytree import tree_leaves  # noqa: F401 - torch 2.15
 
 
 def local_shape_and_offset(param) -> tuple[tuple, tuple]:
     """A DTensor's local shape and its offset in the global tensor (torch 2.15 distributed.tensor._utils)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-
-
-def storage_key(storage) -> int:
-    """A storage's identity, also for fake tensors, which have no data pointer (torch 2.15 `_cdata`)."""
-    return storage._cdata
-
-
-def fsdp_param_group(module):
-    """The FSDP2 parameter group of a fully_shard-ed module, or None (torch 2.15 `_get_fsdp_state()`); plan reads
-    its fsdp_params' _orig_size, param_dtype, orig_dtype, reduce_dtype, sharded_param and post_forward_mesh_info."""
-    from torch.distributed.fsdp import FSDPModule
-    return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-
-
-def fake_world_parts():
-    """(a store for a "fake" process group: ranks with no process behind them, a mode for tensors with shapes and
-    dtypes but no storage) (torch 2.15 testing._internal and _subclasses)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    return FakeStore(), FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def sac_hooks_kwargs() -> dict:
-    """checkpoint()'s argument that sends op-level AC's kept outputs through the caller's saved_tensors_hooks
-    (torch 2.15 `respect_saved_tensors_hooks`); {} where checkpoint() has none (torch 2.11: an unknown argument would
-    flow into the block's forward kwargs, and those outputs bypass the hooks: ac.offload leaves them on the device)."""
-    import inspect
-
-    from torch.utils.checkpoint import checkpoint
-    has = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
-    return {"respect_saved_tensors_hooks": True} if has else {}
-
-
-def sac_attention_ops() -> set:
-    """The attention ops op-level AC keeps besides sdpa's: torch's varlen kernel (torch_attn::_varlen_attn, torch
-    2.10+, registered when its module is imported) and flex attention's higher-order op (torch 2.11-2.15)."""
-    import torch
-    ops = set()
-    try:
-        import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
-        ops.add(torch.ops.torch_attn._varlen_attn.default)
-    except (ImportError, AttributeError):
-        pass
-    try:
-        ops.add(torch.ops.higher_order.flex_attention)
-    except AttributeError:
-        pass
-    return ops
-
-
-def apply_liger_kernels(model, **switches) -> None:
-    """Liger's kernels for the model's architecture, into this instance (liger-kernel 0.8.5; ImportError without)."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    _apply_liger_kernel_to_instance(model=model, **switches)
 
 
 def compile_jinja_template(template: str):

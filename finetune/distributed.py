@@ -1,9 +1,5 @@
-"""Process group, device, ParallelDims (the mesh and the data-parallel rank and size); rank-0 helpers (`is_main`,
-`print0`); teardown.
-
-Every run, even a single process, has a process group and a data-parallel mesh, so the 1-process path is the same
-code as the N-rank path (FSDP2 on a mesh of one).
-"""
+"""Process group, device, ParallelDims (meshes, data-parallel rank and size), rank-0 helpers. Every run, even one
+process, has a process group and a mesh: the 1-process path is the N-rank path (FSDP2 on a mesh of one)."""
 from __future__ import annotations
 
 import os
@@ -26,12 +22,8 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """dp_replicate groups of dp_shard x cp ranks: FSDP2 shards parameters within a group (over its dp_shard x cp
-    ranks, as torchtitan's dp_shard_cp) and replicates them across groups (HSDP; plain FSDP when dp_replicate == 1);
-    the cp consecutive ranks of a data rank split each row's tokens (context parallelism: finetune.context). The one
-    owner of the meshes and of the data-parallel rank and size that data sharding and the global batch use. Every
-    rank holds its own tokens' labels, so `all_reduce` (over all ranks) sums the loss and label counts of the global
-    batch exactly once."""
+    """dp_replicate groups of dp_shard x cp ranks: FSDP2 shards parameters within a group (torchtitan's dp_shard_cp)
+    and replicates them across groups (HSDP); the cp consecutive ranks of a data rank split each row's tokens."""
 
     dp_replicate: int
     dp_shard: int
@@ -61,7 +53,7 @@ class ParallelDims:
 
 
 def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1) -> ParallelDims:
-    """The meshes over the default process group's ranks (a real group, or a fake one as a planner uses)."""
+    """The meshes over the default process group's ranks."""
     world = dist.get_world_size()
     dp_shard = check_parallel(dp_replicate, dp_shard, world, cp)
     name = "dp_shard_cp" if cp > 1 else "dp_shard"
@@ -103,7 +95,7 @@ def print0(*args, **kwargs) -> None:
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` over all ranks (data-parallel and cp: ParallelDims) in place (a no-op on one rank); returns it."""
+    """Sum `t` over all ranks in place; returns it."""
     if world_size() > 1:
         dist.all_reduce(t)
     return t
@@ -124,7 +116,7 @@ def broadcast(obj):
 
 
 def is_my_file(filename: str, files: dict) -> bool:
-    """Whether this process writes (and checks) `filename`: files are dealt out round-robin over the ranks."""
+    """Whether this process writes `filename`: files are dealt out round-robin over the ranks."""
     return list(files).index(filename) % world_size() == (dist.get_rank() if dist.is_initialized() else 0)
 
 

@@ -1,6 +1,5 @@
-"""The errors finetune raises on purpose: one base class whose exit code the CLI ends with, after printing
-`error: <message>` (one line). Bad input (config, paths, data, checkpoints) exits 2; a run that fails (a
-non-finite loss, an export that does not verify) sets exit_code = 1."""
+"""The errors finetune raises on purpose: the CLI prints `error: <message>` (one line) and exits with exit_code: 2 for
+bad input, 1 for a run that fails."""
 from __future__ import annotations
 
 import errno
@@ -14,8 +13,7 @@ class FinetuneError(Exception):
 
 
 def one_line(e: BaseException) -> str:
-    """`Type: first line of the message`: a library's exception inside one of our one-line messages. A first line
-    that only introduces the next one (huggingface_hub's "Class validation error for validator 'x':") brings it."""
+    """`Type: first line of the message` (two when the first ends with ':'), for a library's exception."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines or [""])[0]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
@@ -26,8 +24,7 @@ STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EA
 
 
 def os_error_line(e: OSError, path=None) -> str:
-    """`<path>: <cause> (<ERRNO>)`, e.g. "/out/.finetune.lock: Read-only file system (EROFS)"; the path is the
-    error's own unless given (a failed write() names none: then the cause alone)."""
+    """`<path>: <cause> (<ERRNO>)`; the path is the error's own unless given (none: the cause alone)."""
     where = path or (f"{e.filename} -> {e.filename2}" if e.filename2 else e.filename)
     cause = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
     return f"{where}: {cause}" if where else cause

@@ -1,12 +1,6 @@
 """Token loss only where labels are: lm_head and the cross-entropy see the N positions that have a target, never the
-B x S x vocab logits, so the loss's peak memory grows with N, not with B x S.
-
-Contract. Each micro-batch carries `label_index` and `label_targets` (label_targets, on the host).
-`token_loss_sum(model, batch)` runs the causal LM's own forward on the rest of the batch (so FSDP's root hooks
-gather the root unit: final norm, tied embeddings) with the decoder's last hidden states gathered at label_index
-before lm_head, and returns the SUM of the fp32 cross-entropy over the N targets, a 0-dim tensor. What a model does
-to its logits after lm_head (soft-capping, logit scales) applies to the kept rows as it would to all; a model patched
-with Liger's fused linear cross-entropy computes it on the kept rows without their logits.
+B x S x vocab logits. `token_loss_sum` runs the model's own forward (FSDP's root hooks, the model's logit
+soft-capping and scales apply) with the decoder's last hidden states gathered at label_index before lm_head.
 """
 from __future__ import annotations
 
@@ -19,8 +13,8 @@ FUSED_ACCUM_DTYPE = torch.float32  # Liger's fused loss: the dtype its lm_head (
 
 
 def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """(host) label_index (N,) int64: the positions of the flattened (batch x seq) tokens that have a target, and
-    label_targets (N,): the next position's label, none where a packed sample starts (position_ids restart at 0)."""
+    """(host) label_index (N,) int64: the flattened positions with a target, and label_targets (N,): the next
+    position's label (none across a packed sample's start)."""
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
     if position_ids is not None:
@@ -33,7 +27,7 @@ def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> di
 
 
 def collate_labelled(items: list[dict], pad_id: int, pad_to: int | None = None) -> dict:
-    """(host) A micro-batch of samples: pad_collate's inputs and boundaries, with label_targets in place of labels."""
+    """(host) pad_collate's micro-batch with label_targets in place of labels."""
     batch = pad_collate(items, pad_id=pad_id, pad_to=pad_to)
     batch.update(label_targets(batch.pop("labels"), batch["position_ids"]))
     return batch
@@ -45,8 +39,8 @@ def is_fused(model) -> bool:
 
 
 def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
-    """Sum of the cross-entropy over the batch's label targets (see the module docstring); reduction="none": each
-    target's (N,), unfused (dpo.py sums them per sequence)."""
+    """The fp32 cross-entropy summed over the batch's label targets (0-dim); reduction="none": each target's (N,),
+    unfused."""
     index, targets = batch["label_index"], batch["label_targets"]
 
     def keep_labelled(module, args, output):  # the decoder's output, before the final projection

@@ -1,4 +1,4 @@
-"""Step metrics: throughput, MFU, peak memory, and the sinks (metrics.jsonl, console, wandb) on rank 0."""
+"""Step metrics: peak memory, and the sinks (metrics.jsonl, console, wandb) on rank 0."""
 from __future__ import annotations
 
 import json
@@ -13,56 +13,6 @@ import torch
 from .distributed import is_main, print0
 from .outdir import keep_beside
 
-# dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-def flops_per_token(model, seq_len: float) -> float:
-    """Training FLOPs per token as torchtitan counts them (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the
-    parameters without the input embedding (a lookup; a tied lm_head still counts once: its matmul runs), L layers,
-    H attention heads of Q dims, T = seq_len: the length each token attends over (causal attention counted in full,
-    as torchtitan does); for packed rows attention_length(), not the row length."""
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
-    num_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())
-    config = model.config.get_text_config()
-    head_dims = config.num_attention_heads * (getattr(config, "head_dim", None) or
-                                              config.hidden_size // config.num_attention_heads)
-    return 6 * num_params + 12 * config.num_hidden_layers * head_dims * seq_len
-
-
-MFU_CONVENTION = ("MFU: torchtitan's convention, 6N + 12*L*H*Q*T FLOPs per token (N without the input embedding, "
-                  "T = sum(s^2)/sum(s) over the real samples s of the step: each sample attends within itself, not "
-                  "across its packed row) over the dense bf16 peak")
-
-
-def attention_length(batches: list[dict]) -> float:
-    """(host) T of MFU_CONVENTION for these micro-batches: sum(s^2) / sum(s) over their real samples s, read from
-    each batch's segments (cu_seq_lens_q: every row's samples, then its padding as one segment, whose position_ids
-    are all 0) so that 12*L*H*Q*T per token sums to 12*L*H*Q*s^2 per sample. A batch without segments counts its
-    rows whole (an unpacked row is one sample, padded to the longest)."""
-    squares, tokens = 0, 0
-    for b in batches:
-        if "cu_seq_lens_q" not in b:
-            ids = b["input_ids"]
-            squares, tokens = squares + ids.numel() * ids.shape[-1], tokens + ids.numel()
-            continue
-        cu = b["cu_seq_lens_q"].long()
-        lengths = cu.diff()
-        pos = b["position_ids"].flatten()
-        real = (lengths == 1) | (pos[cu[1:] - 1] != 0) if pos.numel() == int(cu[-1]) else \
-            lengths > 0  # a cp rank's slice of the rows (context.split_batch): the full rows' segments, padding too
-        squares, tokens = squares + int((lengths[real] ** 2).sum()), tokens + int(lengths[real].sum())
-    return squares / max(tokens, 1)
-
-
 def peak_mem_mb(device: torch.device) -> float:
     """CUDA: max allocated since start; CPU: this process's peak RSS."""
     if device.type == "cuda":
@@ -71,8 +21,7 @@ def peak_mem_mb(device: torch.device) -> float:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak RSS in MiB: VmHWM of its own address space. (getrusage's ru_maxrss also counts the
-    parent's RSS at fork/exec time, so a child of a big process, such as a bench point, would report the parent's.)"""
+    """This process's peak RSS in MiB: VmHWM (ru_maxrss would count the parent's RSS at fork/exec time)."""
     status = Path("/proc/self/status")
     for line in status.read_text().splitlines() if status.exists() else []:
         if line.startswith("VmHWM:"):
@@ -82,8 +31,7 @@ def peak_rss_mb() -> float:
 
 
 def repair_metrics(path: Path, start_step: int) -> None:
-    """On resume: keep the records up to the checkpoint's step (later steps are redone) and drop lines a killed run
-    left half-written, saying so. Written to a temp file and renamed: a crash here loses nothing."""
+    """On resume: keep the records up to the checkpoint's step and drop half-written lines, saying so (atomically)."""
     kept, bad = [], []
     for n, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(keepends=True), 1):
         try:
@@ -151,7 +99,7 @@ def progress_bar(total: int, initial: int, enabled: bool):
 
 
 def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
-    """Advance the bar; every log_interval steps, one console line (through the bar when it is shown)."""
+    """Advance the bar; every log_interval steps, one console line."""
     line = (f"step {record['step']:>5}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s "
             f"({record['tokens_per_s_per_gpu']:.0f}/device" + (f", MFU {record['mfu']:.1%}" if "mfu" in record else "")

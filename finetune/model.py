@@ -1,22 +1,16 @@
 """Build the sharded training model: skeleton -> `parallelize` (its transforms in one stated order) -> weights.
 
-`parallelize` is the one place where the order lives (build_model and plan's fake model both call it). Each step is
-a named slot; the core fills AC, compile and FSDP, and an extension fills the others through `Transforms` (the
-caller passes them: finetune.ext.transforms(cfg)); an empty slot does nothing:
-  kernels -> tensor parallel -> context parallel -> expert parallel -> float8 -> adapters
-    (all on the plain HF modules, so every later wrapper and each block's FSDP unit holds what they add)
-  -> activation checkpointing (torch's non-reentrant checkpoint around whole blocks, optionally wrapped again:
-     offload) -> compile (each block: regional compile must see the block before FSDP hooks it)
-  -> FSDP (each block, then the root; fp32 params, bf16 compute when mixed precision)
-then `build_model` materialises the shards and load.py fills them: each rank reads its own slices of the HF
-safetensors (rank 0 reads and scatters a layout that needs converting on load), or a prepared DCP checkpoint.
+`parallelize` is the one place where the order lives; the core fills AC, compile and FSDP, the caller's `Transforms`
+the other slots (an empty one does nothing): kernels -> tensor parallel -> context parallel -> expert parallel ->
+float8 -> adapters (on the plain HF modules, so every later wrapper and FSDP unit holds what they add) -> activation
+checkpointing -> compile (each block, before FSDP hooks it) -> FSDP (each block, then the root). Then `build_model`
+materialises the shards and load.py fills them.
 """
 from __future__ import annotations
 
 import copy
 import json
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +21,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from .attention import check_packing, check_trainable, resolve_attn_implementation
-from .compat import CheckpointImpl, checkpoint_wrapper, sac_attention_ops, sac_hooks_kwargs
+from .compat import CheckpointImpl, checkpoint_wrapper
+from .config import ConfigError
 from .distributed import print0
 from .errors import ModelError, one_line
 from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_weights
@@ -35,8 +30,7 @@ from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_we
 
 @dataclass
 class Transforms:
-    """What extensions do to the model, by slot, in the order parallelize calls the filled ones. Each is
-    fn(model, layers) (layers: the decoder blocks), run on the meta skeleton; the caller binds what else it needs."""
+    """What extensions do to the model, by slot: each fn(model, layers) on the meta skeleton, unless noted."""
     kernels: Callable | None = None  # fused kernels patched into the plain HF modules (Liger)
     tensor_parallel: Callable | None = None  # (not built yet)
     context_parallel: Callable | None = None  # each row split over the cp ranks
@@ -44,9 +38,11 @@ class Transforms:
     float8: Callable | None = None  # Linear layers swapped for float8 ones
     adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
     ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
+    sac: Callable | None = None  # () -> checkpoint()'s arguments for ac.mode=op (op-level selective AC)
     after_load: Callable | None = None  # (model, settings) once the weights are in (the adapters' init)
     lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
+    varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -152,12 +148,12 @@ def with_template_defaults(template: str | dict, kwargs: dict) -> str | dict:
     return head + ("\n" if head and template.startswith("\n") else "") + template
 
 
-def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_remote_code: bool = False) -> nn.Module:
-    """The model with parameters on the meta device (fp32) and real buffers (rotary tables etc.) on CPU, on a copy
-    of hf_config (from_config would set the caller's dtype and attention)."""
+def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_remote_code: bool = False,
+                   varlen: Callable | None = None) -> nn.Module:
+    """The model with fp32 parameters on the meta device and real buffers (rotary tables etc.) on CPU."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
-    attn_implementation = resolve_attn_implementation(hf_config, attn_implementation)
+    attn_implementation = resolve_attn_implementation(hf_config, attn_implementation, varlen)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.float32,
                                                  attn_implementation=attn_implementation,
@@ -189,7 +185,6 @@ def clean_child(mod: nn.Module) -> nn.Module:
 
 
 def resolve_compile(compile: bool | str, cuda: bool) -> bool:
-    """model.compile "auto": on CUDA, off on CPU."""
     return cuda if compile == "auto" else compile
 
 
@@ -199,29 +194,15 @@ def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
     return [i for i in range(num_layers) if (i + 1) * k // num_layers > i * k // num_layers]
 
 
-def _op_sac_policy():
-    """Op-level selective AC: keep matmul and attention outputs, recompute the cheap pointwise ops."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-    aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
-            aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_cudnn_attention.default,
-            aten._scaled_mm.default} | sac_attention_ops()  # + varlen's and flex's ops; fp8's matmuls (as torchtitan)
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-    return partial(create_selective_checkpoint_contexts, policy)
-
-
-def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None) -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint; returns their indices. `wrap` (the
-    ac_wrap slot: offload) goes around each checkpointed block."""
+def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None,
+             sac: Callable | None = None) -> list[int]:
+    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint (then `wrap`); returns their indices.
+    mode "op" takes checkpoint()'s arguments from `sac` (the Transforms slot)."""
+    if mode == "op" and sac is None:
+        raise ConfigError("ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
-    # respect_saved_tensors_hooks: the outputs op-level AC keeps go through the caller's saved_tensors_hooks
-    # (save_on_cpu, the bench's saved-bytes count) like any saved tensor; torch's legacy default bypasses them
-    kwargs = {"context_fn": _op_sac_policy(), **sac_hooks_kwargs()} if mode == "op" else {}  # {} on torch 2.11
+    kwargs = sac() if mode == "op" else {}
     for i in ids:
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
         if wrap is not None:
@@ -230,29 +211,24 @@ def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable
 
 
 def apply_compile(model: nn.Module, enabled: bool) -> None:
-    """Compile each decoder block in place (keeps parameter names; one graph reused by every block). A wrapper that
-    asks for it (`compile_inside`: offload's Python hooks) stays outside the compiled region."""
+    """Compile each decoder block in place (a wrapper with `compile_inside`: offload's hooks, stays outside)."""
     if enabled:
         for layer in find_layers(model):
             (layer._checkpoint_wrapped_module if getattr(layer, "compile_inside", False) else layer).compile()
 
 
 def shard_dim(shape, shards: int) -> int:
-    """The dim FSDP shards a parameter on: 0, unless it has fewer rows than ranks in a shard group (fused MoE experts,
-    8 of them on 16 ranks: half the ranks would hold none, the others twice their share), then its longest dim that
-    the group divides (FSDP2 shards other dims only evenly)."""
+    """The dim FSDP shards a parameter on: 0, unless it has fewer rows than the group has ranks (8 fused MoE experts
+    on 16 ranks), then its longest dim that the group divides (FSDP2 shards other dims only evenly)."""
     if not shape or shape[0] >= shards:
         return 0
     return max((d for d in range(1, len(shape)) if shape[d] % shards == 0), key=lambda d: shape[d], default=0)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
-    """fully_shard each block, the input embedding and the output projection, then the root (final norm, the rest).
-    On a 2-D mesh ("dp_replicate", "dp_shard") this is HSDP: sharded within a group, replicated across groups.
-    Tied embeddings are one parameter, which must live in one FSDP unit (a parameter shared by two is rejected):
-    they stay in the root. `lm_head_unit=False` keeps an untied lm_head in the root too, for Liger's fused
-    cross-entropy: it reads lm_head.weight in the model's forward, not in lm_head's, so a unit of its own would
-    never be all-gathered there (Liger issues #332, #631)."""
+    """fully_shard each block, the input embedding and the output projection, then the root (HSDP on a 2-D mesh).
+    Tied embeddings stay in the root (one parameter, one unit); so does lm_head with `lm_head_unit=False` (Liger's
+    fused loss reads its weight outside its forward, where its own unit would not be all-gathered)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     shards = mesh.shape[-1]
@@ -276,7 +252,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate the sharded parameters on `device`, keeping the buffers computed at construction."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     model.to_empty(device=device)
     with torch.no_grad():
@@ -286,14 +261,13 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: Transforms, *, mixed_precision: str,
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False) -> dict | None:
-    """The transforms in their order (module docstring) on the meta skeleton; returns the settings the adapters slot
-    gives a checkpoint to record (None without adapters)."""
+    """The transforms in their order (module docstring); returns the adapters slot's settings (None without)."""
     t, layers = transforms, find_layers(model)
     for slot in (t.kernels, t.tensor_parallel, t.context_parallel, t.expert_parallel, t.float8):
         if slot is not None:
             slot(model, layers)
     settings = t.adapters(model, layers) if t.adapters is not None else None
-    apply_ac(model, ac_ratio, ac_mode, t.ac_wrap)
+    apply_ac(model, ac_ratio, ac_mode, t.ac_wrap, t.sac)
     apply_compile(model, compile)
     apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not t.lm_head_in_root)
     return settings
@@ -303,16 +277,13 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
                 mixed_precision: str = "bf16", ac_ratio: float = 0.0, ac_mode: str = "block",
                 compile: bool | str = False, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                 packing: bool = False) -> tuple[nn.Module, dict | None]:
-    """A sharded model ready to train over `mesh`, with the weights of `path` (HF dir/id
-    or prepared dir): fp32 masters, or with adapters (the transforms' adapters slot: LoRA) trainable adapters on a
-    frozen base in bf16 (fp32 when mixed_precision is fp32); and the settings its checkpoints record (None without
-    adapters). "auto" attention and compile pick by device (one line says what); `packing`: refuse attention that
-    cannot keep packed samples apart (attention.check_packing)."""
+    """(A sharded model ready to train over `mesh` with the weights of `path` (HF dir/id or prepared dir): fp32
+    masters, or trainable adapters on a frozen base, the adapters' settings or None). `packing`: check_packing."""
     transforms = transforms or Transforms()
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     asked = "auto" in (attn_implementation, compile)
     compile = resolve_compile(compile, device.type == "cuda")
-    model = build_skeleton(hf_config, attn_implementation, trust_remote_code)
+    model = build_skeleton(hf_config, attn_implementation, trust_remote_code, transforms.varlen)
     attn = model.config._attn_implementation
     check_trainable(attn, device.type)
     print0(f"kernels: attention {attn}, {transforms.note}, regional compile "

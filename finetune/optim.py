@@ -9,8 +9,8 @@ from torch import nn
 
 
 def by_mesh(params) -> list[list]:
-    """`params` grouped by the device mesh their DTensors live on (plain tensors together), in order of first
-    appearance: foreach ops and norms run per group (experts on a mesh of their own cannot share one with the rest)."""
+    """`params` grouped by the device mesh their DTensors live on, in order of first appearance (foreach ops and
+    norms run per mesh)."""
     groups: dict = {}
     for p in params:
         groups.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
@@ -18,8 +18,7 @@ def by_mesh(params) -> list[list]:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: no weight decay on embeddings, norms and biases (anything not a 2-D linear weight); each
-    split by device mesh when the parameters live on several (by_mesh)."""
+    """Decay matrices only (not embeddings, norms, biases); each group split by_mesh."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():
@@ -38,13 +37,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
 
 
 def lr_at(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine down to min_lr_ratio.
-
-    >>> lr_at(0, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
-    0.5
-    >>> lr_at(9, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
-    0.1
-    """
+    """Multiplier of the peak lr at `step` (0-based): linear warm-up ((step + 1) / warmup_steps), then cosine down
+    to min_lr_ratio at the last step."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(max_steps - 1 - warmup_steps, 1)
@@ -59,15 +53,13 @@ def build_scheduler(optimizer, *, warmup_steps: int, max_steps: int, min_lr_rati
 
 
 def settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each param group's hyperparameters (lr, initial_lr, betas, eps, weight_decay, ...), without its params."""
+    """Each param group's hyperparameters, without its params."""
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def reapply_settings(optimizer: torch.optim.Optimizer, scheduler, run_settings: list[dict]) -> None:
-    """After a checkpoint load, which restores the optimizer state (moments, step counts) and with it the saved
-    run's hyperparameters: this run's again (`run_settings`: settings() of the fresh optimizer), and the lr this
-    run's schedule gives at the restored step, so that a changed lr, beta, eps, weight decay or schedule takes
-    effect on resume. (The schedule function itself is this run's: LambdaLR does not save a partial's arguments.)"""
+    """After a checkpoint load (which restores the saved run's hyperparameters too): this run's again
+    (`run_settings`: settings() of the fresh optimizer) and its schedule's lr at the restored step."""
     for group, own in zip(optimizer.param_groups, run_settings, strict=True):
         group.update(own)
     scheduler.base_lrs = [own["initial_lr"] for own in run_settings]

@@ -18,7 +18,7 @@ from . import __version__
 from .distributed import init_distributed, is_main, print0, world_size
 from .errors import ModelError
 from .load import MANIFEST
-from .model import build_model, load_hf_config, save_hf_files
+from .model import Transforms, build_model, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
 from .weights import arch_of, fingerprint, local_dir, tied_groups
 
@@ -49,13 +49,13 @@ def build_manifest(model, model_path: str, directory: Path, hf_config, keys: lis
 
 
 def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool = False,
-                       attn_implementation: str = "sdpa") -> Path:
+                       attn_implementation: str = "sdpa", varlen=None) -> Path:
     """Run on every rank: build the sharded fp32 model as sft does, DCP-save it, then config/tokenizer/manifest."""
     device, dims = init_distributed()
     out = Path(output_dir)
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    model, _ = build_model(model_path, device, dims.mesh, mixed_precision="fp32",
+    model, _ = build_model(model_path, device, dims.mesh, Transforms(varlen=varlen), mixed_precision="fp32",
                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
     directory = local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively

@@ -51,4 +51,5 @@ class Recipe:
     transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
     export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
+    mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
     resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None

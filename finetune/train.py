@@ -5,7 +5,6 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -18,8 +17,7 @@ from .distributed import all_reduce, init_distributed, is_main, print0, world_si
 from .errors import FinetuneError
 from .export import export_hf
 from .loss import collate_labelled
-from .metrics import (MetricsLogger, attention_length, flops_per_token, peak_flops, peak_mem_mb, progress_bar,
-                      report)
+from .metrics import MetricsLogger, peak_mem_mb, progress_bar, report
 from .model import Transforms, build_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler, by_mesh
 from .task import Recipe, Run, Task
@@ -152,7 +150,8 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
                                 start_sample=state.samples_seen, **recipe.samples)
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
-    flops_tok, peak = describe_run(cfg, model, samples, dims, device, global_batch, state)
+    describe_run(cfg, model, samples, dims, device, global_batch, state)
+    flops_tok, peak = recipe.mfu(model, device) if recipe.mfu is not None else (None, None)
     task = recipe.setup(cfg, Run(model, optimizer, tokenizer, dims, device, out, resume_dir))
     before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
@@ -173,10 +172,10 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
                 if device.type == "cuda":  # the step's kernels are done: its time, not its launch time (as the
                     torch.cuda.synchronize(device)  # peers time theirs); costs the GPU the next step's host prep
                 pending.append((result, {"step": step, "lr": lr, "step_time_s": time.perf_counter() - t0,
-                                         "skipped": skipped, "attn_len": attention_length(micro_batches)}))
+                                         "skipped": skipped, "flops_tok": peak and flops_tok(micro_batches)}))
                 save = step == tc.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
                 if device.type != "cuda" or save or step % tc.log_interval == 0 or tc.nan_policy == "skip":
-                    record, stop = flush_steps(pending, state, logger, bar, tc, device, flops_tok, peak)
+                    record, stop = flush_steps(pending, state, logger, bar, tc, device, peak)
                     if save or stop:
                         path = saver.save(step, model, optimizer, scheduler, state, model.config)
                     if stop:
@@ -230,9 +229,7 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
 
 
 def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, state: ckpt.TrainState):
-    """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch);
-    returns (training FLOPs per token as a function of the attention length, the device's peak FLOP/s or None)
-    for MFU."""
+    """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch)."""
     tc, dc = cfg.train, cfg.data
     for line in samples.summary():  # streaming counts fill in as rows go by; reported at the end
         print0(f"data: {line}")
@@ -246,14 +243,12 @@ def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, s
         print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
                f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
     num_params = sum(p.numel() for p in model.parameters())
-    flops_tok = partial(flops_per_token, model)  # of the step's attention length (metrics.MFU_CONVENTION)
     print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
            f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
            + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
-    return flops_tok, peak_flops(device)
 
 
-def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, flops_tok,
+def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device,
                 peak: float | None) -> tuple[dict, bool]:
     """Read the pending steps' results on the host (one read) and log each; returns (the last record, whether a
     rank asked to stop). On GPU train calls it only on log and checkpoint steps (every step under nan_policy
@@ -267,7 +262,7 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device, 
             state.skipped_steps += 1
             print0(f"step {timing['step']}: non-finite loss/grad norm, update skipped ({state.skipped_steps} skipped "
                    f"so far)")
-        record = make_record(v, timing, state, tc.nan_policy, device, flops_tok, peak)
+        record = make_record(v, timing, state, tc.nan_policy, device, peak)
         logger.log(record)
         report(bar, record, tc.log_interval, tc.max_steps)
     pending.clear()
@@ -278,7 +273,7 @@ CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "nu
 
 
 def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, nan_policy: str, device,
-                flops_tok, peak: float | None) -> dict:
+                peak: float | None) -> dict:
     """One step's metrics from train_step's values; counts tokens_seen; raises on non-finite (policy "stop")."""
     loss, grad_norm = values["loss"], values["grad_norm"]
     if nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -297,7 +292,7 @@ def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, 
         record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
     record.update((k, v) for k, v in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
     if peak:
-        record["mfu"] = tokens_per_s * flops_tok(timing["attn_len"]) / (peak * world_size())  # MFU_CONVENTION
+        record["mfu"] = tokens_per_s * timing["flops_tok"] / (peak * world_size())  # ext/mfu.MFU_CONVENTION
     return record
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from finetune.ext.sac import checkpoint_kwargs
 from finetune.model import ac_layer_ids, apply_ac, clean_child, find_layers
 from finetune.weights import clean_fqn
 from helpers import read_metrics, sft
@@ -72,7 +73,7 @@ def test_apply_ac_wraps_that_many_blocks_and_keeps_parameter_names(model8, ratio
 def test_losses_and_gradients_equal_no_checkpointing(model8, batch, ratio, mode):
     ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model8), batch)
     model = copy.deepcopy(model8)
-    apply_ac(model, ratio, mode)
+    apply_ac(model, ratio, mode, sac=checkpoint_kwargs)
     loss, grads = loss_and_grads(model, batch)
     assert torch.equal(loss, ref_loss), (loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
@@ -83,7 +84,7 @@ def test_losses_and_gradients_equal_no_checkpointing(model8, batch, ratio, mode)
 @pytest.mark.parametrize("ratio, mode", [(0.0, "block"), *CASES])
 def test_checkpointed_blocks_run_again_in_backward(model8, batch, ratio, mode):
     model = copy.deepcopy(model8)
-    ids = apply_ac(model, ratio, mode)
+    ids = apply_ac(model, ratio, mode, sac=checkpoint_kwargs)
     calls = [0] * 8
     for i, layer in enumerate(find_layers(model)):
         # a pre-hook: non-reentrant recompute stops early, once the saved tensors are back, so no post-hook
@@ -99,7 +100,7 @@ def test_block_mode_recomputes_matmuls_and_op_mode_keeps_them(model8, batch):
     attention outputs, so it adds none (it recomputes only pointwise ops)."""
     def flops(ratio, mode):
         model = copy.deepcopy(model8)
-        apply_ac(model, ratio, mode)
+        apply_ac(model, ratio, mode, sac=checkpoint_kwargs)
         with FlopCounterMode(display=False) as fwd:
             loss = model(**batch, use_cache=False).loss
         with FlopCounterMode(display=False) as bwd:
@@ -141,9 +142,9 @@ def test_op_mode_keeps_the_varlen_and_flex_attention_ops():
     sdpa's: attention is not recomputed in backward (the gpu_check.sh `opac` stage counts it on CUDA)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from finetune.model import _op_sac_policy
+    from finetune.ext.sac import op_sac_policy
     import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
-    policy = _op_sac_policy().args[0]
+    policy = op_sac_policy().args[0]
     for op in (torch.ops.torch_attn._varlen_attn.default, torch.ops.higher_order.flex_attention,
                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
         assert policy(None, op) == CheckpointPolicy.MUST_SAVE, op
@@ -152,11 +153,11 @@ def test_op_mode_keeps_the_varlen_and_flex_attention_ops():
 
 def test_op_mode_passes_the_block_nothing_of_checkpoints_own(model8, batch):
     """checkpoint()'s own arguments stay with checkpoint(): on torch 2.11, where respect_saved_tensors_hooks is not
-    one of them, it must not reach the decoder block's forward as a keyword argument (compat.sac_hooks_kwargs)."""
+    one of them, it must not reach the decoder block's forward as a keyword argument (ext.sac.sac_hooks_kwargs)."""
     model = copy.deepcopy(model8)
     seen = []
     for layer in find_layers(model):
         layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
-    apply_ac(model, 1.0, "op")
+    apply_ac(model, 1.0, "op", sac=checkpoint_kwargs)
     model(**batch, use_cache=False).loss.backward()
     assert seen and not any("respect_saved_tensors_hooks" in k for k in seen), seen

@@ -123,6 +123,7 @@ def test_models_and_layouts_cp_cannot_split_are_refused_in_one_line(llama_dir, c
     import transformers as T
 
     from finetune.ext.context import apply_cp
+    from finetune.ext.varlen import register
     from finetune.model import build_skeleton, find_layers
     llama = T.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     for config, attn, n, message in [
@@ -132,7 +133,7 @@ def test_models_and_layouts_cp_cannot_split_are_refused_in_one_line(llama_dir, c
         (T.Qwen3_5TextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=16), "sdpa", 2,
          "parallel.cp=2: Qwen3_5ForCausalLM cannot be split over ranks: its linear_attention layers mix tokens "
          "outside attention")]:
-        model = build_skeleton(config, attn)
+        model = build_skeleton(config, attn, varlen=register)
         with pytest.raises(ConfigError) as e:
             apply_cp(model, find_layers(model), _Group(n))
         assert str(e.value) == message

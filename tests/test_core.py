@@ -37,3 +37,7 @@ def test_the_core_alone_trains_resumes_and_exports_and_refuses_extensions_in_one
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [f"error: {names}, which this "
                                                                                    f"installation lacks"], refused
         assert not (tmp_path / "refused").exists()
+    refused = run_cli("sft", "ac.mode=op", *out, cwd=repo, env=env, check=False)  # after the preset's eval note
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "error: ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
+    assert not (tmp_path / "refused").exists()

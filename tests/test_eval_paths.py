@@ -20,7 +20,8 @@ def load(path, attn):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.attention import resolve_attn_implementation
-    attn = resolve_attn_implementation(AutoConfig.from_pretrained(path), attn)  # registers varlen
+    from finetune.ext.varlen import register
+    attn = resolve_attn_implementation(AutoConfig.from_pretrained(path), attn, register)  # registers varlen
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
 
 

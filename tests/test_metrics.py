@@ -6,7 +6,7 @@ import pytest
 
 def test_attention_length_of_packed_rows_is_sum_of_squares_over_tokens():
     from finetune.data import pad_collate
-    from finetune.metrics import attention_length
+    from finetune.ext.mfu import attention_length
 
     def sample(n):
         return {"input_ids": [1] * n, "labels": [1] * n}
@@ -29,7 +29,7 @@ def test_mfu_flops_count_the_per_sample_attention():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.data import pad_collate
-    from finetune.metrics import attention_length, flops_per_token
+    from finetune.ext.mfu import attention_length, flops_per_token
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     lengths = [100, 300, 600]

@@ -12,11 +12,17 @@ from helpers import BASE, invoke
 def test_attention_implementation_is_resolved_per_model_class_and_device(monkeypatch):
     from finetune.attention import resolve_attn_implementation as resolve
     from finetune.config import ConfigError
+    from finetune.ext.varlen import register
     assert resolve(T.LlamaConfig(), "sdpa") == "sdpa" and resolve(T.LlamaConfig(), "eager") == "eager"
     assert resolve(T.Gemma2Config(), "sdpa") == "eager"  # Gemma2 has no sdpa path
-    assert resolve(T.LlamaConfig(), "auto") == "varlen" and resolve(T.LlamaConfig(), "varlen") == "varlen"
-    assert resolve(T.Gemma2Config(), "auto") == "eager"  # attention logit soft-capping: not in the varlen kernel
-    assert resolve(T.RwkvConfig(), "auto") == "eager"  # its layers take no attention kwargs (nor sdpa)
+    assert resolve(T.LlamaConfig(), "auto", register) == "varlen"
+    assert resolve(T.LlamaConfig(), "varlen", register) == "varlen"
+    assert resolve(T.Gemma2Config(), "auto", register) == "eager"  # attention logit soft-capping: not in varlen
+    assert resolve(T.RwkvConfig(), "auto", register) == "eager"  # its layers take no attention kwargs (nor sdpa)
+    assert resolve(T.LlamaConfig(), "auto") == "sdpa"  # without the varlen kernel (the core alone)
+    with pytest.raises(ConfigError, match="^model.attn_implementation=varlen needs the extension "
+                                          "finetune/ext/varlen.py, which this installation lacks$"):
+        resolve(T.LlamaConfig(), "varlen")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.attn_implementation=flash_attention_2 needs a CUDA device and the "
                                           "flash_attn package"):

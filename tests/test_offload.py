@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from finetune.compat import storage_key
+from finetune.ext.compat import storage_key
 from finetune.ext.offload import HostOffload, Offloaded
 from finetune.model import apply_ac, apply_compile, find_layers
 from finetune.weights import clean_fqn

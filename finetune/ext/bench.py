@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..compat import storage_key
 from ..config import Config, ConfigError, load_config, to_toml
 from ..errors import one_line
-from ..metrics import MFU_CONVENTION
+from .compat import storage_key
+from .mfu import MFU_CONVENTION
 from .offload import Offloaded
 
 
@@ -95,11 +95,12 @@ def saved_for_backward_mb(model, batch: dict, loss_fn=None) -> float:
 def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     """Build, warm up, time `steps` optimizer steps, measure memory; one sweep point (a fresh process)."""
     from ..distributed import init_distributed
-    from ..metrics import attention_length, flops_per_token, peak_flops, peak_mem_mb
+    from ..metrics import peak_mem_mb
     from ..model import ac_layer_ids, resolve_compile
     from ..train import (Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
                          train_step)
     from . import dpo, mixture
+    from .mfu import attention_length, flops_per_token, peak_flops
     from .recipes import recipe
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     tc, dc = cfg.train, cfg.data

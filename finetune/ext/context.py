@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..attention import VARLEN, mixing_problem, varlen_attention
+from ..attention import VARLEN, mixing_problem
 from ..config import ConfigError
 from ..data import IGNORE_INDEX
 from ..loss import collate_labelled
+from .varlen import varlen_attention
 
 CP_ATTENTION = "varlen_cp"  # its name in transformers' attention interface
 SPLIT_KEYS = ("input_ids", "position_ids", "attention_mask")  # (rows, seq) entries each cp rank takes a slice of

@@ -7,8 +7,8 @@ import os
 import torch
 from torch import nn
 
-from ..compat import apply_liger_kernels
 from ..errors import ModelError
+from .compat import apply_liger_kernels
 
 
 def resolve_liger(liger: bool | str, cuda: bool) -> bool:

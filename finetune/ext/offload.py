@@ -10,7 +10,8 @@ import weakref
 import torch
 from torch import nn
 
-from ..compat import ActivationWrapper, storage_key
+from ..compat import ActivationWrapper
+from .compat import storage_key
 
 
 class _Saved:

@@ -1,12 +1,10 @@
-"""`finetune plan`: the memory of one GPU of a run, on a CPU and without weights. The model is built on fake tensors,
-sharded by our own apply_fsdp over a fake process group of the planned world size (so FSDP units, mixed precision,
-tied weights, LoRA and HSDP are the code's), and runs fake forwards.
+"""`finetune plan`: the memory of one GPU of a run, on a CPU and without weights: the model built on fake tensors,
+sharded by our own apply_fsdp over a fake process group of the planned world size, runs fake forwards.
 
-Per GPU: the sharded parameters (their local shards), gradients and AdamW state; the unsharded units in
-flight (FSDP2's default prefetch: the current and the next unit's compute-dtype parameters, the units never resharded
-after forward, and one unit's unsharded gradients with their reduce-scatter buffer); per micro-batch and AC ratio,
-the bytes saved for backward up to the last decoder block (bench's counter), the recompute of one checkpointed block
-(1/L of the ratio-0 figure) and the logits/loss peak (bytes alive from the last block's output to its gradient).
+Per GPU: the local shards of the parameters, gradients and AdamW state; the unsharded units in flight (FSDP2's
+prefetch: the current and next unit's compute-dtype parameters, the units never resharded after forward, one unit's
+unsharded gradients and reduce-scatter buffer); per micro-batch and AC ratio, the bytes saved for backward up to the
+last decoder block (bench's counter), the recompute of one checkpointed block and the logits/loss peak.
 """
 from __future__ import annotations
 
@@ -19,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
 from ..config import Config, ConfigError
 from ..errors import one_line
+from .compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, storage_key, tree_leaves
 
 SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
 GIB = 2**30
@@ -104,10 +102,8 @@ class LivePeak(TorchDispatchMode):
 
 
 def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
-    """One fake forward: bytes saved for backward up to the end of the last decoder block, and the peak of the head
-    (final norm, lm_head, loss) from there through its backward to the last block's output gradient. The loss is
-    train_step's (loss.token_loss_sum) with a target at every position: an upper bound, as only label tokens reach
-    lm_head."""
+    """One fake forward: bytes saved for backward up to the last decoder block's output, and the head's peak (final
+    norm, lm_head, loss with a target at every position: an upper bound) through its backward to that output."""
     from ..loss import token_loss_sum
     from .bench import count_saved
     from ..model import find_layers
@@ -135,9 +131,8 @@ def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
 
 
 def measure_state(model) -> dict:
-    """Bytes per GPU of the sharded parameters, their gradients (FSDP2 keeps them like the parameter's shard) and
-    AdamW state (exp_avg, exp_avg_sq: two more) by dtype; each parameter's (rows, numel, bytes per element) to
-    re-shard for another world size; the units in flight (after a forward: FSDP's lazy init decides resharding)."""
+    """Bytes per GPU of the sharded parameters, their gradients and AdamW state by dtype; each parameter's (rows,
+    numel, bytes per element) to re-shard for another world size; the units in flight (after a forward)."""
     state, params = {}, []
     for p in model.parameters():
         local = p.to_local()
@@ -250,12 +245,9 @@ MAX_LOCAL_TOKENS = 2**22  # tokens per rank where the --max-seq-len search stops
 
 def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float]) -> dict:
     """`plan --max-seq-len`: the longest data.max_seq_len that fits at micro-batch 1, for each ac.ratio and cp degree
-    (within a node, dividing the heads). A rank's bytes depend on its tokens S / cp only (its heads' attention over
-    the whole row after cp's all-to-all keeps as many bytes as all heads over its tokens; the FSDP state does not
-    depend on cp, which shards over the same ranks), and grow faster than a line where attention keeps seq x seq
-    (eager) or the logits dominate: so each ratio's longest is measured, never extrapolated: fake forwards at 1024
-    tokens per rank, doubled while they fit, then bisected to a multiple of 1024. Every figure it reports is one it
-    measured."""
+    (within a node, dividing the heads). A rank's bytes depend on its tokens S / cp only, and grow faster than a line
+    (eager attention, logits): each ratio's longest is measured, never extrapolated: fake forwards at 1024 tokens per
+    rank, doubled while they fit, then bisected to a multiple of 1024."""
     from .liger import resolve_liger
     world, unit = nnodes * nproc, 1024
     heads = hf_config.get_text_config().num_attention_heads

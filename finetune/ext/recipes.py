@@ -12,10 +12,12 @@ from ..train import Recipe, Run, Task
 
 
 def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    """The model transforms `cfg` asks for (the experts' implementation and Liger, context parallelism, LoRA,
-    activation offload), bound to their settings."""
+    """The model transforms `cfg` asks for (the varlen attention kernel, the experts' implementation and Liger,
+    context parallelism, LoRA, op-level AC, activation offload), bound to their settings."""
     from ..distributed import print0
-    cuda, t = device.type == "cuda", Transforms()
+    from .sac import checkpoint_kwargs
+    from .varlen import register
+    cuda, t = device.type == "cuda", Transforms(varlen=register, sac=checkpoint_kwargs)
     compile, liger = resolve_compile(cfg.model.compile, cuda), False
     if cfg.model.liger is not False:
         from .liger import resolve_liger
@@ -115,5 +117,7 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     if task == "dpo":
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
+    from .mfu import meter
     from .resume_note import resume_note
-    return Recipe(task, setup, transforms, export_hooks(), {"labellers": labellers, "stream": Mixture}, resume_note)
+    return Recipe(task, setup, transforms, export_hooks(), {"labellers": labellers, "stream": Mixture},
+                  mfu=meter, resume_note=resume_note)

@@ -1,0 +1,59 @@
+"""MFU (model FLOPs utilisation) for a run's metrics: training FLOPs per token as torchtitan counts them over the
+device's dense bf16 peak; `meter` is train.Recipe's mfu hook."""
+from __future__ import annotations
+
+import torch
+
+# dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(model, seq_len: float) -> float:
+    """Training FLOPs per token as torchtitan counts them (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the
+    parameters without the input embedding (a lookup; a tied lm_head still counts once: its matmul runs), L layers,
+    H attention heads of Q dims, T = seq_len: the length each token attends over (causal attention counted in full,
+    as torchtitan does); for packed rows attention_length(), not the row length."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
+    num_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())
+    config = model.config.get_text_config()
+    head_dims = config.num_attention_heads * (getattr(config, "head_dim", None) or
+                                              config.hidden_size // config.num_attention_heads)
+    return 6 * num_params + 12 * config.num_hidden_layers * head_dims * seq_len
+
+
+MFU_CONVENTION = ("MFU: torchtitan's convention, 6N + 12*L*H*Q*T FLOPs per token (N without the input embedding, "
+                  "T = sum(s^2)/sum(s) over the real samples s of the step: each sample attends within itself, not "
+                  "across its packed row) over the dense bf16 peak")
+
+
+def attention_length(batches: list[dict]) -> float:
+    """(host) T of MFU_CONVENTION for these micro-batches: sum(s^2) / sum(s) over their real samples s, read from
+    each batch's segments (cu_seq_lens_q: every row's samples, then its padding as one segment, whose position_ids
+    are all 0) so that 12*L*H*Q*T per token sums to 12*L*H*Q*s^2 per sample. A batch without segments counts its
+    rows whole (an unpacked row is one sample, padded to the longest)."""
+    squares, tokens = 0, 0
+    for b in batches:
+        if "cu_seq_lens_q" not in b:
+            ids = b["input_ids"]
+            squares, tokens = squares + ids.numel() * ids.shape[-1], tokens + ids.numel()
+            continue
+        cu = b["cu_seq_lens_q"].long()
+        lengths = cu.diff()
+        pos = b["position_ids"].flatten()
+        real = (lengths == 1) | (pos[cu[1:] - 1] != 0) if pos.numel() == int(cu[-1]) else \
+            lengths > 0  # a cp rank's slice of the rows (context.split_batch): the full rows' segments, padding too
+        squares, tokens = squares + int((lengths[real] ** 2).sum()), tokens + int(lengths[real].sum())
+    return squares / max(tokens, 1)
+
+
+def meter(model, device: torch.device) -> tuple:
+    """(the step's micro-batches -> training FLOPs per token, the device's peak FLOP/s or None: no MFU)."""
+    return lambda batches: flops_per_token(model, attention_length(batches)), peak_flops(device)
