@@ -191,7 +191,7 @@ def stage_offload() -> None:
 def stage_flce() -> None:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
 
-    from finetune.loss import FUSED_ACCUM_DTYPE
+    from finetune.ext.liger import FUSED_ACCUM_DTYPE
     emit("flce", finetune_accum_dtype=str(FUSED_ACCUM_DTYPE))
     dev = need_cuda("flce")
     torch.manual_seed(0)

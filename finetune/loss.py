@@ -1,7 +1,5 @@
-"""Token loss only where labels are: lm_head and the cross-entropy see the N positions that have a target, never the
-B x S x vocab logits. `token_loss_sum` runs the model's own forward (FSDP's root hooks, the model's logit
-soft-capping and scales apply) with the decoder's last hidden states gathered at label_index before lm_head.
-"""
+"""Token loss only where labels are: the model's own forward with the decoder's output gathered at label_index before
+lm_head, so lm_head and the cross-entropy see the N labelled positions, never the B x S x vocab logits."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +7,6 @@ import torch
 from .data import IGNORE_INDEX, pad_collate
 
 LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss reads; the model gets the rest
-FUSED_ACCUM_DTYPE = torch.float32  # Liger's fused loss: the dtype its lm_head (and hidden) gradients accumulate in
 
 
 def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -33,14 +30,10 @@ def collate_labelled(items: list[dict], pad_id: int, pad_to: int | None = None) 
     return batch
 
 
-def is_fused(model) -> bool:
-    """Whether Liger's forward (fused linear cross-entropy) replaced the model's: it takes the targets itself."""
-    return getattr(getattr(model, "forward", None), "__module__", "").startswith("liger_kernel")
-
-
 def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
     """The fp32 cross-entropy summed over the batch's label targets (0-dim); reduction="none": each target's (N,),
-    unfused."""
+    unfused. A model whose forward computes the loss itself (Liger's, set by ext/liger.py) has `fused_loss`:
+    (targets) -> that forward's extra kwargs."""
     index, targets = batch["label_index"], batch["label_targets"]
 
     def keep_labelled(module, args, output):  # the decoder's output, before the final projection
@@ -48,18 +41,15 @@ def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
         return output
 
     inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
-    fused = is_fused(model) and reduction == "sum"
-    if fused:  # Liger reads shift_labels as given (num_items_in_batch: a sum, not a mean); the lm_head gradient
-        # summed over its ceil(V/H) chunks in fp32, not in the weights' bf16 (liger-kernel >= 0.6.2)
-        one = torch.ones((), device=targets.device)
-        inputs.update(labels=targets[None], shift_labels=targets[None], num_items_in_batch=one,
-                      accum_dtype=FUSED_ACCUM_DTYPE)
+    fused = getattr(model, "fused_loss", None) if reduction == "sum" else None
+    if fused is not None:
+        inputs.update(fused(targets))
     handle = model.get_decoder().register_forward_hook(keep_labelled)
     try:
         out = model(**inputs, use_cache=False)
     finally:
         handle.remove()
-    if fused:
+    if fused is not None:
         return out.loss
     # flatten (a view), not [0]: a select's backward zero-fills a tensor of all the logits
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets, reduction=reduction)

@@ -10,6 +10,8 @@ from torch import nn
 from ..errors import ModelError
 from .compat import apply_liger_kernels
 
+FUSED_ACCUM_DTYPE = torch.float32  # the fused loss: the dtype its lm_head (and hidden) gradients accumulate in
+
 
 def resolve_liger(liger: bool | str, cuda: bool) -> bool:
     """model.liger "auto": on CUDA where liger-kernel is installed, off on CPU."""
@@ -35,3 +37,13 @@ def apply_kernels(model: nn.Module, compile: bool = False) -> None:
         apply_liger_kernels(model, **off)
     except ImportError as e:
         raise ModelError("model.liger=true needs liger-kernel: install the gpu extra (uv sync --extra gpu)") from e
+    if getattr(model.forward, "__module__", "").startswith("liger_kernel"):  # Liger's forward replaced the model's
+        model.fused_loss = fused_loss_inputs
+
+
+def fused_loss_inputs(targets: torch.Tensor) -> dict:
+    """loss.token_loss_sum's kwargs for Liger's forward (fused linear cross-entropy), which takes the targets itself:
+    it reads shift_labels as given (num_items_in_batch: a sum, not a mean); the lm_head gradient summed over its
+    ceil(V/H) chunks in fp32, not in the weights' bf16 (liger-kernel >= 0.6.2)."""
+    return dict(labels=targets[None], shift_labels=targets[None], accum_dtype=FUSED_ACCUM_DTYPE,
+                num_items_in_batch=torch.ones((), device=targets.device))
