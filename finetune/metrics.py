@@ -1,4 +1,4 @@
-"""Step metrics: peak memory, and the sinks (metrics.jsonl, console, wandb) on rank 0."""
+"""Step metrics: peak memory, and the sinks (metrics.jsonl, console) on rank 0."""
 from __future__ import annotations
 
 import json
@@ -53,9 +53,8 @@ def repair_metrics(path: Path, start_step: int) -> None:
 class MetricsLogger:
     """Writes one JSON object per optimizer step to metrics.jsonl (append, so resumed runs continue it)."""
 
-    def __init__(self, output_dir: Path, use_wandb: bool, project: str, config: dict, start_step: int = 0):
+    def __init__(self, output_dir: Path, start_step: int = 0):
         self.file = None
-        self.wandb = None
         if not is_main():
             return
         path = Path(output_dir) / "metrics.jsonl"
@@ -64,11 +63,6 @@ class MetricsLogger:
         elif path.exists():
             repair_metrics(path, start_step)
         self.file = open(path, "a")
-        if use_wandb:
-            import wandb
-            if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-                os.environ["WANDB_MODE"] = "offline"  # never fail (or prompt) for a missing key
-            self.wandb = wandb.init(project=project, dir=str(output_dir), config=config)
 
     def log(self, record: dict) -> None:
         if self.file:  # strict JSON: a non-finite value (a skipped step's loss) is null, not NaN
@@ -79,14 +73,10 @@ class MetricsLogger:
             except OSError as e:  # a full disk: write() names no file; the one-line error (launch.guarded) names it
                 e.filename = e.filename or self.file.name
                 raise
-        if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def close(self) -> None:
         if self.file:
             self.file.close()
-        if self.wandb:
-            self.wandb.finish()
 
 
 def progress_bar(total: int, initial: int, enabled: bool):

@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .loss import collate_labelled, token_loss_sum
+from .metrics import MetricsLogger
 from .model import Transforms
 
 
@@ -52,4 +53,5 @@ class Recipe:
     export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
     mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
+    logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
     resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None

@@ -108,7 +108,7 @@ def test_os_errors_about_our_files_are_one_line_naming_the_file(tmp_path, capsys
 
         def write(self, text):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    logger = MetricsLogger(tmp_path, False, "p", {})
+    logger = MetricsLogger(tmp_path)
     logger.file = FullDisk()
     with pytest.raises(SystemExit) as exit_:
         guarded(logger.log, False, {"step": 1, "loss": 1.0})

@@ -248,7 +248,7 @@ def test_metrics_repair_drops_a_half_line_and_records_past_the_checkpoint(tmp_pa
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b"".join(json.dumps({"step": s, "loss": 1.0}).encode() + b"\n" for s in range(1, 6))
                      + b'{"step": 6, "lo\xff')
-    MetricsLogger(tmp_path, False, "p", {}, start_step=3).close()
+    MetricsLogger(tmp_path, start_step=3).close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert "dropped 1 unreadable line(s) (line 6)" in capsys.readouterr().out
 

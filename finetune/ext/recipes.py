@@ -119,5 +119,6 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
     from .mfu import meter
     from .resume_note import resume_note
+    from .wandb import WandbLogger
     return Recipe(task, setup, transforms, export_hooks(), {"labellers": labellers, "stream": Mixture},
-                  mfu=meter, resume_note=resume_note)
+                  mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg))
