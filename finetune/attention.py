@@ -1,10 +1,6 @@
-"""Which attention implementation runs, and the refusals for what cannot keep packed samples apart.
-
-Every micro-batch carries its sample boundaries (data.collate.sample_boundaries: cu_seq_lens_q/_k, max_length_q/_k)
-as model kwargs, which transformers hands the attention function (models with `_supports_attention_backend`):
-varlen (finetune.ext.varlen) and flash_attention_2/3 attend per sample with them; sdpa, eager and flex_attention
-ignore them and get a block-diagonal mask from the position_ids restarts.
-"""
+"""Which attention implementation runs, and the refusals for what cannot keep packed samples apart: varlen and flash
+attend per sample with the boundaries each micro-batch carries (data.collate.sample_boundaries) as model kwargs;
+sdpa, eager and flex_attention ignore them and get a block-diagonal mask from the position_ids restarts."""
 from __future__ import annotations
 
 import importlib.util

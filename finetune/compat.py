@@ -3,8 +3,7 @@ named (torch 2.15, transformers 5.23): an upgrade that moves one breaks here fir
 from __future__ import annotations
 
 # torch 2.15: the module wrappers for non-reentrant activation checkpointing live in a private package
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
-    ActivationWrapper, CheckpointImpl, checkpoint_wrapper)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper  # noqa: F401
 
 
 def local_shape_and_offset(param) -> tuple[tuple, tuple]:

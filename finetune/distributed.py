@@ -73,10 +73,9 @@ def init_distributed(dp_replicate: int = 1, dp_shard: int = 0, timeout_s: int = 
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            backend = "cuda:nccl,cpu:gloo"  # gloo for CPU-side collectives (object lists, signals)
-        else:
-            backend = "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # on CUDA, gloo too for CPU-side collectives (object lists, signals)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return device, build_parallel_dims(device.type, dp_replicate, dp_shard, cp)
 

@@ -1,11 +1,7 @@
-"""Build the sharded training model: skeleton -> `parallelize` (its transforms in one stated order) -> weights.
-
-`parallelize` is the one place where the order lives; the core fills AC, compile and FSDP, the caller's `Transforms`
-the other slots (an empty one does nothing): kernels -> tensor parallel -> context parallel -> expert parallel ->
-float8 -> adapters (on the plain HF modules, so every later wrapper and FSDP unit holds what they add) -> activation
-checkpointing -> compile (each block, before FSDP hooks it) -> FSDP (each block, then the root). Then `build_model`
-materialises the shards and load.py fills them.
-"""
+"""Build the sharded training model: skeleton -> `parallelize` (the transforms in their one order) -> weights.
+The order: kernels -> (tensor parallel) -> context parallel -> (expert parallel) -> float8 -> adapters (on the plain HF
+modules, so every later wrapper and FSDP unit holds what they add) -> activation checkpointing -> compile (each
+block, before FSDP hooks it) -> FSDP (each block, then the root); the caller's `Transforms` fill the slots before AC."""
 from __future__ import annotations
 
 import copy
@@ -31,10 +27,8 @@ from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_we
 @dataclass
 class Transforms:
     """What extensions do to the model, by slot: each fn(model, layers) on the meta skeleton, unless noted."""
-    kernels: Callable | None = None  # fused kernels patched into the plain HF modules (Liger)
-    tensor_parallel: Callable | None = None  # (not built yet)
-    context_parallel: Callable | None = None  # each row split over the cp ranks
-    expert_parallel: Callable | None = None  # (not built yet)
+    kernels: Callable | None = None  # fused kernels patched into the plain HF modules (Liger; see loss.token_loss_sum)
+    context_parallel: Callable | None = None  # each row split over the cp ranks (tensor, expert parallel: not built)
     float8: Callable | None = None  # Linear layers swapped for float8 ones
     adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
     ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
@@ -60,8 +54,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True, chat_template: str | dict = ""):
-    """The model's tokenizer, with a pad token (eos when the tokenizer has none) unless pad=False (as saved), and
-    `chat_template` (data.chat_template's text) in place of its own."""
+    """The tokenizer, eos as pad token where it has none (not with pad=False: as saved), `chat_template` for its own."""
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -196,8 +189,8 @@ def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
 
 def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None,
              sac: Callable | None = None) -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint (then `wrap`); returns their indices.
-    mode "op" takes checkpoint()'s arguments from `sac` (the Transforms slot)."""
+    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint (mode "op": with `sac`'s arguments), then
+    `wrap`; returns their indices."""
     if mode == "op" and sac is None:
         raise ConfigError("ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
     layers = find_layers(model)
@@ -218,8 +211,7 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 
 
 def shard_dim(shape, shards: int) -> int:
-    """The dim FSDP shards a parameter on: 0, unless it has fewer rows than the group has ranks (8 fused MoE experts
-    on 16 ranks), then its longest dim that the group divides (FSDP2 shards other dims only evenly)."""
+    """FSDP's dim for `shape`: 0, or with fewer rows than ranks its longest dim the ranks divide (FSDP2: evenly)."""
     if not shape or shape[0] >= shards:
         return 0
     return max((d for d in range(1, len(shape)) if shape[d] % shards == 0), key=lambda d: shape[d], default=0)
@@ -227,8 +219,7 @@ def shard_dim(shape, shards: int) -> int:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
     """fully_shard each block, the input embedding and the output projection, then the root (HSDP on a 2-D mesh).
-    Tied embeddings stay in the root (one parameter, one unit); so does lm_head with `lm_head_unit=False` (Liger's
-    fused loss reads its weight outside its forward, where its own unit would not be all-gathered)."""
+    Tied embeddings stay in the root; so does lm_head with `lm_head_unit=False` (Transforms.lm_head_in_root)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     shards = mesh.shape[-1]
@@ -263,7 +254,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: Transforms, *, m
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False) -> dict | None:
     """The transforms in their order (module docstring); returns the adapters slot's settings (None without)."""
     t, layers = transforms, find_layers(model)
-    for slot in (t.kernels, t.tensor_parallel, t.context_parallel, t.expert_parallel, t.float8):
+    for slot in (t.kernels, t.context_parallel, t.float8):
         if slot is not None:
             slot(model, layers)
     settings = t.adapters(model, layers) if t.adapters is not None else None

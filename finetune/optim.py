@@ -9,8 +9,7 @@ from torch import nn
 
 
 def by_mesh(params) -> list[list]:
-    """`params` grouped by the device mesh their DTensors live on, in order of first appearance (foreach ops and
-    norms run per mesh)."""
+    """`params` grouped by their DTensors' device mesh, in order of first appearance (foreach ops, norms: per mesh)."""
     groups: dict = {}
     for p in params:
         groups.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
@@ -37,8 +36,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
 
 
 def lr_at(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at `step` (0-based): linear warm-up ((step + 1) / warmup_steps), then cosine down
-    to min_lr_ratio at the last step."""
+    """The peak lr's multiplier at `step` (0-based): (step + 1) / warmup_steps, then cosine to min_lr_ratio at last."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(max_steps - 1 - warmup_steps, 1)

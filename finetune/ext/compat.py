@@ -2,6 +2,7 @@
 versions named (torch 2.15, liger-kernel 0.8.5): an upgrade that moves one breaks here first."""
 from __future__ import annotations
 
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper  # noqa: F401 - torch 2.15
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 - torch 2.15
 from torch.utils._pytree import tree_leaves  # noqa: F401 - torch 2.15
 

@@ -10,8 +10,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..compat import ActivationWrapper
-from .compat import storage_key
+from .compat import ActivationWrapper, storage_key
 
 
 class _Saved:
