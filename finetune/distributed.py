@@ -39,14 +39,6 @@ class ParallelDims:
     def dp_rank(self) -> int:
         return self.mesh.get_rank() // self.cp  # all ranks in order (replicate outermost, cp innermost)
 
-    @property
-    def cp_rank(self) -> int:
-        return self.mesh.get_rank() % self.cp
-
-    @property
-    def cp_group(self):
-        return self.cp_mesh.get_group("cp") if self.cp_mesh is not None else None
-
     def __str__(self) -> str:
         dp = f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"
         return dp + (f" x cp {self.cp}" if self.cp > 1 else "")

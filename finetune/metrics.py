@@ -100,7 +100,4 @@ def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.4f}")
     if record["step"] % log_interval == 0 or record["step"] == max_steps:
-        if bar is not None and not bar.disable:
-            bar.write(line)
-        else:
-            print0(line)
+        (bar.write if bar is not None and not bar.disable else print0)(line)

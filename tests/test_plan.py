@@ -152,6 +152,7 @@ def saved_at_cp(path: str, cp: int, seq_len: int) -> float:
     from finetune.loss import label_targets
     from finetune.model import build_model
     device, dims = init_distributed(cp=cp)
+    from finetune.ext.context import cp_rank
     from finetune.ext.recipes import transforms
     from finetune.config import load_config
     t = transforms(load_config(None, {"parallel.cp": cp}), dims, device)
@@ -159,7 +160,7 @@ def saved_at_cp(path: str, cp: int, seq_len: int) -> float:
     ids = torch.randint(model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "position_ids": torch.arange(seq_len)[None], **sample_boundaries([seq_len]),
              **label_targets(ids, None)}
-    return saved_for_backward_mb(model, split_batch(batch, dims.cp_rank, cp) if cp > 1 else batch) * 2**20
+    return saved_for_backward_mb(model, split_batch(batch, cp_rank(dims), cp) if cp > 1 else batch) * 2**20
 
 
 def test_plan_with_cp_and_offload_matches_the_real_split_and_the_longest_row_fits(llama_dir):

@@ -97,6 +97,11 @@ def apply_cp(model: nn.Module, layers: nn.ModuleList, group) -> None:
     model.config._attn_implementation = CP_ATTENTION
 
 
+def cp_rank(dims) -> int:
+    """This rank's place among its data rank's cp ranks (distributed.ParallelDims: consecutive ranks)."""
+    return dims.mesh.get_rank() % dims.cp
+
+
 def split_batch(batch: dict, rank: int, n: int) -> dict:
     """(host) cp rank `rank`'s part of a micro-batch collated (to a width N divides) and labelled on its full rows:
     a slice of the tokens of each row, the label targets of those tokens (re-indexed into the slice; one ignored

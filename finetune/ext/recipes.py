@@ -29,7 +29,7 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
         t.float8 = partial(_float8, cfg=cfg, device=device, shards=dims.mesh.shape[-1] if dims is not None else 1)
     if dims is not None and dims.cp > 1:
         from .context import apply_cp
-        t.context_parallel = partial(apply_cp, group=dims.cp_group)
+        t.context_parallel = partial(apply_cp, group=dims.cp_mesh.get_group("cp"))
     if cfg.lora.rank:
         from .lora import lora_settings
         t = lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
@@ -90,8 +90,8 @@ def sft_task(cfg: Config, run: Run) -> Task:
     float8_scales(cfg, run)
     task = Task()
     if run.dims.cp > 1:
-        from .context import collate_split
-        task.collate = partial(collate_split, rank=run.dims.cp_rank, n=run.dims.cp)
+        from .context import collate_split, cp_rank
+        task.collate = partial(collate_split, rank=cp_rank(run.dims), n=run.dims.cp)
     if cfg.eval.path and cfg.eval.num_samples:  # eval.num_samples=0: no evaluation (not 0 of 0)
         from .evaluate import evaluate, report_eval
         ec = cfg.eval
