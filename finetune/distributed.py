@@ -29,7 +29,6 @@ class ParallelDims:
     dp_shard: int
     mesh: DeviceMesh  # FSDP's: ("dp_replicate", "dp_shard_cp"), replicate outermost; 1-D when dp_replicate == 1
     cp: int = 1
-    cp_mesh: DeviceMesh | None = None  # ("dp", "cp"): the cp ranks of each data rank along "cp" (None when cp == 1)
 
     @property
     def dp_size(self) -> int:
@@ -45,15 +44,12 @@ class ParallelDims:
 
 
 def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1) -> ParallelDims:
-    """The meshes over the default process group's ranks."""
-    world = dist.get_world_size()
-    dp_shard = check_parallel(dp_replicate, dp_shard, world, cp)
+    """The FSDP mesh over the default process group's ranks."""
+    dp_shard = check_parallel(dp_replicate, dp_shard, dist.get_world_size(), cp)
     name = "dp_shard_cp" if cp > 1 else "dp_shard"
     shape, names = ((dp_replicate, dp_shard * cp), ("dp_replicate", name)) if dp_replicate > 1 else \
         ((dp_shard * cp,), (name,))
-    cp_mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp")) if cp > 1 else None
-    return ParallelDims(dp_replicate, dp_shard, init_device_mesh(device_type, shape, mesh_dim_names=names), cp,
-                        cp_mesh)
+    return ParallelDims(dp_replicate, dp_shard, init_device_mesh(device_type, shape, mesh_dim_names=names), cp)
 
 
 def init_distributed(dp_replicate: int = 1, dp_shard: int = 0, timeout_s: int = 1800,

@@ -15,9 +15,7 @@ from .outdir import keep_beside
 
 def peak_mem_mb(device: torch.device) -> float:
     """CUDA: max allocated since start; CPU: this process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return peak_rss_mb()
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_rss_mb()
 
 
 def peak_rss_mb() -> float:

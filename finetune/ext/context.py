@@ -97,6 +97,13 @@ def apply_cp(model: nn.Module, layers: nn.ModuleList, group) -> None:
     model.config._attn_implementation = CP_ATTENTION
 
 
+def cp_group(dims, device_type: str):
+    """The process group of this data rank's cp ranks: "cp" of a ("dp", "cp") mesh over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dims.mesh.size()
+    return init_device_mesh(device_type, (world // dims.cp, dims.cp), mesh_dim_names=("dp", "cp")).get_group("cp")
+
+
 def cp_rank(dims) -> int:
     """This rank's place among its data rank's cp ranks (distributed.ParallelDims: consecutive ranks)."""
     return dims.mesh.get_rank() % dims.cp

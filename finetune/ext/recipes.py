@@ -28,8 +28,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     if cfg.model.fp8 != "off":
         t.float8 = partial(_float8, cfg=cfg, device=device, shards=dims.mesh.shape[-1] if dims is not None else 1)
     if dims is not None and dims.cp > 1:
-        from .context import apply_cp
-        t.context_parallel = partial(apply_cp, group=dims.cp_mesh.get_group("cp"))
+        from .context import apply_cp, cp_group
+        t.context_parallel = partial(apply_cp, group=cp_group(dims, device.type))
     if cfg.lora.rank:
         from .lora import lora_settings
         t = lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
