@@ -52,8 +52,7 @@ def check_trainable(attn_implementation: str, device_type: str) -> None:
 
 
 def mixing_problem(model: nn.Module, layers: nn.ModuleList) -> str | None:
-    """Why tokens of `model` mix other than through attention (None when they do not): layer types that are not
-    attention, a Conv1d in the decoder blocks, or no attention heads."""
+    """Why tokens of `model` mix other than through attention (odd layer types, a Conv1d, no heads), or None."""
     config = model.config.get_text_config()
     kinds = set(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
     odd = sorted(kinds - ATTENTION_LAYER_TYPES)
@@ -64,8 +63,7 @@ def mixing_problem(model: nn.Module, layers: nn.ModuleList) -> str | None:
 
 
 def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: str) -> None:
-    """Refuse, in one line, a packed run that cannot keep the samples of a row apart: mixing_problem, or boundaries
-    as kwargs (flash, varlen) to a model class that does not pass them on."""
+    """Refuse (one line) a packed run whose samples would mix: mixing_problem, or flash/varlen kwargs a class drops."""
     if why := mixing_problem(model, layers):
         raise ConfigError(f"{type(model).__name__} cannot keep packed samples apart: {why} ignore position_ids "
                           f"restarts; set data.packing=false")
