@@ -14,14 +14,25 @@ from torch import nn
 from ..distributed import is_main, is_my_file
 from ..errors import FinetuneError, ModelError
 from ..model import build_skeleton, find_layers
-from ..weights import (SAFETENSORS_CODES, Entry, disk_to_memory, open_dir, open_safetensors, out_dtype_of,
-                       persistent_buffers, read_tensor, to_disk)
+from ..weights import (SAFETENSORS_CODES, SAFETENSORS_DTYPES, Entry, disk_to_memory, local_dir, open_dir,
+                       out_dtype_of, persistent_buffers, read_tensor, to_disk)
 
 
 class VerifyError(FinetuneError):
     """The exported model does not reproduce the checkpoint (a failure: exit 1); the message is one line."""
 
     exit_code = 1
+
+
+def open_safetensors(path: str, what: str = "model") -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """An HF model's safetensors files (a dir, or a hub id in the cache), by stored name; `what` names it in errors."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    entries = open_dir(local_dir(path))
+    if not entries:
+        raise ModelError(f"the {what} '{path}' has no safetensors weights")
+    metas = {k: TensorStorageMetadata(TensorProperties(dtype=SAFETENSORS_DTYPES[e.dtype]), torch.Size(e.shape), [])
+             for k, e in entries.items()}
+    return metas, lambda name: read_tensor(entries[name])
 
 
 def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, kept: dict,

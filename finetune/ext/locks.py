@@ -1,5 +1,6 @@
-"""Ownership of output dirs: an exclusive flock held for a whole run, released however the process ends (kill -9
-included, unlike a pid file); and removal of what interrupted exports left behind. Imports no torch."""
+"""Ownership of output dirs (the `locks` hook of export_hf, outdir.staging, checkpoint.prune, and the CLI's run lock):
+an exclusive flock held for a whole run, released however the process ends (kill -9 included, unlike a pid file);
+pins that keep a step dir being exported from retention; removal of what interrupted exports left behind."""
 from __future__ import annotations
 
 import fcntl
@@ -11,9 +12,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import FinetuneError
+from ..errors import FinetuneError
 
-RUN_LOCK = ".finetune.lock"  # in a training output dir
 _held: dict[str, int] = {}  # lock path -> open fd: the lock lasts while the fd stays open, i.e. this process
 
 
@@ -168,3 +168,55 @@ def remove_stale_partials(parent: Path, own: str) -> None:
     if removed:
         print(f"removed {len(removed)} partial export(s) left by interrupted runs in {parent} "
               f"({', '.join(removed)}): {num_bytes / 1e9:.3f} GB freed", flush=True)
+
+
+@contextmanager
+def guard(out: Path):
+    """Rank 0's part of outdir.staging: the lock `.<name>.lock` beside `out` (unless the launcher holds it) while it
+    writes and publishes, the temp dirs of runs killed -9 removed first."""
+    lock = out.parent / f".{out.name}.lock"
+    own_lock = os.environ.get("FINETUNE_LOCK") != str(lock.resolve())  # else the launcher holds it for us
+    if own_lock:
+        hold_lock(lock, f"--output-dir {out}")
+    try:
+        remove_stale_partials(out.parent, out.name)
+        yield
+    finally:
+        if own_lock:
+            release_lock(lock)
+
+
+def pin_source(checkpoint: str):
+    """export.find_source, its step dir pinned (hold_pin) so that the retention of a run still saving into it
+    (checkpoint.keep) leaves it until the export ends. When retention deleted it first: the newest again (for an
+    output dir), else one line naming the step."""
+    from .. import export
+    from ..checkpoint import CheckpointError, damage, is_complete
+    if export.is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
+        return export.find_source(checkpoint)
+    step = Path(checkpoint)
+    for _ in range(3):
+        try:
+            source = export.find_source(checkpoint)
+        except FileNotFoundError:  # deleted between being found and being read
+            continue
+        step = source.weights
+        if hold_pin(step):
+            if is_complete(step) and damage(step) is None:  # intact while pinned (not deleted meanwhile)
+                return source
+            release_pin(step)
+        if step.resolve() == Path(checkpoint).resolve():  # the step itself was asked for: no newer one to take
+            break
+    raise CheckpointError(f"checkpoint {step} was deleted by the retention of the run saving into {step.parent} "
+                          f"(checkpoint.keep) before export-hf could pin it: export a newer step, or the output dir "
+                          f"(its newest)")
+
+
+@contextmanager
+def pinned_source(checkpoint: str):
+    """pin_source, unpinned when the block ends."""
+    source = pin_source(checkpoint)
+    try:
+        yield source
+    finally:
+        release_pin(source.weights)
