@@ -202,14 +202,11 @@ def check_arch(path: Path, hf_config) -> None:
 
 
 def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) -> None:
-    """Same architecture, LoRA settings (`run`) and parameter names (`want`) as the checkpoint, or a CheckpointError."""
+    """Same architecture, LoRA settings (`run`: this run's) and parameter names (`want`) as the checkpoint, or a
+    CheckpointError."""
     saved = read_marker(path).get("lora")
-    if saved and run:
-        diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {run.get(k)!r}" for k in saved
-                 if k != "base_fingerprint" and saved[k] != run.get(k)]
-        if diffs:
-            raise CheckpointError(f"checkpoint {path} has other LoRA settings than this run: {'; '.join(diffs)}")
-        check_base(path, saved, run["base_fingerprint"], hf_config.name_or_path)
+    if saved and run:  # `run`: ext/lora.LoraSettings, which check a LoRA checkpoint's settings and base
+        run.check(path, saved, hf_config)
     elif saved or run:
         kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
         raise CheckpointError(f"checkpoint {path} is from {kinds[0]}, this run is {kinds[1]}: resume a run of the "
@@ -221,18 +218,6 @@ def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) ->
         missing, extra = sorted(want - saved), sorted(saved - want)
         raise CheckpointError(f"checkpoint {path} has other parameters than the model: {len(missing)} missing "
                               f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
-
-
-def check_base(path: Path, lora: dict, fingerprint: str, model_path: str) -> None:
-    """The base at `model_path` (its weights' `fingerprint`) is the one the LoRA checkpoint `path` trained on."""
-    trained = read_marker(path).get("config", {}).get("model", {}).get("path")
-    if "base_fingerprint" not in lora:
-        print0(f"note: checkpoint {path} records no fingerprint of its LoRA base (saved by an older finetune): not "
-               f"checked that '{model_path}' holds the base weights it trained on")
-    elif lora["base_fingerprint"] != fingerprint:
-        raise CheckpointError(f"checkpoint {path} trained its LoRA adapters on the base '{trained}', and "
-                              f"'{model_path}' holds other weights now (fingerprint {lora['base_fingerprint'][:19]} "
-                              f"then, {fingerprint[:19]} now): the adapters fit only the base they trained on")
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config, lora: dict | None) -> None:

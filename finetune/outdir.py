@@ -1,7 +1,6 @@
 """Output dirs written whole (exports, prepared checkpoints): into a sibling temp dir, published by rename."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -21,35 +20,21 @@ def check_output_dir(out: Path, marker: str, kind: str) -> None:
                           f"pick another directory")
 
 
-def publish_dir(new: Path, out: Path, marker: str) -> None:
-    """Move the finished `new` to `out`, its `marker` (JSON) listing the names in it ("files"), replacing an earlier
-    `out` but keeping what the user added there (names its marker does not list)."""
-    ours = sorted(p.name for p in new.iterdir())
-    (new / marker).write_text(json.dumps({**json.loads((new / marker).read_text()), "files": ours}, indent=2) + "\n")
-    old = None
-    if out.is_dir() and any(out.iterdir()):
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+def publish_dir(new: Path, out: Path) -> None:
+    """Move the finished `new` to `out`, replacing an empty or earlier `out` (removed only after)."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.is_dir():
         out.rename(old)
-        before = json.loads((old / marker).read_text()).get("files")
-        theirs = [p.name for p in sorted(old.iterdir()) if before is not None and p.name not in before]
-        kept, replaced = [n for n in theirs if n not in ours], [n for n in theirs if n in ours]
-        for name in kept:
-            (old / name).rename(new / name)
-        if theirs:
-            print(f"{out}: kept what was added there since it was written ({', '.join(kept) or 'nothing'})"
-                  + (f"; replaced by this one's own: {', '.join(replaced)}" if replaced else ""), flush=True)
-    elif out.is_dir():
-        out.rmdir()
     new.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager
 def staging(out: Path, marker: str, locks=None):
     """On every rank: yields rank 0's sibling temp dir `.<name>.partial-<pid>`, which they all write `out` into
-    (`marker` last); once the block has ended everywhere, rank 0 publishes it (publish_dir) inside `locks.guard(out)`
-    (ext/locks: the dir's lock, stale temp dirs removed). On an error the temp dir is removed, nothing published."""
+    (`marker` last); once the block has ended everywhere, rank 0 publishes it; `locks` (ext/locks): inside the dir's
+    lock, stale temp dirs removed first, what the user added to an earlier `out` kept. On an error nothing is
+    published."""
     from .distributed import barrier, broadcast, is_main  # here: the CLI checks paths with this module before torch
     if not is_main():
         yield broadcast(None)
@@ -61,7 +46,7 @@ def staging(out: Path, marker: str, locks=None):
             tmp.mkdir(parents=True)
             yield broadcast(tmp)
             barrier()  # every rank's files are written (and checked)
-            publish_dir(tmp, out, marker)
+            locks.publish_dir(tmp, out, marker) if locks else publish_dir(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

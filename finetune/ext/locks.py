@@ -1,9 +1,11 @@
 """Ownership of output dirs (the `locks` hook of export_hf, outdir.staging, checkpoint.prune, and the CLI's run lock):
 an exclusive flock held for a whole run, released however the process ends (kill -9 included, unlike a pid file);
-pins that keep a step dir being exported from retention; removal of what interrupted exports left behind."""
+pins that keep a step dir being exported from retention; removal of what interrupted exports left behind; what the
+user added to an output dir kept when it is written again (publish_dir)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shlex
 import shutil
@@ -168,6 +170,30 @@ def remove_stale_partials(parent: Path, own: str) -> None:
     if removed:
         print(f"removed {len(removed)} partial export(s) left by interrupted runs in {parent} "
               f"({', '.join(removed)}): {num_bytes / 1e9:.3f} GB freed", flush=True)
+
+
+def publish_dir(new: Path, out: Path, marker: str) -> None:
+    """Move the finished `new` to `out`, its `marker` (JSON) listing the names in it ("files"), replacing an earlier
+    `out` but keeping what the user added there (names its marker does not list)."""
+    ours = sorted(p.name for p in new.iterdir())
+    (new / marker).write_text(json.dumps({**json.loads((new / marker).read_text()), "files": ours}, indent=2) + "\n")
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        before = json.loads((old / marker).read_text()).get("files")
+        theirs = [p.name for p in sorted(old.iterdir()) if before is not None and p.name not in before]
+        kept, replaced = [n for n in theirs if n not in ours], [n for n in theirs if n in ours]
+        for name in kept:
+            (old / name).rename(new / name)
+        if theirs:
+            print(f"{out}: kept what was added there since it was written ({', '.join(kept) or 'nothing'})"
+                  + (f"; replaced by this one's own: {', '.join(replaced)}" if replaced else ""), flush=True)
+    elif out.is_dir():
+        out.rmdir()
+    new.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

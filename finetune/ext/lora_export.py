@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import check_base as check_trained_base, read_marker
+from ..checkpoint import read_marker
 from ..config import ConfigError
 from ..distributed import print0, world_size
 from ..errors import ModelError
@@ -15,7 +15,7 @@ from ..export import Source, find_source
 from ..load import base_fingerprint, is_prepared
 from ..model import build_skeleton
 from ..weights import arch_diffs, open_dcp
-from .lora import merge_lora_tensor, peft_config, peft_key
+from .lora import check_base as check_trained_base, merge_lora_tensor, peft_config, peft_key
 from .verify import open_safetensors
 
 
