@@ -156,7 +156,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
-        with open_outputs(cfg, out, state.step, chat_template, lora, recipe.name) as (logger, saver, bar):
+        with open_outputs(cfg, out, state.step, chat_template, lora, recipe) as (logger, saver, bar):
             while state.step < tc.max_steps:
                 step = state.step + 1
                 t0 = time.perf_counter()
@@ -204,7 +204,7 @@ def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.Tra
 
 @contextmanager
 def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None,
-                 task: str = "sft"):
+                 recipe: Recipe):
     """Once the run is accepted (a refused run rewrites nothing): config.toml, and (the metrics logger, the
     checkpointer, whose checkpoints record the config export-hf reads and `lora`, the progress bar or None), closed
     on exit."""
@@ -217,7 +217,8 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
-                              lora=lora, run={"config": run, "chat_template": chat_template, "task": task})
+                              lora=lora, run={"config": run, "chat_template": chat_template, "task": recipe.name},
+                              locks=recipe.export.get("locks"))
     bar = progress_bar(cfg.train.max_steps, start_step, cfg.log.progress)
     try:
         yield logger, saver, bar

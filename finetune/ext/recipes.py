@@ -104,10 +104,11 @@ def sft_task(cfg: Config, run: Run) -> Task:
 
 
 def export_hooks() -> dict:
-    """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, and the
-    streamed check of what was written."""
-    from . import lora_export, verify
-    return {"adapters": lora_export, "check": verify.verify_export}
+    """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, the streamed
+    check of what was written, the locks (also the run's and its retention's: cli.py, train.open_outputs), the chat
+    template's defaults."""
+    from . import locks, lora_export, template_defaults, verify
+    return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults}
 
 
 def recipe(cfg: Config, task: str = "sft") -> Recipe:
