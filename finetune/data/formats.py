@@ -121,17 +121,6 @@ def _iter_rows(files):
             raise DataError(_not_utf8(file)) from None
 
 
-def _iter_parquet(files):
-    for file in files:
-        for b, batch in enumerate(pq.ParquetFile(file).iter_batches(batch_size=1024)):
-            for i, row in enumerate(batch.to_pylist()):
-                yield {WHERE: f"{file} row {b * 1024 + i}", **row}
-
-
-def _streamed(files):
-    yield from (_iter_parquet(files) if files[0].endswith(".parquet") else (item for item, _ in _iter_rows(files)))
-
-
 def _not_utf8(file: str) -> str:
     """Where a file stops being UTF-8 (the decoder's position is relative to its buffer, not to the file)."""
     with open(file, "rb") as f:
@@ -143,26 +132,22 @@ def _not_utf8(file: str) -> str:
     return f"{file}: not UTF-8 text"
 
 
-def load_rows(path: str, *, split: str = "train", name: str | None = None, streaming: bool = False) -> Rows:
+def load_rows(path: str, *, split: str = "train", name: str | None = None, stream=None) -> Rows:
     """Rows of a local .json/.jsonl/.parquet file, a dataset dir's split or a hub dataset id (optionally "id:split"),
-    as a datasets.Dataset (or IterableDataset when streaming); read items with row_of."""
+    as a datasets.Dataset; read items with row_of. `stream(path, split, files)` (ext/streaming.py): local files read
+    as they are needed, a hub dataset streamed."""
     files = _local_files(path, split, name)
     if files is None:
         ref, _, hub_split = path.partition(":")
         try:
-            data = datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=streaming)
+            data = datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=stream is not None)
             return Rows(data, data.column_names or list(next(iter(data), {})), [])
         except Exception as e:  # noqa: BLE001 - any hub failure is reported as one line
             raise DataError(f"{path}: not a local path, and loading it from the hub failed ({one_line(e)})") from e
     if len({f.endswith(".parquet") for f in files}) > 1:
         raise DataError(f"{path}: mixes parquet and JSON files in split {split!r}; convert them to one kind")
-    if streaming:
-        # A tuple, not a list: datasets would shard list gen_kwargs, and the order must stay the file order.
-        data = datasets.IterableDataset.from_generator(_streamed, gen_kwargs={"files": tuple(files)})
-        first = next(iter(data), None)
-        if first is None:
-            raise DataError(_no_rows(path, split, files))
-        return Rows(data, list(row_of(first, path, 0)[0]), files)
+    if stream is not None:
+        return stream(path, split, files)
     if files[0].endswith(".parquet"):  # straight to Arrow, no Python round trip
         try:
             tables = [pq.read_table(f) for f in files]
