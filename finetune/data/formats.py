@@ -1,5 +1,4 @@
-"""Rows in: local .json/.jsonl/.parquet files (a file, or a dataset dir with splits) or hub datasets ->
-Conversation(messages, tools) in the OpenAI shape."""
+"""Rows of local .json/.jsonl/.parquet files, dataset dirs or hub datasets -> OpenAI-shaped Conversations."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class DataError(FinetuneError):
 
 
 def _split_files(path: str, split: str, name: str | None) -> list[str]:
-    """A dataset dir's files for `split`, resolved as `datasets` resolves one (the README's `configs`, else split
-    names in file or dir names, else all files are train)."""
+    """A dataset dir's files for `split`, resolved as `datasets` resolves them (README `configs`, else split names)."""
     from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
     base, card = path, os.path.join(path, "README.md")
@@ -110,7 +108,6 @@ def _iter_file(file: str):
 
 
 def _iter_rows(files):
-    """{WHERE, JSON_ROW} of every row of local JSON files, checked to be objects."""
     for file in files:
         try:
             for where, text, row in _iter_file(file):
@@ -169,7 +166,6 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
 
 
 def _no_rows(path: str, split: str, files: list[str]) -> str:
-    """Why a local source gives no rows."""
     if files == [path]:
         return f"{path}: has no rows (the file is empty)"
     return f"{path}: split {split!r} has no rows (its files are empty: {', '.join(files)})"
@@ -200,7 +196,6 @@ def detect_format(columns: list[str], fmt: str = "auto") -> str:
 
 
 def _first(d: dict, *keys):
-    """The value of the first of `keys` that is set (not None) in d, else None."""
     return next((d[k] for k in keys if d.get(k) is not None), None)
 
 
@@ -235,7 +230,6 @@ def text_of(content) -> str:
 
 
 def _json(value, where: str, what: str):
-    """A JSON string decoded, anything else as is."""
     if not isinstance(value, str):
         return value
     try:

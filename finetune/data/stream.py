@@ -67,7 +67,6 @@ def _entries(labelled, row: int, source: int) -> list[dict]:
 
 
 def _count(counts: dict, entries) -> None:
-    """Count one row from its _entries: samples or why it is dropped, turns left untrained by reason."""
     counts["rows"] += 1
     reasons = [x.split(" ", 1)[0] for x in entries[0]["left_out"]]
     counts.update(f"turns_unsupported_{r}" for r in reasons)
@@ -128,7 +127,7 @@ class SampleStream(torch.utils.data.IterableDataset):
         self._tokenize(num_proc)
 
     def _tokenize(self, num_proc: int) -> None:
-        """Tokenize once; every epoch then only reorders sample indices."""
+        # Tokenize once; every epoch then only reorders sample indices.
         tokenizers, sources = self._tokenizers, self.sources
         seq, v = getattr(datasets, "List", datasets.Sequence), datasets.Value  # List is datasets>=4
         features = datasets.Features({
@@ -172,8 +171,7 @@ class SampleStream(torch.utils.data.IterableDataset):
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
     def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
-        """An epoch's samples in order from each source's usable ones: all, source after source (a mixture's shares:
-        finetune/ext/mixture.py)."""
+        """An epoch's samples in order: every usable one, source after source (a mixture's shares: ext/mixture.py)."""
         return np.concatenate(kept).astype(np.int64)
 
     def describe_source(self) -> str:

@@ -81,14 +81,14 @@ class Template:
                                                     "parameters": {"type": "object", "properties": {}}}}]
         self.args_as_string = {}
         for has_tools, tools in ((False, None), (True, schema)):
-            as_dict = try_render(tokenizer, conv, tools, extra)
-            as_str = try_render(tokenizer, _args_as_strings(conv), tools, extra)
+            as_dict = render_or_why(tokenizer, conv, tools, extra)[0]
+            as_str = render_or_why(tokenizer, _args_as_strings(conv), tools, extra)[0]
             self.args_as_string[has_tools] = (bool(as_str) and (as_dict is None or "{'a': " in as_dict)
                                               and '{\\"a\\"' not in as_str)
         # Content parts reach a template that reads them as the row has them; one that prints content as a string
         # would print a list's Python repr: it gets their text, as inference servers give such templates.
         asked = [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
-        parts = try_render(tokenizer, asked, None, extra) or try_render(tokenizer, asked, schema, extra)
+        parts = render_or_why(tokenizer, asked, None, extra)[0] or render_or_why(tokenizer, asked, schema, extra)[0]
         self.reads_parts = bool(parts) and _PROBE in parts and "'text'" not in parts and '"text"' not in parts
         self.kwargs = {**tokenizer.special_tokens_map, **extra}  # as apply_chat_template passes them
         self.switch_names: list[str] | None = None  # see switches()
@@ -118,10 +118,6 @@ class Template:
             self.switch_names = sorted(n for n in names if ("think" in n or "reason" in n)
                                        and self.kwargs.get(n) is not False)
         return self.switch_names
-
-
-def try_render(tokenizer, messages, tools, extra: dict):
-    return render_or_why(tokenizer, messages, tools, extra)[0]
 
 
 def render_or_why(tokenizer, messages, tools, extra: dict) -> tuple[str | None, str]:
