@@ -131,8 +131,8 @@ def _not_utf8(file: str) -> str:
 
 def load_rows(path: str, *, split: str = "train", name: str | None = None, stream=None) -> Rows:
     """Rows of a local .json/.jsonl/.parquet file, a dataset dir's split or a hub dataset id (optionally "id:split"),
-    as a datasets.Dataset; read items with row_of. `stream(path, split, files)` (ext/streaming.py): local files read
-    as they are needed, a hub dataset streamed."""
+    as a datasets.Dataset (items: see row_of); with `stream` (ext/streaming.py) the hub's streamed, local files read by
+    stream(path, split, files)."""
     files = _local_files(path, split, name)
     if files is None:
         ref, _, hub_split = path.partition(":")

@@ -105,8 +105,7 @@ def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, 
 class SampleStream(torch.utils.data.IterableDataset):
     """This rank's samples, forever (or epoch_limit epochs): global sample g (counted across epochs) goes to rank
     g % world_size, from global sample start_sample on. An epoch: the samples _choose takes of each source, packed,
-    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process
-    (num_workers=0): streamed data's counts fill in as it goes (ext/streaming.py)."""
+    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process."""
     open_sources = staticmethod(open_sources)  # how build_samples opens its sources
 
     def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,

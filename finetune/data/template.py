@@ -210,8 +210,7 @@ def _like(content, text: str):
 
 
 def _next_probe(messages: list[dict], i: int, m: dict) -> dict:
-    """The message after turn i in the probes: a tool result after tool calls (with the call's id and name), else a
-    user turn; the row's own next message of that role where it has one."""
+    """The message after turn i in probes: a tool result after tool calls, else a user turn (the row's own if any)."""
     role = "tool" if m.get("tool_calls") else "user"
     after = messages[i + 1] if i + 1 < len(messages) else {}
     shape = next((x.get("content") for x in messages[:i + 1] if isinstance(x.get("content"), list)), None)
@@ -239,8 +238,7 @@ def find_all(text: str, sub: str):
 
 
 def turn_length(tokenizer, t: Template, messages, i, tools, completion: str) -> tuple[int, str]:
-    """(how much of completion_i is trained: through its end-of-turn token, the stop token to add after it where the
-    template writes none: see _probe_tail)."""
+    """(how much of completion_i is trained, the stop token to add after it): see _probe_tail."""
     key = _shape(messages[i])
     found = t.tails.get(key, False)
     if found is False or (found is not None and not completion.endswith(found[0])):
