@@ -43,12 +43,11 @@ def _split_files(path: str, split: str, name: str | None) -> list[str]:
     """A dataset dir's files for `split`, resolved as `datasets` resolves them (README `configs`, else split names)."""
     from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
     base, card = path, os.path.join(path, "README.md")
     try:
-        configs = MetadataConfigs()
-        if os.path.isfile(card) and open(card, encoding="utf-8").read(3) == "---":  # a card with YAML metadata
-            from huggingface_hub import DatasetCard
-            configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+        yaml = os.path.isfile(card) and open(card, encoding="utf-8").read(3) == "---"  # a card with YAML metadata
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data) if yaml else {}
         if configs:
             chosen = name or configs.get_default_config_name()
             if chosen not in configs:
@@ -161,8 +160,7 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         columns.update(dict.fromkeys(row))
     if not items:
         raise DataError(_no_rows(path, split, files))
-    return Rows(datasets.Dataset.from_dict({WHERE: [x[WHERE] for x in items], JSON_ROW: [x[JSON_ROW] for x in items]}),
-                list(columns), files)
+    return Rows(datasets.Dataset.from_list(items), list(columns), files)
 
 
 def _no_rows(path: str, split: str, files: list[str]) -> str:

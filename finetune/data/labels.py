@@ -60,7 +60,7 @@ def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) 
 def _way_out(t: Template, msgs, i: int, tools) -> str:
     """The hint for a turn that does not extend its generation prompt: the template switch that, set to false, fixes
     it (a generation prompt opening a think block), or ""."""
-    for name in t.switches():
+    for name in t.switches:
         off = {name: False}
         prompt = _render_or_none(t, msgs[:i], tools, True, **off)
         upto = _render_or_none(t, msgs[:i + 1], tools, False, **off)

@@ -80,15 +80,10 @@ def _count(counts: dict, entries) -> None:
 
 def describe_counts(counts: dict) -> str:
     """The counts as one line."""
-    parts = []
-    for k, v in counts.items():
-        if k.startswith("dropped_"):
-            parts.append(f"dropped {k[8:]} {v}")
-        elif k.startswith("turns_unsupported_"):
-            parts.append(f"turns left untrained {k[18:]} {v} (in {counts['rows_unsupported_' + k[18:]]} rows)")
-        elif not k.startswith("rows_unsupported_"):
-            parts.append(f"{k.replace('_', ' ')} {v}")
-    return ", ".join(parts)
+    return ", ".join(f"dropped {k[8:]} {v}" if k.startswith("dropped_") else
+                     f"turns left untrained {k[18:]} {v} (in {counts['rows_unsupported_' + k[18:]]} rows)"
+                     if k.startswith("turns_unsupported_") else f"{k.replace('_', ' ')} {v}"
+                     for k, v in counts.items() if not k.startswith("rows_unsupported_"))
 
 
 def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs, labellers: dict):
@@ -115,8 +110,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         if streaming:
             raise DataError("data.streaming needs the extension finetune/ext/streaming.py")
-        self.shuffle, self.packing = shuffle, packing
-        self.max_seq_len = max_seq_len
+        self.shuffle, self.packing, self.max_seq_len = shuffle, packing, max_seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.start_sample, self.epoch_limit, self.pack_window = start_sample, epoch_limit, pack_window
         self.sources, self._tokenizers = sources, tokenizers

@@ -3,6 +3,7 @@ template on prepared messages), how it wants tool-call arguments, and the text i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import weakref
@@ -91,7 +92,6 @@ class Template:
         parts = render_or_why(tokenizer, asked, None, extra)[0] or render_or_why(tokenizer, asked, schema, extra)[0]
         self.reads_parts = bool(parts) and _PROBE in parts and "'text'" not in parts and '"text"' not in parts
         self.kwargs = {**tokenizer.special_tokens_map, **extra}  # as apply_chat_template passes them
-        self.switch_names: list[str] | None = None  # see switches()
         # The compiled template called directly on prepared messages renders as apply_chat_template does (the first
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
         # row about twice per turn.
@@ -108,16 +108,14 @@ class Template:
         except Exception as e:  # noqa: BLE001 - template errors are about this row
             raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
 
+    @functools.cached_property
     def switches(self) -> list[str]:
         """The template's variables that may switch thinking off (enable_thinking, ...), not set to false already."""
-        if self.switch_names is None:
-            import jinja2.meta
-            texts = self.text.values() if isinstance(self.text, dict) else [self.text]
-            names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
-                                  for x in texts))
-            self.switch_names = sorted(n for n in names if ("think" in n or "reason" in n)
-                                       and self.kwargs.get(n) is not False)
-        return self.switch_names
+        import jinja2.meta
+        texts = self.text.values() if isinstance(self.text, dict) else [self.text]
+        names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
+                              for x in texts))
+        return sorted(n for n in names if ("think" in n or "reason" in n) and self.kwargs.get(n) is not False)
 
 
 def render_or_why(tokenizer, messages, tools, extra: dict) -> tuple[str | None, str]:
