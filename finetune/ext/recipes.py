@@ -111,14 +111,22 @@ def export_hooks() -> dict:
     return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults}
 
 
+def samples(cfg: Config, labellers: dict) -> dict:
+    """build_samples' labellers and stream for `cfg`: rows streamed (ext/streaming.py), else a mixture."""
+    if cfg.data.streaming:
+        from .streaming import Streamed
+        return {"labellers": labellers, "stream": Streamed}
+    from .mixture import Mixture
+    return {"labellers": labellers, "stream": Mixture}
+
+
 def recipe(cfg: Config, task: str = "sft") -> Recipe:
     """What a run of `task` ("sft", "dpo") passes to train.train."""
-    from .mixture import Mixture
     labellers, setup = {}, sft_task
     if task == "dpo":
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
     from .mfu import meter
     from .resume_note import resume_note
-    return Recipe(task, setup, transforms, export_hooks(), {"labellers": labellers, "stream": Mixture},
+    return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers),
                   mfu=meter, resume_note=resume_note)
