@@ -10,7 +10,7 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
   HF Trainer          transformers' Trainer, its usual padding (DataCollatorForSeq2Seq: to the longest of the batch)
   TRL SFTTrainer      its best documented setting: packing=True (the "bfd" strategy, padding-free), Liger kernels
                       (use_liger_kernel=True) on CUDA; on CUDA its attention is torch's varlen kernel (Flash or cuDNN),
-                      registered by finetune.attention (flash-attn, which TRL's docs name, has no wheel to install
+                      registered by finetune/ext/varlen.py (flash-attn, which TRL's docs name, has no wheel to install
                       offline), sdpa on CPU. TRL is not a dependency: `uv run --with trl` on CPU, a wheel on the GPU
                       machine (benchmarks/gpu_check.sh wheels).
 All get the same samples (finetune's tokenization and labels), model (random, written offline: CPU a ~21M Llama
@@ -151,7 +151,8 @@ def peer_worker(job: dict) -> None:
     cuda = torch.cuda.is_available()
     attn = "sdpa"
     if cuda and job["system"] == "trl":
-        from finetune.attention import VARLEN, register
+        from finetune.attention import VARLEN
+        from finetune.ext.varlen import register
         register()
         attn = VARLEN
     tok = AutoTokenizer.from_pretrained(job["model"])
@@ -273,7 +274,7 @@ def flops_and_peak(base: dict) -> tuple[float, float | None]:
     import torch
 
     from finetune.data import build_samples
-    from finetune.metrics import flops_per_token, peak_flops
+    from finetune.ext.mfu import flops_per_token, peak_flops
     from finetune.model import build_skeleton, load_hf_config, load_tokenizer
     lengths = build_samples(base["data"], load_tokenizer(base["model"]), max_seq_len=base["seq_len"],
                             packing=False).unit_lengths()

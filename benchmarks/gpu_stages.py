@@ -52,10 +52,11 @@ def tiny_llama(layers: int = 2, hidden: int = 256, heads: int = 8, kv: int = 2, 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from finetune.attention import resolve_attn_implementation
+    from finetune.ext.varlen import register
     cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=resolve_attn_implementation(cfg, attn))
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=resolve_attn_implementation(cfg, attn, register))
 
 
 def packed_batch(lengths: list[int], device) -> dict:
@@ -130,7 +131,8 @@ def stage_evalcompile() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.attention import resolve_attn_implementation
-    attn = resolve_attn_implementation(AutoConfig.from_pretrained(model_dir), "auto")
+    from finetune.ext.varlen import register
+    attn = resolve_attn_implementation(AutoConfig.from_pretrained(model_dir), "auto", register)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn).to(dev)
     apply_compile(model, True)
     counters.clear()
@@ -151,7 +153,7 @@ def stage_evalcompile() -> None:
 def stage_offload() -> None:
     from torch import nn
 
-    from finetune.compat import storage_key
+    from finetune.ext.compat import storage_key
     from finetune.model import apply_ac, apply_compile, find_layers
     base = tiny_llama()
     dev = need_cuda("offload")
@@ -215,7 +217,7 @@ def stage_flce() -> None:
 def stage_opac() -> None:
     import copy
 
-    from finetune.compat import TorchDispatchMode
+    from finetune.ext.compat import TorchDispatchMode
     from finetune.model import apply_ac
     base = tiny_llama(layers=4)
     dev = need_cuda("opac")

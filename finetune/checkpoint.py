@@ -1,11 +1,7 @@
-"""Sharded DCP checkpoints: save (sync or async), completeness marker, retention, resume, preemption signals.
+"""Sharded DCP checkpoints (<output_dir>/checkpoints/step-<N>/): save, retention, resume, preemption signals.
 
-<output_dir>/checkpoints/step-<N>/ holds DCP's files (`.metadata` last, by rank 0), then our marker
-`finetune_complete.json`: every file's size, the sha256 of `.metadata`, the run's config and LoRA settings. Only an
-intact dir (marker readable, files at their saved sizes, `.metadata` unchanged) is a checkpoint; resume passes over
-the rest, saying so. The state is world-size independent: model and optimizer as DTensors (DCP reshards), the
-scheduler, TrainState.
-"""
+A step dir is a checkpoint once DCP's files (`.metadata` last) and then our marker are written, and while intact:
+the marker (every file's size, the sha256 of `.metadata`, the run's config) still matches."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +12,7 @@ import signal
 import sys
 import time
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -29,15 +25,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import outdir
 from .errors import FinetuneError, one_line, os_error_line
-from .lock import unpinned
 from .distributed import barrier, is_main, print0, world_size
 from .optim import reapply_settings, settings
 from .weights import arch_diffs, arch_of, clean_fqn
 
 MARKER = "finetune_complete.json"
-TRAINABLE = StateDictOptions(ignore_frozen_params=True)  # a LoRA checkpoint holds no frozen base weight
-# on load the frozen keys are absent by design (check_compatible has compared the trainable ones)
-TRAINABLE_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 FULL_BYTES = 2**26  # free space under which a failed save is reported as a full disk
 
 
@@ -46,8 +38,7 @@ class CheckpointError(FinetuneError, ValueError):
 
 
 class SaveError(FinetuneError):
-    """A checkpoint could not be written (disk full, quota, read-only): exit 1. Rank 0 always raises it (DCP gathers
-    every rank's failure) and alone prints it."""
+    """A checkpoint could not be written (disk full, quota, read-only): exit 1, printed by rank 0."""
 
     exit_code = 1
     on_rank0 = True
@@ -55,7 +46,7 @@ class SaveError(FinetuneError):
 
 @dataclass
 class TrainState(Stateful):
-    """Loop counters and RNG: what besides model/optimizer/scheduler a resumed run needs to continue exactly."""
+    """Loop counters and RNG: what else a resumed run needs to continue exactly."""
     step: int = 0
     samples_seen: int = 0  # global samples consumed: the data position, independent of world size
     tokens_seen: int = 0
@@ -76,7 +67,7 @@ class TrainState(Stateful):
 
 
 def is_complete(path: Path) -> bool:
-    """The save finished (the marker is written last); whether its files are intact is damage()'s question."""
+    """The save finished (the marker is written last); see damage() for intact."""
     return (path / ".metadata").is_file() and (path / MARKER).is_file()
 
 
@@ -91,8 +82,7 @@ def check_intact(path: Path, key: str = "") -> None:
 
 
 def write_marker(path: Path, marker: dict) -> None:
-    """Rank 0, once DCP's save has returned: every rank's files are fsynced before .metadata is written (DCP's
-    finish step, on the coordinator), so their sizes are final."""
+    """Rank 0, once DCP's save has returned (every rank's files fsynced before .metadata: their sizes are final)."""
     names = {f.name for f in path.iterdir() if f.is_file() and not f.name.startswith(MARKER)}
     # the files .metadata points into, by name: a shared filesystem's cached listing may lag other nodes' writes
     names |= {s.relative_path for s in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()}
@@ -105,8 +95,7 @@ def write_marker(path: Path, marker: dict) -> None:
 
 def damage(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be trusted, in a few words (None: intact). Sizes catch what preemption,
-    kill -9 and full disks leave (missing, truncated files); the sha256 covers only .metadata: hashing a 70B run's
-    ~1 TB at every resume would take longer than the resume (bit rot inside a shard goes unseen)."""
+    kill -9 and full disks leave; only .metadata is hashed (a 70B run's ~1 TB at every resume would take too long)."""
     try:
         marker = read_marker(path)
         files, digest = dict(marker["files"]), marker["metadata_sha256"]
@@ -144,8 +133,7 @@ def latest_complete(root: Path, report: bool = True) -> Path | None:
 
 
 def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool = True) -> Path | None:
-    """The checkpoint this run starts from: --resume-from, else the newest intact one (none with --no-resume);
-    `report`: print the step dirs it skips (off for the launcher's pre-flight check: the ranks say it)."""
+    """The checkpoint this run starts from: --resume-from, else the newest intact one (none with --no-resume)."""
     if resume_from:
         check_intact(Path(resume_from), "checkpoint.resume_from")
         return Path(resume_from)
@@ -155,8 +143,7 @@ def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool =
 
 
 def keep_earlier_run(root: Path, resume: bool) -> None:
-    """A run that does not resume starts an empty checkpoints dir: rank 0 moves an earlier run's to `checkpoints.N`
-    beside it (as metrics.jsonl.N), where retention never deletes them. Called once the run is accepted."""
+    """A fresh run (no resume): rank 0 moves an earlier run's checkpoints to `checkpoints.N`, kept from retention."""
     if not resume and is_main() and step_dirs(root):
         print0(f"checkpoint.resume=false: starting fresh; the checkpoints already in {root} were moved to "
                f"{outdir.keep_beside(root)}")
@@ -164,10 +151,8 @@ def keep_earlier_run(root: Path, resume: bool) -> None:
 
 def check_run(output_dir: Path, resume_dir: Path | None, resume_from: str, task: str, model_path: str = "",
               fingerprint=None) -> None:
-    """The run continues (or writes beside) only a run of its own task ("sft", "dpo"; markers record it) and, given
-    `model_path` and `fingerprint` (load.base_fingerprint), of its own model (by the weights' fingerprints where both
-    are local dirs, else by name; a LoRA run's base: check_base), or a CheckpointError whose hint fits how it was
-    asked: --resume-from or the output dir. An older marker without a task passes."""
+    """The run continues only a run of its own task ("sft", "dpo") and, given `model_path` and `fingerprint`
+    (load.base_fingerprint), of its own model (fingerprints of local dirs, else names); else a CheckpointError."""
     root = Path(output_dir) / "checkpoints"
     own = latest_complete(root, report=False) if resume_dir is None or resume_from else resume_dir
     asked = f"checkpoint.resume_from: {resume_dir}" if resume_from else f"output_dir {output_dir}"
@@ -197,51 +182,31 @@ def check_run(output_dir: Path, resume_dir: Path | None, resume_from: str, task:
                               f"--model")
 
 
-def resolve_checkpoint(path: Path) -> Path | None:
-    """The checkpoint `path` names: itself, a step dir (checked intact), or the newest intact one of a training
-    output dir; None when it is neither."""
-    if (path / ".metadata").exists() or (path / MARKER).exists() or path.name.startswith("step-"):
-        check_intact(path)
-        return path
-    if not (path / "checkpoints").is_dir():
-        return None
-    step = latest_complete(path / "checkpoints")  # says which newer step dirs it passes over
-    if step is None:
-        found = ", ".join(d.name for d in step_dirs(path / "checkpoints")) or "none"
-        raise CheckpointError(f"no complete checkpoint under {path / 'checkpoints'} that is intact "
-                              f"(step dirs: {found})")
-    return step
-
-
 def read_marker(path: Path) -> dict:
     return json.loads((path / MARKER).read_text())
 
 
 def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
-    """What a checkpoint holds: model and optimizer state of the trainable parameters, the scheduler, TrainState.
-    (ignore_frozen_params keeps the second name of a tied frozen weight, a tied LoRA base's lm_head: dropped here.)"""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINABLE)
+    """What a checkpoint holds: model and optimizer state of the trainable parameters, the scheduler, TrainState."""
+    # a LoRA checkpoint holds no frozen base weight
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd,
             "scheduler": scheduler.state_dict(), "train": state}
 
 
 def check_arch(path: Path, hf_config) -> None:
-    """Same architecture as the checkpoint (from its marker: cheap enough for the launcher's pre-flight check)."""
+    """Same architecture as the checkpoint (its marker's)."""
     if diffs := arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run"):
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 
 
 def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) -> None:
-    """Same architecture, LoRA settings (`run`: this run's, build_model's) and parameter names (`want`) as the
-    checkpoint, or a one-line error saying what differs."""
+    """Same architecture, LoRA settings (`run`: this run's) and parameter names (`want`) as the checkpoint, or a
+    CheckpointError."""
     saved = read_marker(path).get("lora")
-    if saved and run:
-        diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {run.get(k)!r}" for k in saved
-                 if k != "base_fingerprint" and saved[k] != run.get(k)]
-        if diffs:
-            raise CheckpointError(f"checkpoint {path} has other LoRA settings than this run: {'; '.join(diffs)}")
-        check_base(path, saved, run["base_fingerprint"], hf_config.name_or_path)
+    if saved and run:  # `run`: ext/lora.LoraSettings, which check a LoRA checkpoint's settings and base
+        run.check(path, saved, hf_config)
     elif saved or run:
         kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
         raise CheckpointError(f"checkpoint {path} is from {kinds[0]}, this run is {kinds[1]}: resume a run of the "
@@ -255,26 +220,13 @@ def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) ->
                               f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
 
 
-def check_base(path: Path, lora: dict, fingerprint: str, model_path: str) -> None:
-    """The base at `model_path` (its weights' `fingerprint`) is the one the LoRA checkpoint `path` (its settings
-    `lora`) trained on; a checkpoint that records none (an older finetune's) passes with a note."""
-    trained = read_marker(path).get("config", {}).get("model", {}).get("path")
-    if "base_fingerprint" not in lora:
-        print0(f"note: checkpoint {path} records no fingerprint of its LoRA base (saved by an older finetune): not "
-               f"checked that '{model_path}' holds the base weights it trained on")
-    elif lora["base_fingerprint"] != fingerprint:
-        raise CheckpointError(f"checkpoint {path} trained its LoRA adapters on the base '{trained}', and "
-                              f"'{model_path}' holds other weights now (fingerprint {lora['base_fingerprint'][:19]} "
-                              f"then, {fingerprint[:19]} now): the adapters fit only the base they trained on")
-
-
 def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config, lora: dict | None) -> None:
     sd = train_state_dict(model, optimizer, scheduler, state)
     check_compatible(path, lora, set(sd["model"]), hf_config)
     run_settings = settings(optimizer)  # the checkpoint gives the state; the run's config, its settings
     dcp.load(sd, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                   options=TRAINABLE_LOAD)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],  # frozen keys absent
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     scheduler.load_state_dict(sd["scheduler"])
     reapply_settings(optimizer, scheduler, run_settings)
 
@@ -282,10 +234,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, 
 class Checkpointer:
     """Saves step-N checkpoints; with use_async, at most one save in flight (a new save first waits for it)."""
 
-    def __init__(self, root: Path, keep: int, use_async: bool, lora: dict | None = None, run: dict | None = None):
-        # lora: the run's LoRA settings (build_model's); run: what else the marker records (its config, template)
+    def __init__(self, root: Path, keep: int, use_async: bool, lora: dict | None = None, run: dict | None = None,
+                 locks=None):
+        # lora: the run's LoRA settings; run: what else the marker records; locks: prune's hook (ext/locks)
         self.root, self.keep, self.use_async, self.lora, self.run = Path(root), keep, use_async, lora, run or {}
-        self.pending = None
+        self.locks, self.pending = locks, None
         # async saves run collectives from a background thread: give them their own gloo group
         self.group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
 
@@ -320,10 +273,10 @@ class Checkpointer:
         return path
 
     def _finish(self, path: Path, marker: dict) -> None:
-        """Rank 0 marks the checkpoint complete, then prunes: the last intact one survives until then."""
+        """Rank 0 marks the checkpoint complete, then prunes."""
         if is_main():
             write_marker(path, marker)
-            prune(self.root, self.keep)
+            prune(self.root, self.keep, self.locks)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written; raises its error."""
@@ -343,8 +296,7 @@ class Checkpointer:
 
 @contextmanager
 def removed_if_failed(path: Path):
-    """A failed save (full disk, quota, read-only mount) stops every rank (DCP gathers the failures into one
-    CheckpointException) with one line naming the step dir and cause; rank 0 removes the half-written dir."""
+    """A failed save stops every rank with a SaveError naming the step dir and cause; rank 0 removes the dir."""
     try:
         yield
     except (Exception, CheckpointException) as e:
@@ -358,8 +310,8 @@ def removed_if_failed(path: Path):
 
 
 def save_failure(path: Path, causes: list[BaseException]) -> str:
-    """The cause of a failed save in a few words: an OS error of any rank (also a chained one), else the first error,
-    with the free space where it is little (torch.save reports a disk filling up as "unexpected pos N vs M")."""
+    """The cause of a failed save: an OS error of any rank (also a chained one), else the first error, with the free
+    space where it is little (torch.save reports a full disk as "unexpected pos N vs M")."""
     for cause in causes:
         while cause is not None:
             if isinstance(cause, OSError) and cause.errno:
@@ -370,25 +322,23 @@ def save_failure(path: Path, causes: list[BaseException]) -> str:
             else one_line(causes[0]))
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` intact checkpoints (0: all): a damaged or incomplete newer dir never pushes out the last
-    intact one (and is left to look at)."""
+def prune(root: Path, keep: int, locks=None) -> None:
+    """Keep the newest `keep` intact checkpoints (0: all; damaged ones are left, never counted); `locks`
+    (ext/locks): and those an export-hf pinned."""
     intact = [p for p in step_dirs(root) if damage(p) is None]
     for old in intact[:-keep] if keep > 0 else []:
-        with unpinned(old) as free:  # an export-hf reading it pinned it: kept until a prune after the export
+        with locks.unpinned(old) if locks else nullcontext(True) as free:
             if free:
                 shutil.rmtree(old, ignore_errors=True)
 
 
 class SignalFlag:
     """Inside `with`: remembers SIGTERM/SIGUSR1 (SLURM's pre-timeout signal)/SIGINT so the loop can save at the next
-    step boundary; a second Ctrl-C exits at once. (With several local ranks, the `finetune` process owns Ctrl-C.)"""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    step boundary; a second Ctrl-C exits at once."""
 
     def __enter__(self) -> SignalFlag:
         self.name = None
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:

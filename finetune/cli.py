@@ -14,7 +14,6 @@ from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export
                      set_key)
 from .launch import guarded
 from .launch import launch as launch_ranks
-from .lock import RUN_LOCK, hold_run_lock, release_lock
 from .outdir import check_writable
 
 
@@ -60,10 +59,12 @@ def options(version: bool = typer.Option(False, "--version", callback=print_vers
 
 # The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
 # need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
-EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan"}  # ext/commands.py
+EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan",  # ext/commands.py
+                      "prepare-checkpoint": "prepare"}
 EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
                   "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
-                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac", "log.wandb": "wandb"}
+                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac",
+                  "data.streaming": "streaming", "log.wandb": "wandb"}
 REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 
@@ -96,12 +97,6 @@ def run_recipe(cfg: Config, task: str):
     if not has_extensions():
         return Recipe()
     return extension("recipes", f"finetune {task}").recipe(cfg, task)
-
-
-def varlen_kernel():
-    """The varlen attention's registration (model.Transforms.varlen) where the extensions are installed, else None."""
-    import importlib.util
-    return None if importlib.util.find_spec("finetune.ext") is None else extension("varlen", "varlen").register
 
 
 def export_hooks() -> dict:
@@ -141,25 +136,26 @@ def train_command(task: str):
             recipe = run_recipe(cfg, task)
             num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
             check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # each rank
-            lock = Path(cfg.output_dir) / RUN_LOCK
+            lock, lk = Path(cfg.output_dir) / ".finetune.lock", recipe.export.get("locks")  # ext/locks: the run's
             if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
-                return cfg, recipe, None, lock  # a rank our launcher started: it checked this and holds the lock
+                return cfg, recipe, None, None  # a rank our launcher started: it checked this and holds the lock
             check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
             # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
-            locks = nnodes == 1 or "RANK" in os.environ
+            locks = lk and (nnodes == 1 or "RANK" in os.environ)
             # at once if another run may own it (exit 2); no new dir before preflight
             if locks and lock.parent.is_dir():
-                hold_run_lock(lock, f"output dir {cfg.output_dir}")
+                lk.hold_run_lock(lock, f"output dir {cfg.output_dir}")
             try:
                 nothing_to_do = (checks := optional("preflight")) and checks.preflight(cfg, task)
             except BaseException:
-                release_lock(lock)
+                if lk:
+                    lk.release_lock(lock)
                 raise
             if locks:
-                hold_run_lock(lock, f"output dir {cfg.output_dir}")
-            return cfg, recipe, nothing_to_do, lock
+                lk.hold_run_lock(lock, f"output dir {cfg.output_dir}")
+            return cfg, recipe, nothing_to_do, lock if lk else None
         cfg, recipe, nothing_to_do, lock = guarded(prepare, debug)
         try:  # the lock goes with the process anyway; released here for callers that run commands in-process
             if nothing_to_do:
@@ -174,7 +170,8 @@ def train_command(task: str):
                    on_signal=lambda: latest_complete(root, report=False) != before, nnodes=nnodes,
                    rdzv_endpoint=rdzv_endpoint)
         finally:
-            release_lock(lock)
+            if lock:
+                recipe.export["locks"].release_lock(lock)
     command.__doc__ = {"sft": "Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat "
                               "data, on CPU).",
                        "dpo": "Preference tuning, DPO or SimPO (dpo.*), on sft's loop (with no arguments: the "
@@ -203,37 +200,6 @@ def add_extension_commands() -> None:
 
 
 add_extension_commands()
-
-
-@app.command("prepare-checkpoint")
-def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Optional[str] = MODEL,
-                       output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="the prepared "
-                                                                "checkpoint dir to write (replaces an earlier one)"),
-                       nproc_per_node: int = NPROC, debug: bool = DEBUG):
-    """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
-    def prepare():
-        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
-        if not model or not output_dir:
-            raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
-        cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
-        out = Path(cfg.output_dir).resolve()
-        check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
-        from .model import load_generation_config, load_hf_config, load_tokenizer
-        from .prepare import check_prepare_target
-        check_prepare_target(Path(cfg.output_dir), cfg.model.path)
-        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before
-        load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # any rank starts
-        load_generation_config(cfg.model.path, hf_config)
-        lock = out.parent / f".{out.name}.lock"  # beside it: `out` is replaced
-        hold_run_lock(lock, f"--output-dir {out}")
-        return cfg, lock
-    cfg, lock = guarded(prepare, debug)
-    from .prepare import prepare_checkpoint as run_prepare
-    try:
-        launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
-                             cfg.model.attn_implementation, varlen_kernel()), nproc_per_node, debug)
-    finally:
-        release_lock(lock)
 
 
 @app.command("export-hf")

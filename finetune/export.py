@@ -1,9 +1,5 @@
-"""export-hf: a DCP checkpoint (training output dir, step dir or prepared dir) -> a verified Hugging Face model dir.
-
-The meta skeleton is built once and the checkpoint's tensors opened once. Tensors stream one at a time into
-safetensors shards whose headers are known up front (from DCP's metadata), so writing, like the check (verify.py),
-needs host RAM for about one fp32 tensor whatever the model size. Nothing is published unless verified (staging).
-"""
+"""export-hf: a DCP checkpoint (training output dir, step dir or prepared dir) -> a Hugging Face model dir, streamed
+one tensor at a time (host RAM for about one fp32 tensor) and published whole (outdir.staging)."""
 from __future__ import annotations
 
 import copy
@@ -11,30 +7,30 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, check_base, damage, is_complete, read_marker, resolve_checkpoint
-from .config import ConfigError, export_dtype_name, parse_shard_size
+from .checkpoint import MARKER, CheckpointError, check_intact, latest_complete, read_marker, step_dirs
+from .config import export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
-from .load import MANIFEST, base_fingerprint, is_prepared
-from .lock import hold_pin, release_pin
+from .load import MANIFEST, is_prepared
 from .metrics import peak_rss_mb
-from .model import build_skeleton, load_hf_config, save_hf_files, template_defaults
+from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .weights import INDEX, arch_diffs, open_dcp, open_live, out_dtype_of, to_disk, write_safetensors
+from .weights import INDEX, open_dcp, open_live, out_dtype_of, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 
 
 @dataclass(frozen=True)
 class Source:
-    """Where an export reads from: DCP weights, the HF config/tokenizer source, and a label for messages."""
-    weights: Path  # DCP dir whose state dict holds {"model": <HF-named tensors>}
-    model_path: str  # HF dir/id or prepared dir with config.json and tokenizer files
+    """Where an export reads from: DCP weights ({"model": <HF-named tensors>}), the HF config/tokenizer source."""
+    weights: Path
+    model_path: str
     trust_remote_code: bool
     label: str
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
@@ -47,7 +43,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def find_source(path: str) -> Source:
-    """The newest complete checkpoint of a training output dir, a step-N dir, or a prepared dir."""
+    """The newest intact checkpoint of a training output dir, a step-N dir (checked intact), or a prepared dir."""
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"no checkpoint at {p}: not a directory")
@@ -56,8 +52,16 @@ def find_source(path: str) -> Source:
             raise CheckpointError(f"prepared checkpoint {p} has no weights/.metadata (incomplete copy?)")
         manifest = json.loads((p / MANIFEST).read_text())
         return Source(p / "weights", str(p), bool(manifest.get("trust_remote_code", False)), f"prepared {p}")
-    step = resolve_checkpoint(p)
-    if step is None:
+    if (p / ".metadata").exists() or (p / MARKER).exists() or p.name.startswith("step-"):
+        check_intact(p)
+        step = p
+    elif (p / "checkpoints").is_dir():
+        step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
+        if step is None:
+            found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
+            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} that is intact (step dirs: "
+                                  f"{found})")
+    else:
         raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
                               f"dir or a prepared checkpoint (with {MANIFEST})")
     # the model (config, tokenizer) this checkpoint trained: its marker says, whatever config.toml says now
@@ -71,20 +75,9 @@ def find_source(path: str) -> Source:
                   chat_template_kwargs=marker.get("config", {}).get("data", {}).get("chat_template_kwargs"))
 
 
-def template_kwargs_note(kwargs: dict) -> str:
-    """The summary line about the run's data.chat_template_kwargs in the exported chat template."""
-    skipped = template_defaults(kwargs)[1]
-    written = {k: v for k, v in kwargs.items() if k not in skipped}
-    shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in written.items())
-    return ((f"chat template: the run's data.chat_template_kwargs ({shown}) are its defaults now (a request's "
-             f"chat_template_kwargs still override them)" if written else "chat template: ")
-            + (f"{'; ' if written else ''}{', '.join(skipped)} cannot be set in Jinja: pass "
-               f"{'it' if len(skipped) == 1 else 'them'} with every request" if skipped else ""))
-
-
 def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
     """({HF name: metadata} of the tensors of `stored` that save_pretrained keeps, {on-disk name: (HF name, shape)}
-    as save_pretrained writes them: renamed (GPT-NeoX's embed_out) or converted (fused MoE experts))."""
+    as save_pretrained writes them)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
     expected = skeleton.state_dict()
     missing = [k for k in expected if k not in stored]
@@ -108,16 +101,10 @@ def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
     return {k: stored[k] for k in kept}, disk
 
 
-def embedding_names(skeleton) -> tuple[str, str | None]:
-    """The parameter names of the input embedding's weight and the output layer's (None: the model has none)."""
-    names = {id(m): f"{n}.weight" for n, m in skeleton.named_modules()}
-    return names[id(skeleton.get_input_embeddings())], names.get(id(skeleton.get_output_embeddings()))
-
-
 def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch.dtype, max_shard_size: int,
                  live: bool) -> dict:
-    """Shards named and split as save_pretrained does, each process writing whole files (is_my_file), rank 0 the
-    index; `live`: load() is a collective every rank takes part in. Returns {file: names} of all files."""
+    """Shards named and split as save_pretrained does, each process writing whole files, rank 0 the index (`live`:
+    load() is a collective). Returns {file: names} of all files."""
     from huggingface_hub import split_torch_state_dict_into_shards
     metas = {d: torch.empty(shape, dtype=out_dtype_of(kept[k], dtype), device="meta") for d, (k, shape) in disk.items()}
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
@@ -148,30 +135,27 @@ def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch
 
 
 def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, kept: dict, disk: dict,
-                load, dtype_name: str, shard_bytes: int, check, live: bool) -> dict:
-    """The merged/full HF model dir, written and checked (`check`: verify.verify_export, or None); returns what the
-    export marker records."""
+                load, dtype_name: str, shard_bytes: int, check, live: bool, templates) -> dict:
+    """The merged/full HF model dir, written and checked (`check`, if any); returns what the export marker records."""
     t0, dtype = time.perf_counter(), parse_dtype(dtype_name)
     num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in kept.values())
     largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
     shards = save_weights(tmp, skeleton, kept, disk, load, dtype, shard_bytes, live)
     written = copy.deepcopy(hf_config)  # with dtype and architectures, as save_pretrained sets them
     written.dtype, written.architectures = str(dtype).split(".")[1], [type(skeleton).__name__]
+    kwargs = source.chat_template_kwargs
     if is_main():
-        save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template,
-                      source.chat_template_kwargs)
-    if source.chat_template_kwargs:  # what a request that passes none now gets
-        print0(template_kwargs_note(source.chat_template_kwargs))
+        save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template, kwargs,
+                      templates and templates.with_template_defaults)
+    if kwargs:  # what a request that passes none now gets
+        print0(templates.template_kwargs_note(kwargs) if templates else "note: the run's data.chat_template_kwargs "
+               "are not the exported chat template's defaults (finetune/ext/template_defaults.py is not installed)")
     barrier()  # the check reads config.json
     print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
            f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "
            f"tensor {largest_mb:.0f} MB)")
-    diff = None
-    if check is not None:
-        diff = check(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
-                     trust_remote_code=source.trust_remote_code, source=source.model_path)
-        print0(f"verified: {len(kept)} tensors equal the checkpoint's; logits streamed from the files (fp32) max "
-               f"abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
+    diff = None if check is None else check(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
+                                            trust_remote_code=source.trust_remote_code, source=source.model_path)
     return {"source": str(Path(checkpoint).resolve()),
             "weights": "the live model" if live else str(source.weights.resolve()),
             "model_path": source.model_path, "dtype": written.dtype, "num_shards": len(shards),
@@ -180,89 +164,45 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
               verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
-              check=None) -> Path:
+              check=None, locks=None, templates=None) -> Path:
     """Write the HF model dir (adapter=True: the PEFT adapter dir of a LoRA checkpoint) `output_dir` from
     `checkpoint`; returns it. `live`: the sharded model `checkpoint` was just saved from, gathered instead of read
-    back where the layout allows (a full model stored tensor by tensor). The extensions' hooks: `adapters`
-    (ext/lora_export: LoRA checkpoints; without it they are refused) and `check` (ext/verify.verify_export: the
-    streamed check, when `verify`; without it the export is written unchecked, with a note)."""
-    dtype, shard_bytes = parse_dtype(dtype_name), parse_shard_size(max_shard_size)
-    out = Path(output_dir)
+    back where the layout allows. The extensions' hooks, each optional: `adapters` (ext/lora_export: LoRA
+    checkpoints, else refused), `check` (ext/verify.verify_export, when `verify`: else unchecked, with a note),
+    `locks` (ext/locks: the source pinned against retention, the output dir locked), `templates`
+    (ext/template_defaults: the run's data.chat_template_kwargs as the exported chat template's defaults)."""
+    dtype, shard_bytes, out = parse_dtype(dtype_name), parse_shard_size(max_shard_size), Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
-    source = pin_source(checkpoint)
-    try:
-        return _export(source, checkpoint, out, dtype_name, dtype, shard_bytes, verify, adapter, live, adapters, check)
-    finally:
-        release_pin(source.weights)
-
-
-def pin_source(checkpoint: str) -> Source:
-    """find_source, its step dir pinned (lock.hold_pin) so that the retention of a run still saving into it
-    (checkpoint.keep) leaves it until the export ends. When retention deleted it first: the newest again (for an
-    output dir), else one line naming the step."""
-    if is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
-        return find_source(checkpoint)
-    step = Path(checkpoint)
-    for _ in range(3):
-        try:
-            source = find_source(checkpoint)
-        except FileNotFoundError:  # deleted between being found and being read
-            continue
-        step = source.weights
-        if hold_pin(step):
-            if is_complete(step) and damage(step) is None:  # intact while pinned (not deleted meanwhile)
-                return source
-            release_pin(step)
-        if step.resolve() == Path(checkpoint).resolve():  # the step itself was asked for: no newer one to take
-            break
-    raise CheckpointError(f"checkpoint {step} was deleted by the retention of the run saving into {step.parent} "
-                          f"(checkpoint.keep) before export-hf could pin it: export a newer step, or the output dir "
-                          f"(its newest)")
-
-
-def _export(source: Source, checkpoint: str, out: Path, dtype_name: str, dtype: torch.dtype, shard_bytes: int,
-            verify: bool, adapter: bool, live: torch.nn.Module | None, adapters, check) -> Path:
-    """export_hf once its source is found and pinned."""
-    if adapter and not source.lora:
-        raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
-    if source.lora and adapters is None:
-        raise CheckpointError(f"{source.label} is a LoRA checkpoint: exporting it needs the LoRA extension "
-                              f"(finetune/ext/lora_export.py), which this installation lacks")
-    if verify and check is None:
-        print0("note: the export is not checked: the export check (finetune/ext/verify.py) is not installed")
-    check_output_dir(out, EXPORT_MARKER, "an earlier export")
-    hf_config = load_hf_config(source.model_path, source.trust_remote_code)
-    if source.lora:  # the base it is merged onto must have the architecture and weights it trained on
-        diffs = arch_diffs(read_marker(source.weights).get("arch", {}), hf_config, "checkpoint", "base model")
-        if diffs:
-            raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
-                             f"{'; '.join(diffs)}")
-        check_base(source.weights, source.lora, base_fingerprint(source.model_path), source.model_path)
-    if adapter and world_size() > 1:
-        raise ConfigError("--adapter writes one small file: use one process (no --nproc-per-node)")
-    stored, load = open_dcp(source.weights)  # the checkpoint's tensors, opened once
-    if not adapter:
-        skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
-        apart = adapters.trained_apart(skeleton, stored) if source.lora else []  # adapters or modules to save
-        if apart:  # exported untied: the model is then another one
-            hf_config.tie_word_embeddings = False
-            print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "
-                   f"(tie_word_embeddings=false)")
-            skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
-        if source.lora:
-            stored, load = adapters.open_merged(source, skeleton, stored, load)
-        kept, disk = export_layout(source, skeleton, stored)
-        gathered = live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk)
-        if gathered:
-            load = open_live(live)[1]
-        label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
-    with staging(out, EXPORT_MARKER) as tmp:
-        if adapter:
-            record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
-        else:
-            record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, kept, disk, load, dtype_name,
-                                 shard_bytes, check if verify else None, gathered)
-        if is_main():  # marks the dir as our export
-            (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
+    with locks.pinned_source(checkpoint) if locks else nullcontext(find_source(checkpoint)) as source:
+        if adapter and not source.lora:
+            raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
+        if source.lora and adapters is None:
+            raise CheckpointError(f"{source.label} is a LoRA checkpoint: exporting it needs the LoRA extension "
+                                  f"(finetune/ext/lora_export.py), which this installation lacks")
+        if verify and check is None:
+            print0("note: the export is not checked: the export check (finetune/ext/verify.py) is not installed")
+        check_output_dir(out, EXPORT_MARKER, "an earlier export")
+        hf_config = load_hf_config(source.model_path, source.trust_remote_code)
+        if source.lora:  # the base it is merged onto must have the architecture and weights it trained on
+            adapters.check_base(source, hf_config, adapter)
+        stored, load = open_dcp(source.weights)  # the checkpoint's tensors, opened once
+        if not adapter:
+            if source.lora:  # merged onto its base (embeddings that LoRA trained apart from their tied twin: untied)
+                skeleton, stored, load = adapters.open_merged(source, hf_config, stored, load)
+            else:
+                skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
+            kept, disk = export_layout(source, skeleton, stored)
+            gathered = live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk)
+            if gathered:
+                load = open_live(live)[1]
+            label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
+        with staging(out, EXPORT_MARKER, locks) as tmp:
+            if adapter:
+                record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
+            else:
+                record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, kept, disk, load, dtype_name,
+                                     shard_bytes, check if verify else None, gathered, templates)
+            if is_main():  # marks the dir as our export
+                (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
     return out

@@ -1,11 +1,5 @@
-"""Fill a sharded model that has been built and materialised (handed a clean meta skeleton for the name map; builds
-none): per-rank slices of HF safetensors, rank-0 read and scatter, or a prepared DCP checkpoint.
-
-Each rank reads its parameters' local rows with one pread each (no mmap: RSS holds the fp32 shard and one slice in
-flight, never a bf16 copy of the model); shape and offset come from the DTensor, so any FSDP/HSDP layout works.
-Names map from disk to memory as from_pretrained does; a layout that needs a real conversion (fused MoE experts), or
-one without safetensors, takes the rank-0 path.
-"""
+"""Fill a built, materialised sharded model: each rank preads its own slices of the HF safetensors (never a copy of
+the model in RAM), or rank 0 reads and scatters (a layout converted on load, no safetensors), or a prepared DCP dir."""
 from __future__ import annotations
 
 import json
@@ -29,7 +23,7 @@ def is_prepared(path: str | Path) -> bool:
 
 
 def base_fingerprint(path: str) -> str:
-    """weights.fingerprint of the model at `path`; a prepared checkpoint's is its source's, recorded when prepared."""
+    """weights.fingerprint of the model at `path` (a prepared checkpoint's: its source's)."""
     if is_prepared(path):
         return json.loads((Path(path) / MANIFEST).read_text())["source"]["fingerprint"]
     return fingerprint(local_dir(path))
@@ -49,8 +43,7 @@ def hf_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def hf_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(HF key, buffer) for each persistent buffer (a router's e_score_correction_bias, which picks the experts):
-    loaded like a parameter, whole on every rank (FSDP shards parameters only)."""
+    """(HF key, buffer) for each persistent buffer (a router's bias): loaded whole on every rank."""
     return [(hf_key(n), b) for n, b in persistent_buffers(model) if hf_key(n) is not None]
 
 
@@ -61,7 +54,7 @@ def lacks_buffer(path: str, arch: str, key: str) -> str:
 
 def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, Entry] | str:
     """{HF key: Entry} for each parameter of the sharded `model` (`skeleton`: the same model unwrapped, on meta),
-    checked strictly; or a one-line reason to take the rank-0 path (the same on every rank)."""
+    checked strictly; or why to take the rank-0 path."""
     entries = open_dir(local_dir(path))
     if entries is None:
         return f"'{path}' has no safetensors files"
@@ -78,28 +71,22 @@ def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str,
     stored = {k: entries[d] for d, k in mapping.items()}
     for names in tied_groups(skeleton):  # a tied twin (lm_head) reads what its stored twin holds (a LoRA copy does)
         stored.update({n: stored[s] for s in names if s in stored for n in names if n not in stored})
-    located = {}
-    for key, param in hf_params(model):
+    located, buffers = {}, dict(hf_buffers(model))  # buffers too: a router's bias left at zero re-routes every token
+    for key, t in [*hf_params(model), *buffers.items()]:
         entry = stored.get(key)
+        if entry is None and key in buffers and missing_allowed(skeleton, key):
+            continue
         if entry is None:
-            raise ModelError(f"'{path}' lacks the parameter {key}")
-        if entry.shape != tuple(param.shape):
+            raise ModelError(lacks_buffer(path, type(skeleton).__name__, key) if key in buffers else
+                             f"'{path}' lacks the parameter {key}")
+        if entry.shape != tuple(t.shape):
             raise ModelError(f"'{path}': {key} has shape {list(entry.shape)}, the model of its config.json needs "
-                             f"{list(param.shape)}")
-        if entry.dtype not in SAFETENSORS_DTYPES or \
-                SAFETENSORS_DTYPES[entry.dtype].is_floating_point != param.dtype.is_floating_point:
+                             f"{list(t.shape)}")
+        if key not in buffers and (entry.dtype not in SAFETENSORS_DTYPES or
+                                   SAFETENSORS_DTYPES[entry.dtype].is_floating_point != t.dtype.is_floating_point):
             raise ModelError(f"'{path}': {key} is stored as {entry.dtype}, which does not load into a "
-                             f"{str(param.dtype).replace('torch.', '')} parameter")
+                             f"{str(t.dtype).replace('torch.', '')} parameter")
         located[key] = entry
-    for key, buf in hf_buffers(model):  # persistent buffers too: a router's bias left at zero re-routes every token
-        entry = stored.get(key)
-        if entry is None and not missing_allowed(skeleton, key):
-            raise ModelError(lacks_buffer(path, type(skeleton).__name__, key))
-        if entry is not None and entry.shape != tuple(buf.shape):
-            raise ModelError(f"'{path}': {key} has shape {list(entry.shape)}, the model of its config.json needs "
-                             f"{list(buf.shape)}")
-        if entry is not None:
-            located[key] = entry
     return located
 
 
@@ -138,8 +125,7 @@ def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remo
 
 @torch.no_grad()
 def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards in
-    turn. LoRA adapters are left to init_lora_weights."""
+    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards."""
     from collections import Counter
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -187,8 +173,7 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
 
 
 def load_prepared_weights(model: nn.Module, path: str) -> None:
-    """DCP-load a prepared checkpoint straight into the shards (DCP reshards and casts). A module to save under LoRA
-    loads into its frozen original, then its trained copy."""
+    """DCP-load a prepared checkpoint straight into the shards (DCP reshards and casts)."""
     import torch.distributed.checkpoint as dcp
     targets, copies = {}, []
     for key, param in hf_params(model):

@@ -82,15 +82,15 @@ def load_generation_config(model_path: str, hf_config):
 
 
 def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = "",
-                  template_kwargs: dict | None = None):
+                  template_kwargs: dict | None = None, with_defaults=None):
     """config.json, generation_config.json and the tokenizer files of `model_path` (with `chat_template` in place of
-    its own, if given; `template_kwargs`, the run's data.chat_template_kwargs, as its defaults), saved as
-    save_pretrained would."""
+    its own, if given; `template_kwargs`, the run's data.chat_template_kwargs, as its defaults where `with_defaults`,
+    ext/template_defaults.with_template_defaults, is given), saved as save_pretrained would."""
     hf_config.save_pretrained(out)
     load_generation_config(model_path, hf_config).save_pretrained(out)
     tok = load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template)
-    if template_kwargs and tok.chat_template:  # the template renders as trained when a request passes none
-        tok.chat_template = with_template_defaults(tok.chat_template, template_kwargs)
+    if template_kwargs and with_defaults and tok.chat_template:  # it renders as trained when a request passes none
+        tok.chat_template = with_defaults(tok.chat_template, template_kwargs)
     tok.save_pretrained(out)
     # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
     # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped
@@ -99,46 +99,6 @@ def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool
         entries = json.loads(tok_config.read_text())
         if [entries.pop(k) for k in ("is_local", "local_files_only") if k in entries]:
             tok_config.write_text(json.dumps(entries, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
-def jinja_literal(value) -> str:
-    """`value` (what TOML holds: bool, number, string, array, table) as a Jinja literal; ValueError if none."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, str)) and json.dumps(value) not in ("Infinity", "-Infinity", "NaN"):
-        return json.dumps(value)  # numbers and strings: JSON's spelling is Jinja's
-    if isinstance(value, list):
-        return "[" + ", ".join(map(jinja_literal, value)) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))}: {jinja_literal(v)}" for k, v in value.items()) + "}"
-    raise ValueError(f"{value!r} has no Jinja literal")
-
-
-def template_defaults(kwargs: dict) -> tuple[str, list[str]]:
-    """(the Jinja that sets each of `kwargs` unless the caller passed it, the names it cannot set: not a Jinja
-    name, or a value with no literal). It renders no text."""
-    import jinja2
-    head, skipped = "", []
-    for k, v in kwargs.items():
-        try:
-            part = f"{{% if {k} is not defined %}}{{% set {k} = {jinja_literal(v)} %}}{{% endif %}}"
-            jinja2.Environment().parse(part)
-            head += part
-        except (ValueError, jinja2.TemplateSyntaxError):
-            skipped.append(k)
-    return head, skipped
-
-
-def with_template_defaults(template: str | dict, kwargs: dict) -> str | dict:
-    """The chat template with `kwargs` (data.chat_template_kwargs) as defaults (template_defaults first), so that
-    transformers, vLLM, SGLang and llama.cpp, which all render the saved template, render it as training did when a
-    request passes none of them, and a request's own value still wins. (Servers otherwise take template variables
-    per request or per server flag only; no file of the model holds them.) trim_blocks, which transformers sets,
-    eats a newline the template starts with after the head: one is added for it."""
-    if isinstance(template, dict):  # named templates (default, tool_use): each
-        return {name: with_template_defaults(text, kwargs) for name, text in template.items()}
-    head = template_defaults(kwargs)[0]
-    return head + ("\n" if head and template.startswith("\n") else "") + template
 
 
 def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_remote_code: bool = False,

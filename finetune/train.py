@@ -217,7 +217,8 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
-                              lora=lora, run={"config": run, "chat_template": chat_template, "task": recipe.name})
+                              lora=lora, run={"config": run, "chat_template": chat_template, "task": recipe.name},
+                              locks=recipe.export.get("locks"))
     bar = progress_bar(cfg.train.max_steps, start_step, cfg.log.progress)
     try:
         yield logger, saver, bar

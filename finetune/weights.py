@@ -1,9 +1,5 @@
-"""The bottom of the weights path (imports nothing of ours but errors): parameter names (`hf_key`: which HF tensor a
-parameter loads from), safetensors bytes, tensor sources ({name: metadata} plus name -> one full tensor: a DCP dir,
-an HF dir's safetensors, the live model), and the architecture and weights fingerprints checkpoints record.
-safetensors is a u64 header length, a JSON header ({name: dtype, shape, data_offsets}) and raw little-endian
-row-major data, so a run of dim-0 rows is one contiguous byte range (`read_rows`: one pread, no mmap).
-"""
+"""The bottom of the weights path: parameter names, safetensors bytes (a u64 header length, a JSON header, raw
+row-major data), tensor sources ({name: metadata}, name -> full tensor), architecture and weights fingerprints."""
 from __future__ import annotations
 
 import hashlib
@@ -57,15 +53,13 @@ def hf_key(fqn: str) -> str | None:
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, buffer) of each buffer the model's state dict holds (a router's e_score_correction_bias; not rotary
-    tables, which are computed at construction and not saved)."""
+    """(name, buffer) of each buffer the model's state dict holds."""
     return [(f"{prefix}.{name}" if prefix else name, b) for prefix, m in model.named_modules()
             for name, b in m._buffers.items() if b is not None and name not in m._non_persistent_buffers_set]
 
 
 def missing_allowed(model: nn.Module, key: str) -> bool:
-    """A tensor the model's class says is computed on load when a checkpoint lacks it (its
-    _keys_to_ignore_on_load_missing)."""
+    """A tensor the model's class computes on load when a checkpoint lacks it (_keys_to_ignore_on_load_missing)."""
     return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
 
 
@@ -78,8 +72,7 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 
 
 def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
-    """{stored name: in-memory name} as from_pretrained renames them; None where the stored layout needs a real
-    conversion (a transformers WeightConverter, e.g. per-expert MoE weights fused on load)."""
+    """{stored name: in-memory name} as from_pretrained renames them; None where it converts (fused MoE experts)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
     conversions = get_model_conversion_mapping(skeleton)
@@ -123,8 +116,7 @@ def read_header(file: Path) -> dict[str, Entry]:
 
 
 def local_dir(path: str) -> Path:
-    """The local directory of `path`: a dir, or a hub id downloaded once per node (local rank 0 fetches its
-    safetensors and json files; every rank learns of a failed download)."""
+    """The local directory of `path`: a dir, or a hub id downloaded once per node (safetensors and json files)."""
     if Path(path).is_dir():
         return Path(path)
     import torch.distributed as dist
@@ -146,9 +138,8 @@ def local_dir(path: str) -> Path:
 
 
 def fingerprint(directory: Path, num_reads: int = 64) -> str:
-    """sha256 of the weight files' names and sizes and of `num_reads` 4 KiB reads spread over each: another model
-    of the same architecture has other bytes there. <1 s for a 70B model where hashing every byte takes minutes;
-    only a change confined to bytes between the reads (one tensor of many) goes unseen."""
+    """sha256 of the weight files' names and sizes and of `num_reads` 4 KiB reads spread over each (<1 s for a 70B
+    model; a change confined to bytes between the reads goes unseen)."""
     h = hashlib.sha256()
     for f in sorted(directory.rglob("*")):
         if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name in (".metadata", INDEX)):
@@ -162,8 +153,7 @@ def fingerprint(directory: Path, num_reads: int = 64) -> str:
 
 
 def open_dir(root: Path) -> dict[str, Entry] | None:
-    """{stored name: Entry} of a model dir's safetensors (None: it has none). Strict: the index's files exist and
-    hold the tensors it lists; no tensor is stored twice."""
+    """{stored name: Entry} of a model dir's safetensors (None: it has none), checked against its index."""
     index = root / INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -212,8 +202,7 @@ def read_tensor(entry: Entry) -> torch.Tensor:
 
 
 def write_safetensors(path: Path, specs: dict, fetch) -> None:
-    """A safetensors file of `specs` ({name: (shape, dtype)}) written tensor by tensor from fetch(name): one tensor
-    in memory at a time, where safetensors' save_file holds the whole shard."""
+    """A safetensors file of `specs` ({name: (shape, dtype)}) written tensor by tensor from fetch(name)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, (shape, dtype) in specs.items():
         num_bytes = math.prod(shape) * dtype.itemsize
@@ -239,17 +228,6 @@ def out_dtype_of(meta, dtype: torch.dtype) -> torch.dtype:
 # -------------------------------------------------------------------------------------------------- sources
 # each returns ({name: TensorStorageMetadata}, name -> one full tensor)
 
-def open_safetensors(path: str, what: str = "model") -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """An HF model's safetensors files (a dir, or a hub id in the cache), by stored name; `what` names it in errors."""
-    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
-    entries = open_dir(local_dir(path))
-    if not entries:
-        raise ModelError(f"the {what} '{path}' has no safetensors weights")
-    metas = {k: TensorStorageMetadata(TensorProperties(dtype=SAFETENSORS_DTYPES[e.dtype]), torch.Size(e.shape), [])
-             for k, e in entries.items()}
-    return metas, lambda name: read_tensor(entries[name])
-
-
 def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
     """The model tensors of a DCP dir (state dict {"model": ...}), each full and in its saved dtype."""
     import torch.distributed.checkpoint as dcp
@@ -271,8 +249,7 @@ def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
 
 
 def open_live(model: nn.Module) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """open_dcp for the sharded model in memory: load(name) gathers the full tensor, a collective (every rank asks
-    for the same names in the same order)."""
+    """open_dcp for the sharded model in memory: load(name) gathers the full tensor (a collective)."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
     from torch.distributed.tensor import DTensor
     tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them

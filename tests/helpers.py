@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 # torch/transformers import floor of a fresh interpreter. Anything not listed is imported lazily per rank.
 PRELOAD = ["pytest", "torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "datasets", "accelerate",
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
-           "transformers.models.qwen2.modeling_qwen2", "finetune.train", "finetune.ext.bench", "finetune.prepare",
+           "transformers.models.qwen2.modeling_qwen2", "finetune.train", "finetune.ext.bench", "finetune.ext.prepare",
            "finetune.export", "finetune.ext.verify", "helpers"]
 
 

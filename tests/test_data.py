@@ -19,6 +19,7 @@ from finetune.data import (
 )
 from finetune.ext.mixture import build_samples  # data.build_samples, with data.sources mixtures
 from finetune.ext.preview import format_preview
+from finetune.ext.streaming import build_samples as build_streamed, load_streamed
 
 try:
     from tests._tokenizers import build_tokenizer
@@ -66,9 +67,10 @@ def to_messages(row, fmt, where):
     return to_conversation(row, fmt, where).messages
 
 
-def rows_of(path, **kw):
-    """The rows load_rows reads, decoded as the trainer decodes them."""
-    return [row_of(item, path, i)[0] for i, item in enumerate(load_rows(str(path), **kw).data)]
+def rows_of(path, streaming=False, **kw):
+    """The rows load_rows (streaming: ext/streaming.py's load_streamed) reads, decoded as the trainer decodes them."""
+    load = load_streamed if streaming else load_rows
+    return [row_of(item, path, i)[0] for i, item in enumerate(load(str(path), **kw).data)]
 
 
 # ----------------------------------------------------------------------------- labels
@@ -198,7 +200,7 @@ def test_detect_format():
 
 
 def test_detect_format_from_streaming_rows(tmp_path):
-    rows = load_rows(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "i", "output": "o"}]), streaming=True)
+    rows = load_streamed(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "i", "output": "o"}]))
     assert rows.data.column_names is None  # datasets does not know them before reading: the first row tells
     assert rows.columns == ["instruction", "output"] and detect_format(rows.columns) == "alpaca"
 
@@ -280,7 +282,7 @@ def test_load_rows_errors(tmp_path):
         load_rows(str(bad))
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match=rf"^{bad}:3: malformed JSON"):
-        list(load_rows(str(bad), streaming=True).data)
+        list(load_streamed(str(bad)).data)
     arr = tmp_path / "arr.jsonl"
     arr.write_text('{"messages": []}\n[1, 2]\n', encoding="utf-8")
     with pytest.raises(DataError, match=rf"^{arr}:2: expected a JSON object, got list"):
@@ -325,9 +327,10 @@ def data_file(tmp_path):
 TOK = build_tokenizer("llama3")
 
 
-def stream(path, **kw):
+def stream(path, streaming=False, **kw):
+    """build_samples of `path` (streaming: ext/streaming.py's)."""
     kw.setdefault("max_seq_len", 64)
-    return build_samples(path, TOK, **kw)
+    return (build_streamed if streaming else build_samples)(path, TOK, **kw)
 
 
 def take(s, n):

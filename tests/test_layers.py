@@ -8,11 +8,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "finetune"
 # what each layer of the weights path must not import (besides the cycle check, which covers everything)
-BUILDING = {"finetune.model", "finetune.load", "finetune.ext.plan", "finetune.export", "finetune.prepare",
+BUILDING = {"finetune.model", "finetune.load", "finetune.ext.plan", "finetune.export", "finetune.ext.prepare",
             "finetune.ext.verify", "finetune.train", "finetune.ext.bench", "finetune.cli"}
 FORBIDDEN = {"finetune.checkpoint": BUILDING, "finetune.ext.lora": BUILDING,
              "finetune.load": BUILDING - {"finetune.load"},
-             "finetune.ext.verify": {"finetune.export", "finetune.prepare"}}
+             "finetune.ext.verify": {"finetune.export", "finetune.ext.prepare"}}
 
 
 def module_name(path: Path, root: Path) -> str:

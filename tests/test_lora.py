@@ -197,7 +197,7 @@ def train_on_prepared_base(llama_dir, tmp_path):
     from finetune.model import build_model
     from finetune.weights import base_name, clean_fqn, is_adapter
     from finetune.optim import build_optimizer, build_scheduler
-    from finetune.prepare import prepare_checkpoint
+    from finetune.ext.prepare import prepare_checkpoint
     device, dims = init_distributed()
     mesh = dims.mesh
     prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))

@@ -76,7 +76,7 @@ def our_logits(model_dirs, prepare=None) -> list[tuple[str, torch.Tensor, dict]]
     from finetune.distributed import init_distributed
     from finetune.load import is_prepared, locate_slices
     from finetune.model import build_model, build_skeleton
-    from finetune.prepare import prepare_checkpoint
+    from finetune.ext.prepare import prepare_checkpoint
     device, dims = init_distributed()
     if prepare:
         prepare_checkpoint(str(prepare[0]), str(prepare[1]))

@@ -12,6 +12,7 @@ from _tokenizers import build_tokenizer
 from finetune.config import Config, ConfigError
 from finetune.data import batch_efficiency, build_samples
 from finetune.data.stream import _best_fit_packs
+from finetune.ext.streaming import build_samples as build_streamed
 from finetune.model import load_tokenizer
 from finetune.train import accum_steps
 from helpers import invoke, read_metrics, run_ranks, sft, sft_config, train_rank
@@ -55,14 +56,14 @@ def test_best_fit_rows_keep_every_sample_once_within_capacity(window):
 
 
 def test_packed_order_is_world_size_independent_streamed_or_not_with_small_windows(chat_file):
-    def packs(**kw):
-        return [tuple(x["input_ids"]) for x in build_samples(str(chat_file), TOK, max_seq_len=512, packing=True,
-                                                             pack_window=9, epoch_limit=2, **kw)]
+    def packs(build=build_samples, **kw):
+        return [tuple(x["input_ids"]) for x in build(str(chat_file), TOK, max_seq_len=512, packing=True, pack_window=9,
+                                                     epoch_limit=2, **kw)]
     ref = packs()
     for world in (2, 3):
         per_rank = [packs(rank=r, world_size=world) for r in range(world)]
         assert [per_rank[g % world][g // world] for g in range(len(ref))] == ref
-    assert packs(shuffle=False) == packs(streaming=True)
+    assert packs(shuffle=False) == packs(build_streamed)
     s = build_samples(str(chat_file), TOK, max_seq_len=512, packing=True, pack_window=9)
     plain = build_samples(str(chat_file), TOK, max_seq_len=512)
     assert s.unit_lengths().sum() == plain.unit_lengths().sum() and s.num_samples < plain.num_samples / 2

@@ -138,14 +138,15 @@ def test_export_writes_the_runs_chat_template_kwargs_as_the_templates_defaults(t
     model holds template variables, so the exported template sets the run's as defaults (a request's own win)."""
     from transformers import AutoTokenizer
 
-    from finetune.export import template_kwargs_note
-    from finetune.model import load_hf_config, save_hf_files, with_template_defaults
+    from finetune.ext.template_defaults import template_kwargs_note, with_template_defaults
+    from finetune.model import load_hf_config, save_hf_files
     msgs = [{"role": "user", "content": "hi"}]
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
                 "<assistant>{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
                 "{% endif %}")  # as Qwen3's
     save_hf_files(tmp_path / "hf", str(llama_dir), load_hf_config(str(llama_dir)), False,
-                  chat_template=template, template_kwargs={"enable_thinking": False})
+                  chat_template=template, template_kwargs={"enable_thinking": False},
+                  with_defaults=with_template_defaults)
     exported, trained = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(llama_dir)
     trained.chat_template = template
 
@@ -184,16 +185,17 @@ def test_retention_leaves_a_step_that_an_export_pinned(tmp_path, monkeypatch):
 
     import finetune.export as export
     from finetune.checkpoint import CheckpointError, prune
-    from finetune.lock import release_pin
+    from finetune.ext import locks
+    from finetune.ext.locks import release_pin
     root = tmp_path / "run" / "checkpoints"
     first, second = fake_step(root, 1), fake_step(root, 2)
-    source = export.pin_source(str(tmp_path / "run"))  # the newest
+    source = locks.pin_source(str(tmp_path / "run"))  # the newest
     assert source.weights == second
     fake_step(root, 3)
-    prune(root, keep=1)  # the run saved step 3: retention keeps 1, but step 2 is being exported
+    prune(root, keep=1, locks=locks)  # the run saved step 3: retention keeps 1, but step 2 is being exported
     assert not first.exists() and second.exists()
     release_pin(second)
-    prune(root, keep=1)
+    prune(root, keep=1, locks=locks)
     assert not second.exists() and sorted(p.name for p in root.iterdir()) == ["step-3"]  # its pin file went too
 
     real = export.find_source
@@ -209,10 +211,10 @@ def test_retention_leaves_a_step_that_an_export_pinned(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=rf"^checkpoint {root / 'step-5'} was deleted by the retention of the "
                                               rf"run saving into {root} \(checkpoint.keep\) before export-hf could "
                                               rf"pin it: export a newer step, or the output dir \(its newest\)$"):
-        export.pin_source(str(root / "step-5"))
+        locks.pin_source(str(root / "step-5"))
     monkeypatch.setattr(export, "find_source", lambda c: (real if (root / "step-4").exists() else
                                                           found_then_deleted)(c))
-    assert export.pin_source(str(tmp_path / "run")).weights == root / "step-4"  # an output dir: its newest again
+    assert locks.pin_source(str(tmp_path / "run")).weights == root / "step-4"  # an output dir: its newest again
     release_pin(root / "step-4")
 
 
@@ -223,6 +225,7 @@ def test_export_of_a_run_whose_retention_runs_meanwhile(tmp_path, llama_dir, cha
 
     import finetune.export as export
     from finetune.checkpoint import prune
+    from finetune.ext import locks
     run = tmp_path / "run"
     sft(llama_dir, chat_file, run, "train.max_steps=1", "data.max_seq_len=128", "checkpoint.keep=1")
     root, opened = run / "checkpoints", export.open_dcp
@@ -233,13 +236,13 @@ def test_export_of_a_run_whose_retention_runs_meanwhile(tmp_path, llama_dir, cha
         def load_as_the_run_saves(name):
             if not (root / "step-2").exists():
                 shutil.copytree(root / "step-1", root / "step-2")  # the run saved a newer step, then pruned
-                prune(root, keep=1)
+                prune(root, keep=1, locks=locks)
             return load(name)
         return stored, load_as_the_run_saves
     monkeypatch.setattr(export, "open_dcp", open_while_the_run_saves)
-    export.export_hf(str(run), str(tmp_path / "hf"), verify=False)
+    export.export_hf(str(run), str(tmp_path / "hf"), verify=False, locks=locks)
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (root / "step-1").is_dir()
-    prune(root, keep=1)  # unpinned now: the next retention deletes it
+    prune(root, keep=1, locks=locks)  # unpinned now: the next retention deletes it
     assert not (root / "step-1").exists()
 
 

@@ -9,6 +9,7 @@ from tokenizers import AddedToken
 
 from finetune.config import ConfigError, load_config
 from finetune.data import DataError, build_samples, open_sources, read_chat_template, to_conversation, tokenize_messages
+from finetune.ext.streaming import open_streamed
 from test_templates import CHATML, TOOLS, assistant, call, check, decode, tok_with, tool, user
 
 # A tool-use template that requires the tool list (raises on a conversation without tools).
@@ -202,7 +203,7 @@ def test_an_empty_data_file_is_named_also_in_a_mixture(tmp_path, streaming):
     empty.write_text("\n")
     good.write_text(json.dumps({"messages": [user("Hi"), assistant("Hello")]}) + "\n")
     with pytest.raises(DataError, match=rf"^{empty}: has no rows \(the file is empty\)$"):
-        open_sources(str(empty), streaming=streaming)
+        (open_streamed if streaming else open_sources)(str(empty))
     if not streaming:  # (a mixture does not stream)
         with pytest.raises(DataError, match=rf"^{empty}: has no rows \(the file is empty\)$"):
             open_sources([{"path": str(good), "weight": 1}, {"path": str(empty), "weight": 1}])
@@ -210,7 +211,7 @@ def test_an_empty_data_file_is_named_also_in_a_mixture(tmp_path, streaming):
     folder.mkdir()
     (folder / "train.jsonl").write_text("")
     with pytest.raises(DataError, match=rf"^{folder}: split 'train' has no rows \(its files are empty: "):
-        open_sources(str(folder), streaming=streaming)
+        (open_streamed if streaming else open_sources)(str(folder))
 
 
 def test_an_empty_parquet_file_is_named(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 
 from _tokenizers import QWEN3_LIKE_TEMPLATE, build_tokenizer
 from finetune.data import DataError, build_samples, to_conversation, tokenize_messages
+from finetune.ext.streaming import build_samples as build_streamed
 from helpers import REPO, sft
 
 # GPT-OSS style: channels; the final answer ends with <|return|> when it is the last message and <|end|> in history,
@@ -372,7 +373,7 @@ def test_example_file_order_counts_workers_and_streaming():
     key = [(x["input_ids"], x["labels"]) for x in samples]
     two = build_samples(str(EXAMPLE), tok, shuffle=False, epoch_limit=1, max_seq_len=1024, num_proc=2)
     assert [(x["input_ids"], x["labels"]) for x in two] == key and two.counts == s.counts
-    streamed = build_samples(str(EXAMPLE), tok, streaming=True, epoch_limit=1, max_seq_len=1024)
+    streamed = build_streamed(str(EXAMPLE), tok, epoch_limit=1, max_seq_len=1024)
     assert [(x["input_ids"], x["labels"]) for x in streamed] == key and streamed.counts == s.counts
 
 

@@ -1,5 +1,4 @@
-"""Rows in: local .json/.jsonl/.parquet files (a file, or a dataset dir with splits) or hub datasets ->
-Conversation(messages, tools) in the OpenAI shape."""
+"""Rows of local .json/.jsonl/.parquet files, dataset dirs or hub datasets -> OpenAI-shaped Conversations."""
 
 from __future__ import annotations
 
@@ -41,16 +40,14 @@ class DataError(FinetuneError):
 
 
 def _split_files(path: str, split: str, name: str | None) -> list[str]:
-    """A dataset dir's files for `split`, resolved as `datasets` resolves one (the README's `configs`, else split
-    names in file or dir names, else all files are train)."""
+    """A dataset dir's files for `split`, resolved as `datasets` resolves them (README `configs`, else split names)."""
     from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
     base, card = path, os.path.join(path, "README.md")
     try:
-        configs = MetadataConfigs()
-        if os.path.isfile(card) and open(card, encoding="utf-8").read(3) == "---":  # a card with YAML metadata
-            from huggingface_hub import DatasetCard
-            configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+        yaml = os.path.isfile(card) and open(card, encoding="utf-8").read(3) == "---"  # a card with YAML metadata
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data) if yaml else {}
         if configs:
             chosen = name or configs.get_default_config_name()
             if chosen not in configs:
@@ -110,7 +107,6 @@ def _iter_file(file: str):
 
 
 def _iter_rows(files):
-    """{WHERE, JSON_ROW} of every row of local JSON files, checked to be objects."""
     for file in files:
         try:
             for where, text, row in _iter_file(file):
@@ -119,17 +115,6 @@ def _iter_rows(files):
                 yield {WHERE: where, JSON_ROW: text}, row
         except UnicodeDecodeError:
             raise DataError(_not_utf8(file)) from None
-
-
-def _iter_parquet(files):
-    for file in files:
-        for b, batch in enumerate(pq.ParquetFile(file).iter_batches(batch_size=1024)):
-            for i, row in enumerate(batch.to_pylist()):
-                yield {WHERE: f"{file} row {b * 1024 + i}", **row}
-
-
-def _streamed(files):
-    yield from (_iter_parquet(files) if files[0].endswith(".parquet") else (item for item, _ in _iter_rows(files)))
 
 
 def _not_utf8(file: str) -> str:
@@ -143,26 +128,22 @@ def _not_utf8(file: str) -> str:
     return f"{file}: not UTF-8 text"
 
 
-def load_rows(path: str, *, split: str = "train", name: str | None = None, streaming: bool = False) -> Rows:
+def load_rows(path: str, *, split: str = "train", name: str | None = None, stream=None) -> Rows:
     """Rows of a local .json/.jsonl/.parquet file, a dataset dir's split or a hub dataset id (optionally "id:split"),
-    as a datasets.Dataset (or IterableDataset when streaming); read items with row_of."""
+    as a datasets.Dataset (items: see row_of); with `stream` (ext/streaming.py) the hub's streamed, local files read by
+    stream(path, split, files)."""
     files = _local_files(path, split, name)
     if files is None:
         ref, _, hub_split = path.partition(":")
         try:
-            data = datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=streaming)
+            data = datasets.load_dataset(ref, name=name, split=hub_split or split, streaming=stream is not None)
             return Rows(data, data.column_names or list(next(iter(data), {})), [])
         except Exception as e:  # noqa: BLE001 - any hub failure is reported as one line
             raise DataError(f"{path}: not a local path, and loading it from the hub failed ({one_line(e)})") from e
     if len({f.endswith(".parquet") for f in files}) > 1:
         raise DataError(f"{path}: mixes parquet and JSON files in split {split!r}; convert them to one kind")
-    if streaming:
-        # A tuple, not a list: datasets would shard list gen_kwargs, and the order must stay the file order.
-        data = datasets.IterableDataset.from_generator(_streamed, gen_kwargs={"files": tuple(files)})
-        first = next(iter(data), None)
-        if first is None:
-            raise DataError(_no_rows(path, split, files))
-        return Rows(data, list(row_of(first, path, 0)[0]), files)
+    if stream is not None:
+        return stream(path, split, files)
     if files[0].endswith(".parquet"):  # straight to Arrow, no Python round trip
         try:
             tables = [pq.read_table(f) for f in files]
@@ -179,12 +160,10 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
         columns.update(dict.fromkeys(row))
     if not items:
         raise DataError(_no_rows(path, split, files))
-    return Rows(datasets.Dataset.from_dict({WHERE: [x[WHERE] for x in items], JSON_ROW: [x[JSON_ROW] for x in items]}),
-                list(columns), files)
+    return Rows(datasets.Dataset.from_list(items), list(columns), files)
 
 
 def _no_rows(path: str, split: str, files: list[str]) -> str:
-    """Why a local source gives no rows."""
     if files == [path]:
         return f"{path}: has no rows (the file is empty)"
     return f"{path}: split {split!r} has no rows (its files are empty: {', '.join(files)})"
@@ -215,7 +194,6 @@ def detect_format(columns: list[str], fmt: str = "auto") -> str:
 
 
 def _first(d: dict, *keys):
-    """The value of the first of `keys` that is set (not None) in d, else None."""
     return next((d[k] for k in keys if d.get(k) is not None), None)
 
 
@@ -250,7 +228,6 @@ def text_of(content) -> str:
 
 
 def _json(value, where: str, what: str):
-    """A JSON string decoded, anything else as is."""
     if not isinstance(value, str):
         return value
     try:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from .formats import DataError, text_of
-from .template import (Template, Unsupported, find_all, prepared, require_chat_template, template_of, try_render,
+from .template import (Template, Unsupported, find_all, prepared, render_or_why, require_chat_template, template_of,
                        turn_length)
 
 IGNORE_INDEX = -100
@@ -60,7 +60,7 @@ def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) 
 def _way_out(t: Template, msgs, i: int, tools) -> str:
     """The hint for a turn that does not extend its generation prompt: the template switch that, set to false, fixes
     it (a generation prompt opening a think block), or ""."""
-    for name in t.switches():
+    for name in t.switches:
         off = {name: False}
         prompt = _render_or_none(t, msgs[:i], tools, True, **off)
         upto = _render_or_none(t, msgs[:i + 1], tools, False, **off)
@@ -121,15 +121,6 @@ def _tokens(tokenizer, t: Template, text: str, where: str, base=None, shared: in
     return ids, starts, ends
 
 
-def _shared(a: str, b: str) -> int:
-    """The length of the common prefix of a and b."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if a.startswith(b[:mid]) else (lo, mid - 1)
-    return lo
-
-
 def _encode(t: Template, ids: list, starts, ends, spans, max_seq_len: int) -> dict:
     """The sample whose labels are the tokens of each span (message index, start, end) of trained text: every token
     holding answer text (also one straddling the boundary), never an added token that only swallowed the answer's
@@ -188,7 +179,8 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             raise Unsupported("drops_tools", f"message {trained[0]}: the chat template does not show the row's tools")
     except Unsupported as e:
         if e.reason == "template_error":  # name the first message it fails on
-            k = next((k for k in range(len(msgs)) if try_render(tokenizer, msgs[: k + 1], tools, t.extra) is None), 0)
+            k = next((k for k in range(len(msgs))
+                      if render_or_why(tokenizer, msgs[: k + 1], tools, t.extra)[0] is None), 0)
             e = Unsupported(e.reason, f"message {k}: {e}")
         refuse(e, where, on_unsupported, "leaves such rows untrained and trains the rest")
         return Labelled([], e.reason, [])
@@ -214,7 +206,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
         _check_tokenization(tokenizer, t, msgs, tools, full, where)
     samples, base = [], None
     for text, spans, why in ([(main_text, main, "")] if main else []) + alone:
-        tokens = _tokens(tokenizer, t, text, where, base, _shared(main_text, text) if base else 0)
+        tokens = _tokens(tokenizer, t, text, where, base, len(os.path.commonprefix([main_text, text])) if base else 0)
         base = base or tokens  # the whole row's: the samples of turns split out share much of its text
         samples.append({**_encode(t, *tokens, spans, max_seq_len), "split": why})
     samples = sorted((s for s in samples if s["turns"]), key=lambda s: s["turns"][0])

@@ -26,16 +26,12 @@ class Source(NamedTuple):
 
 
 def open_sources(data: str | list[dict], *, fmt: str = "auto", split: str = "train", name: str | None = None,
-                 streaming: bool = False) -> list[Source]:
-    """The rows of `data` (a path, or a list of source dicts: see build_samples), their format checked."""
+                 load=load_rows) -> list[Source]:
+    """The rows of `data` (a path, or source dicts: see build_samples) read by `load`, their format checked."""
     specs = [{"path": data, "split": split, "name": name, "format": fmt}] if isinstance(data, str) else data
-    if streaming and len(specs) > 1:
-        raise DataError("data.sources: a mixture needs each source's size before it starts, so it cannot stream; set "
-                        "data.streaming=false")
     sources = []
     for spec in specs:
-        rows = load_rows(spec["path"], split=spec.get("split") or "train", name=spec.get("name") or None,
-                         streaming=streaming)
+        rows = load(spec["path"], split=spec.get("split") or "train", name=spec.get("name") or None)
         sources.append(Source(spec, rows, detect_format(rows.columns, spec.get("format") or "auto")))
     return sources
 
@@ -71,7 +67,6 @@ def _entries(labelled, row: int, source: int) -> list[dict]:
 
 
 def _count(counts: dict, entries) -> None:
-    """Count one row from its _entries: samples or why it is dropped, turns left untrained by reason."""
     counts["rows"] += 1
     reasons = [x.split(" ", 1)[0] for x in entries[0]["left_out"]]
     counts.update(f"turns_unsupported_{r}" for r in reasons)
@@ -85,15 +80,10 @@ def _count(counts: dict, entries) -> None:
 
 def describe_counts(counts: dict) -> str:
     """The counts as one line."""
-    parts = []
-    for k, v in counts.items():
-        if k.startswith("dropped_"):
-            parts.append(f"dropped {k[8:]} {v}")
-        elif k.startswith("turns_unsupported_"):
-            parts.append(f"turns left untrained {k[18:]} {v} (in {counts['rows_unsupported_' + k[18:]]} rows)")
-        elif not k.startswith("rows_unsupported_"):
-            parts.append(f"{k.replace('_', ' ')} {v}")
-    return ", ".join(parts)
+    return ", ".join(f"dropped {k[8:]} {v}" if k.startswith("dropped_") else
+                     f"turns left untrained {k[18:]} {v} (in {counts['rows_unsupported_' + k[18:]]} rows)"
+                     if k.startswith("turns_unsupported_") else f"{k.replace('_', ' ')} {v}"
+                     for k, v in counts.items() if not k.startswith("rows_unsupported_"))
 
 
 def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs, labellers: dict):
@@ -110,24 +100,28 @@ def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, 
 class SampleStream(torch.utils.data.IterableDataset):
     """This rank's samples, forever (or epoch_limit epochs): global sample g (counted across epochs) goes to rank
     g % world_size, from global sample start_sample on. An epoch: the samples _choose takes of each source, packed,
-    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process
-    (num_workers=0): streamed data's counts fill in as it goes."""
+    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process."""
+    open_sources = staticmethod(open_sources)  # how build_samples opens its sources
 
     def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,
                  shuffle=True, seed=0, rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1,
                  pack_window=PACK_WINDOW):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.streaming, self.shuffle, self.packing = streaming, shuffle and not streaming, packing
-        self.max_seq_len = max_seq_len
+        if streaming:
+            raise DataError("data.streaming needs the extension finetune/ext/streaming.py")
+        self.shuffle, self.packing, self.max_seq_len = shuffle, packing, max_seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.start_sample, self.epoch_limit, self.pack_window = start_sample, epoch_limit, pack_window
         self.sources, self._tokenizers = sources, tokenizers
         self.counts = _new_counts()
         self.source_counts = [_new_counts() for _ in sources]
         self.num_samples: int | None = None
-        if streaming:
-            return
+        self._tokenize(num_proc)
+
+    def _tokenize(self, num_proc: int) -> None:
+        # Tokenize once; every epoch then only reorders sample indices.
+        tokenizers, sources = self._tokenizers, self.sources
         seq, v = getattr(datasets, "List", datasets.Sequence), datasets.Value  # List is datasets>=4
         features = datasets.Features({
             "input_ids": seq(v("int32")), "labels": seq(v("int32")), "length": v("int32"), "drop": v("string"),
@@ -139,7 +133,6 @@ class SampleStream(torch.utils.data.IterableDataset):
                        for e in _entries(tokenizers[k]({c: v[j] for c, v in batch.items()}, idx), idx, k)]
             return {name: [e[name] for e in entries] for name in features}
 
-        # Tokenize once; every epoch then only reorders sample indices.
         parts = [src.rows.data.map(tokenize_batch, batched=True, batch_size=64, with_indices=True, fn_kwargs={"k": k},
                                    remove_columns=src.rows.data.column_names, features=features, keep_in_memory=True,
                                    load_from_cache_file=False, num_proc=num_proc if num_proc > 1 else None,
@@ -171,8 +164,7 @@ class SampleStream(torch.utils.data.IterableDataset):
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
     def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
-        """An epoch's samples in order from each source's usable ones: all, source after source (a mixture's shares:
-        finetune/ext/mixture.py)."""
+        """An epoch's samples in order: every usable one, source after source (a mixture's shares: ext/mixture.py)."""
         return np.concatenate(kept).astype(np.int64)
 
     def describe_source(self) -> str:
@@ -186,9 +178,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
             where = f": {len(files)} file(s): {shown}" if files else " from the hub"
             lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
-        if self.num_samples is not None or self.counts["rows"]:  # streaming: counted as rows are read
-            lines.append(("streamed so far: " if self.num_samples is None else "") + describe_counts(self.counts))
-        return lines
+        return lines + [describe_counts(self.counts)]
 
     def _assemble(self, samples: list[dict]) -> dict:
         unit = {k: [t for s in samples for t in s[k]] for k in ("input_ids", "labels")}
@@ -207,7 +197,7 @@ class SampleStream(torch.utils.data.IterableDataset):
         """Real tokens of each global unit of an epoch, in global order (not streaming)."""
         return self._unit_lengths[self._order(epoch)]
 
-    def _epoch_indexed(self, epoch: int, g0: int):
+    def _epoch(self, epoch: int, g0: int):
         n, order = self.num_samples, self._order(epoch)
         first = max(0, self.start_sample - g0)
         first += (self.rank - g0 - first) % self.world_size
@@ -217,52 +207,24 @@ class SampleStream(torch.utils.data.IterableDataset):
             yield self._assemble([dict(zip(rows, values)) for values in zip(*rows.values())])
         return n
 
-    def _epoch_streamed(self, g0: int):
-        first_pass = self.num_samples is None
-        if first_pass:  # counts describe one pass over the data
-            self.counts = _new_counts()
-
-        def kept():
-            for idx, item in enumerate(self.sources[0].rows.data):
-                entries = _entries(self._tokenizers[0](item, idx), idx, 0)
-                if first_pass:
-                    _count(self.counts, entries)
-                if not entries[0]["drop"]:
-                    yield from ((s, s["length"]) for s in entries)
-
-        units = (_best_fit_packs(kept(), self.max_seq_len, self.pack_window) if self.packing
-                 else ([s] for s, _ in kept()))
-        n = 0
-        for n, unit in enumerate(units, 1):
-            g = g0 + n - 1
-            if g >= self.start_sample and g % self.world_size == self.rank:
-                yield self._assemble(unit)
-        if not n:
-            raise DataError(f"{self.describe_source()}: no usable samples ({describe_counts(self.counts)})")
-        if first_pass:
-            self.num_samples = n
-        return n
-
     def __iter__(self):
         g0, epoch = 0, 0
         while self.epoch_limit is None or epoch < self.epoch_limit:
             if self.num_samples is not None and g0 + self.num_samples <= self.start_sample:
                 n = self.num_samples  # the whole epoch lies before the resume point
-            elif self.streaming:
-                n = yield from self._epoch_streamed(g0)
             else:
-                n = yield from self._epoch_indexed(epoch, g0)
+                n = yield from self._epoch(epoch, g0)
             g0, epoch = g0 + n, epoch + 1
 
 
-def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, streaming=False,
-                  max_seq_len=2048, on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None,
+def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, max_seq_len=2048,
+                  on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None,
                   stream=SampleStream, **order) -> SampleStream:
-    """This rank's samples (`stream`: SampleStream or a subclass, ext/mixture.py's Mixture; `order`: its keyword
-    arguments) of `data`: a path (fmt, split, name apply) or source dicts (path, split, name, format; no streaming).
+    """This rank's samples (`stream`: SampleStream or a subclass: ext/mixture.py, ext/streaming.py; `order`: its keyword
+    arguments) of `data`: a path (fmt, split, name apply) or source dicts (path, split, name, format).
     `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
-    sources = open_sources(data, fmt=fmt, split=split, name=name, streaming=streaming)
+    sources = stream.open_sources(data, fmt=fmt, split=split, name=name)
     tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {})
                   for src in sources]
-    return stream(sources, tokenizers, streaming=streaming, max_seq_len=max_seq_len, **order)
+    return stream(sources, tokenizers, max_seq_len=max_seq_len, **order)

@@ -3,6 +3,7 @@ template on prepared messages), how it wants tool-call arguments, and the text i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import weakref
@@ -81,17 +82,16 @@ class Template:
                                                     "parameters": {"type": "object", "properties": {}}}}]
         self.args_as_string = {}
         for has_tools, tools in ((False, None), (True, schema)):
-            as_dict = try_render(tokenizer, conv, tools, extra)
-            as_str = try_render(tokenizer, _args_as_strings(conv), tools, extra)
+            as_dict = render_or_why(tokenizer, conv, tools, extra)[0]
+            as_str = render_or_why(tokenizer, _args_as_strings(conv), tools, extra)[0]
             self.args_as_string[has_tools] = (bool(as_str) and (as_dict is None or "{'a': " in as_dict)
                                               and '{\\"a\\"' not in as_str)
         # Content parts reach a template that reads them as the row has them; one that prints content as a string
         # would print a list's Python repr: it gets their text, as inference servers give such templates.
         asked = [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
-        parts = try_render(tokenizer, asked, None, extra) or try_render(tokenizer, asked, schema, extra)
+        parts = render_or_why(tokenizer, asked, None, extra)[0] or render_or_why(tokenizer, asked, schema, extra)[0]
         self.reads_parts = bool(parts) and _PROBE in parts and "'text'" not in parts and '"text"' not in parts
         self.kwargs = {**tokenizer.special_tokens_map, **extra}  # as apply_chat_template passes them
-        self.switch_names: list[str] | None = None  # see switches()
         # The compiled template called directly on prepared messages renders as apply_chat_template does (the first
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
         # row about twice per turn.
@@ -108,20 +108,14 @@ class Template:
         except Exception as e:  # noqa: BLE001 - template errors are about this row
             raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
 
+    @functools.cached_property
     def switches(self) -> list[str]:
         """The template's variables that may switch thinking off (enable_thinking, ...), not set to false already."""
-        if self.switch_names is None:
-            import jinja2.meta
-            texts = self.text.values() if isinstance(self.text, dict) else [self.text]
-            names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
-                                  for x in texts))
-            self.switch_names = sorted(n for n in names if ("think" in n or "reason" in n)
-                                       and self.kwargs.get(n) is not False)
-        return self.switch_names
-
-
-def try_render(tokenizer, messages, tools, extra: dict):
-    return render_or_why(tokenizer, messages, tools, extra)[0]
+        import jinja2.meta
+        texts = self.text.values() if isinstance(self.text, dict) else [self.text]
+        names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
+                              for x in texts))
+        return sorted(n for n in names if ("think" in n or "reason" in n) and self.kwargs.get(n) is not False)
 
 
 def render_or_why(tokenizer, messages, tools, extra: dict) -> tuple[str | None, str]:
@@ -214,8 +208,7 @@ def _like(content, text: str):
 
 
 def _next_probe(messages: list[dict], i: int, m: dict) -> dict:
-    """The message after turn i in the probes: a tool result after tool calls (with the call's id and name), else a
-    user turn; the row's own next message of that role where it has one."""
+    """The message after turn i in probes: a tool result after tool calls, else a user turn (the row's own if any)."""
     role = "tool" if m.get("tool_calls") else "user"
     after = messages[i + 1] if i + 1 < len(messages) else {}
     shape = next((x.get("content") for x in messages[:i + 1] if isinstance(x.get("content"), list)), None)
@@ -243,8 +236,7 @@ def find_all(text: str, sub: str):
 
 
 def turn_length(tokenizer, t: Template, messages, i, tools, completion: str) -> tuple[int, str]:
-    """(how much of completion_i is trained: through its end-of-turn token, the stop token to add after it where the
-    template writes none: see _probe_tail)."""
+    """(how much of completion_i is trained, the stop token to add after it): see _probe_tail."""
     key = _shape(messages[i])
     found = t.tails.get(key, False)
     if found is False or (found is not None and not completion.endswith(found[0])):

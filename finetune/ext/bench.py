@@ -99,15 +99,14 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from ..model import ac_layer_ids, resolve_compile
     from ..train import (Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
                          train_step)
-    from . import dpo, mixture
+    from . import dpo
     from .mfu import attention_length, flops_per_token, peak_flops
-    from .recipes import recipe
+    from .recipes import recipe, samples
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok, _ = run_tokenizer(cfg)
-    stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size, labellers=dpo.LABELLERS,
-                               stream=mixture.Mixture)
+    stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size, **samples(cfg, dpo.LABELLERS))
     pairs = stream.sources[0].fmt == "pairs"
     run = recipe(cfg, "dpo" if pairs else "sft")
     model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, run.transforms(cfg, dims, device))

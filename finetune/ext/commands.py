@@ -1,5 +1,5 @@
-"""The extensions' commands (preview-data, bench, plan): their flags, checked before any model loads; each imports
-its module when it runs. cli.py's table adds them to the `finetune` command."""
+"""The extensions' commands (preview-data, bench, plan, prepare-checkpoint): their flags, checked before any model
+loads; each imports its module when it runs. cli.py's table adds them to the `finetune` command."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +10,8 @@ import typer
 
 from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, build_config, check_flag
 from ..config import ConfigError
-from ..launch import guarded, set_threads
+from ..launch import guarded, launch, set_threads
+from ..outdir import check_writable
 
 
 def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
@@ -103,4 +104,37 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
         raise SystemExit(1)
 
 
-COMMANDS = {"preview-data": preview_data, "bench": bench, "plan": plan}
+def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Optional[str] = MODEL,
+                       output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="the prepared "
+                                                                "checkpoint dir to write (replaces an earlier one)"),
+                       nproc_per_node: int = NPROC, debug: bool = DEBUG):
+    """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
+    from .locks import hold_run_lock, release_lock
+
+    def prepare():
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
+        if not model or not output_dir:
+            raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
+        cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
+        out = Path(cfg.output_dir).resolve()
+        check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
+        from ..model import load_generation_config, load_hf_config, load_tokenizer
+        from .prepare import check_prepare_target
+        check_prepare_target(Path(cfg.output_dir), cfg.model.path)
+        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before
+        load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # any rank starts
+        load_generation_config(cfg.model.path, hf_config)
+        lock = out.parent / f".{out.name}.lock"  # beside it: `out` is replaced
+        hold_run_lock(lock, f"--output-dir {out}")
+        return cfg, lock
+    cfg, lock = guarded(prepare, debug)
+    from .prepare import prepare_checkpoint as run_prepare
+    from .rank_errors import rank_errors
+    try:
+        launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
+                             cfg.model.attn_implementation), nproc_per_node, debug, errors=rank_errors)
+    finally:
+        release_lock(lock)
+
+
+COMMANDS = {"preview-data": preview_data, "bench": bench, "plan": plan, "prepare-checkpoint": prepare_checkpoint}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..checkpoint import CheckpointError, read_marker
 from ..config import ConfigError
 from ..distributed import print0
 from ..weights import is_adapter
@@ -59,8 +61,8 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
                           f"(lora.rank=0)")
     targets = resolve_targets(model, layers, target_modules)
     check_names_match(model, "modules_to_save", modules_to_save)
-    settings = {"rank": rank, "alpha": alpha, "dropout": dropout, "target_modules": targets,
-                "modules_to_save": list(modules_to_save)}
+    settings = LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
+                            modules_to_save=list(modules_to_save))
     inject_adapter_in_model(peft_config(settings), model)
     for p in model.parameters():  # frozen weights are never trained: no fp32 master copy of them
         if not p.requires_grad:
@@ -71,6 +73,31 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
     print0(f"lora: rank {rank}, alpha {alpha:g} on {num_adapted} linear layers; trainable {trainable / 1e6:.3f}M of "
            f"{total / 1e6:.1f}M params ({trainable / total:.2%})")
     return settings
+
+
+class LoraSettings(dict):
+    """apply_lora's settings, as checkpoints record them; checkpoint.check_compatible has them `check` a LoRA
+    checkpoint's."""
+
+    def check(self, path, saved: dict, hf_config) -> None:
+        """The LoRA checkpoint `path` (its settings `saved`) has these settings and trained on this run's base."""
+        diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {self.get(k)!r}" for k in saved
+                 if k != "base_fingerprint" and saved[k] != self.get(k)]
+        if diffs:
+            raise CheckpointError(f"checkpoint {path} has other LoRA settings than this run: {'; '.join(diffs)}")
+        check_base(path, saved, self["base_fingerprint"], hf_config.name_or_path)
+
+
+def check_base(path: Path, lora: dict, fingerprint: str, model_path: str) -> None:
+    """The base at `model_path` (its weights' `fingerprint`) is the one the LoRA checkpoint `path` trained on."""
+    trained = read_marker(path).get("config", {}).get("model", {}).get("path")
+    if "base_fingerprint" not in lora:
+        print0(f"note: checkpoint {path} records no fingerprint of its LoRA base (saved by an older finetune): not "
+               f"checked that '{model_path}' holds the base weights it trained on")
+    elif lora["base_fingerprint"] != fingerprint:
+        raise CheckpointError(f"checkpoint {path} trained its LoRA adapters on the base '{trained}', and "
+                              f"'{model_path}' holds other weights now (fingerprint {lora['base_fingerprint'][:19]} "
+                              f"then, {fingerprint[:19]} now): the adapters fit only the base they trained on")
 
 
 def peft_config(lora: dict, **kwargs):

@@ -7,11 +7,34 @@ from typing import Callable
 
 import torch
 
-from ..distributed import print0
-from ..export import Source, embedding_names, find_source
-from ..load import is_prepared
-from ..weights import open_dcp, open_safetensors
-from .lora import merge_lora_tensor, peft_config, peft_key
+from ..checkpoint import read_marker
+from ..config import ConfigError
+from ..distributed import print0, world_size
+from ..errors import ModelError
+from ..export import Source, find_source
+from ..load import base_fingerprint, is_prepared
+from ..model import build_skeleton
+from ..weights import arch_diffs, open_dcp
+from .lora import check_base as check_trained_base, merge_lora_tensor, peft_config, peft_key
+from .verify import open_safetensors
+
+
+def embedding_names(skeleton) -> tuple[str, str | None]:
+    """The parameter names of the input embedding's weight and the output layer's (None: the model has none)."""
+    names = {id(m): f"{n}.weight" for n, m in skeleton.named_modules()}
+    return names[id(skeleton.get_input_embeddings())], names.get(id(skeleton.get_output_embeddings()))
+
+
+def check_base(source: Source, hf_config, adapter: bool) -> None:
+    """The base model a LoRA checkpoint is merged onto has the architecture and weights it trained on; `adapter`
+    (--adapter) runs in one process."""
+    diffs = arch_diffs(read_marker(source.weights).get("arch", {}), hf_config, "checkpoint", "base model")
+    if diffs:
+        raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
+                         f"{'; '.join(diffs)}")
+    check_trained_base(source.weights, source.lora, base_fingerprint(source.model_path), source.model_path)
+    if adapter and world_size() > 1:
+        raise ConfigError("--adapter writes one small file: use one process (no --nproc-per-node)")
 
 
 def trained_apart(skeleton, adapters: dict) -> list[str]:
@@ -23,9 +46,15 @@ def trained_apart(skeleton, adapters: dict) -> list[str]:
             or f"{n[:-len('.weight')]}.lora_A.default.weight" in adapters]
 
 
-def open_merged(source: Source, skeleton, adapters: dict, load_adapter) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """{HF name: metadata} and name -> tensor of the merged model (W + alpha/r * B @ A in fp32 over the base
-    weights of a prepared or HF dir)."""
+def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tuple[object, dict, Callable]:
+    """(the meta skeleton, {HF name: metadata}, name -> tensor) of the merged model (W + alpha/r * B @ A in fp32 over
+    the base weights of a prepared or HF dir); tied embeddings that LoRA trained apart untied (in hf_config too)."""
+    skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
+    if apart := trained_apart(skeleton, adapters):  # exported untied: the model is then another one
+        hf_config.tie_word_embeddings = False
+        print0(f"note: LoRA trained {', '.join(apart)} apart from its tied twin: the export unties them "
+               f"(tie_word_embeddings=false)")
+        skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
     if is_prepared(source.model_path):
         metas, load_base = open_dcp(find_source(source.model_path).weights)
     else:
@@ -39,7 +68,7 @@ def open_merged(source: Source, skeleton, adapters: dict, load_adapter) -> tuple
     def load(name: str) -> torch.Tensor:
         return merge_lora_tensor(name, load_base(name if name in on_disk else embedding),
                                  lambda k: load_adapter(k) if k in adapters else None, scale)
-    return metas, load
+    return skeleton, metas, load
 
 
 def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dtype: torch.dtype, verify: bool) -> dict:

@@ -7,12 +7,13 @@ from pathlib import Path
 import torch
 
 from ..attention import check_trainable
-from ..checkpoint import check_arch, check_base, check_run, find_resume, read_marker
+from ..checkpoint import check_arch, check_run, find_resume, read_marker
 from ..config import Config, ConfigError
 from ..data import open_sources, require_chat_template
 from ..load import base_fingerprint
 from ..model import load_hf_config
 from ..train import run_tokenizer
+from .recipes import samples
 
 
 def preflight(cfg: Config, task: str = "sft") -> str | None:
@@ -27,12 +28,12 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
         lora = read_marker(resume).get("lora")
         # the LoRA base now, not after loading it (a hub id: by the ranks, once downloaded)
         if lora and cfg.lora.rank and "base_fingerprint" in lora and Path(cfg.model.path).is_dir():
+            from .lora import check_base
             check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
     # the same task and (of the same architecture) the same model, or a hint for what was asked
     check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task, cfg.model.path, base_fingerprint)
-    dc = cfg.data
-    sources = open_sources([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split,
-                           name=dc.name or None, streaming=dc.streaming)
+    dc, opened = cfg.data, samples(cfg, {})["stream"].open_sources  # as the run opens them: streamed or not
+    sources = opened([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split, name=dc.name or None)
     sources += open_sources(cfg.eval.path) if cfg.eval.path else []  # checked now, not when training ends
     for src in sources:  # sft trains (and evaluates) conversations, dpo preference pairs
         if (src.fmt == "pairs") != (task == "dpo"):

@@ -28,9 +28,9 @@ def format_preview(tokenizer, sample: dict, color: bool = True) -> str:
 def preview(cfg: Config, num: int, json_out: bool) -> None:
     """Print `num` samples (json_out: one {"input_ids", "labels"} object per line), each with where it comes from and
     the turns left untrained, then the data summary."""
-    from . import dpo, mixture
+    from . import dpo, recipes
     tok, _ = run_tokenizer(cfg)
-    samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1, labellers=dpo.LABELLERS, stream=mixture.Mixture)
+    samples = build_run_samples(cfg, tok, shuffle=False, epoch_limit=1, **recipes.samples(cfg, dpo.LABELLERS))
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     for i, sample in zip(range(num), samples):
         if json_out:

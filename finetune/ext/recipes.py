@@ -104,15 +104,24 @@ def sft_task(cfg: Config, run: Run) -> Task:
 
 
 def export_hooks() -> dict:
-    """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, and the
-    streamed check of what was written."""
-    from . import lora_export, verify
-    return {"adapters": lora_export, "check": verify.verify_export}
+    """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, the streamed
+    check of what was written, the locks (also the run's and its retention's: cli.py, train.open_outputs), the chat
+    template's defaults."""
+    from . import locks, lora_export, template_defaults, verify
+    return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults}
+
+
+def samples(cfg: Config, labellers: dict) -> dict:
+    """build_samples' labellers and stream for `cfg`: rows streamed (ext/streaming.py), else a mixture."""
+    if cfg.data.streaming:
+        from .streaming import Streamed
+        return {"labellers": labellers, "stream": Streamed}
+    from .mixture import Mixture
+    return {"labellers": labellers, "stream": Mixture}
 
 
 def recipe(cfg: Config, task: str = "sft") -> Recipe:
     """What a run of `task` ("sft", "dpo") passes to train.train."""
-    from .mixture import Mixture
     labellers, setup = {}, sft_task
     if task == "dpo":
         from . import dpo
@@ -120,5 +129,5 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     from .mfu import meter
     from .resume_note import resume_note
     from .wandb import WandbLogger
-    return Recipe(task, setup, transforms, export_hooks(), {"labellers": labellers, "stream": Mixture},
+    return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers),
                   mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg))

@@ -11,11 +11,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..distributed import is_main, is_my_file
+from ..distributed import is_main, is_my_file, print0
 from ..errors import FinetuneError, ModelError
+from ..metrics import peak_rss_mb
 from ..model import build_skeleton, find_layers
-from ..weights import (SAFETENSORS_CODES, Entry, disk_to_memory, open_dir, open_safetensors, out_dtype_of,
-                       persistent_buffers, read_tensor, to_disk)
+from ..weights import (SAFETENSORS_CODES, SAFETENSORS_DTYPES, Entry, disk_to_memory, local_dir, open_dir,
+                       out_dtype_of, persistent_buffers, read_tensor, to_disk)
 
 
 class VerifyError(FinetuneError):
@@ -24,18 +25,33 @@ class VerifyError(FinetuneError):
     exit_code = 1
 
 
+def open_safetensors(path: str, what: str = "model") -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """An HF model's safetensors files (a dir, or a hub id in the cache), by stored name; `what` names it in errors."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    entries = open_dir(local_dir(path))
+    if not entries:
+        raise ModelError(f"the {what} '{path}' has no safetensors weights")
+    metas = {k: TensorStorageMetadata(TensorProperties(dtype=SAFETENSORS_DTYPES[e.dtype]), torch.Size(e.shape), [])
+             for k, e in entries.items()}
+    return metas, lambda name: read_tensor(entries[name])
+
+
 def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, kept: dict,
                   disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
                   trust_remote_code: bool = False, source: str | None = None) -> float:
     """`out` holds, bit for bit, what `kept`/`disk`/`shards` planned from `load` (a collective if `live`) and
-    config.json from hf_config, and reads back as the same model; returns the max abs logit diff (0.0 off rank 0).
+    config.json from hf_config, and reads back as the same model; says so and returns the max abs logit diff (0.0 off
+    rank 0).
     `source`: the model the run started from: the tensors it never trains (untrained_keys) equal its own."""
     entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
     if source:
         check_untrained(entries, skeleton, disk, source, untrained_keys(skeleton))
-    return check_logits(out, skeleton, load, hf_config, kept, disk, dtype, entries, trust_remote_code)
+    diff = check_logits(out, skeleton, load, hf_config, kept, disk, dtype, entries, trust_remote_code)
+    print0(f"verified: {len(kept)} tensors equal the checkpoint's; logits streamed from the files (fp32) max abs diff "
+           f"{diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
+    return diff
 
 
 @torch.no_grad()

@@ -1,8 +1,11 @@
-"""Ownership of output dirs: an exclusive flock held for a whole run, released however the process ends (kill -9
-included, unlike a pid file); and removal of what interrupted exports left behind. Imports no torch."""
+"""Ownership of output dirs (the `locks` hook of export_hf, outdir.staging, checkpoint.prune, and the CLI's run lock):
+an exclusive flock held for a whole run, released however the process ends (kill -9 included, unlike a pid file);
+pins that keep a step dir being exported from retention; removal of what interrupted exports left behind; what the
+user added to an output dir kept when it is written again (publish_dir)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shlex
 import shutil
@@ -11,9 +14,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import FinetuneError
+from ..errors import FinetuneError
 
-RUN_LOCK = ".finetune.lock"  # in a training output dir
 _held: dict[str, int] = {}  # lock path -> open fd: the lock lasts while the fd stays open, i.e. this process
 
 
@@ -168,3 +170,79 @@ def remove_stale_partials(parent: Path, own: str) -> None:
     if removed:
         print(f"removed {len(removed)} partial export(s) left by interrupted runs in {parent} "
               f"({', '.join(removed)}): {num_bytes / 1e9:.3f} GB freed", flush=True)
+
+
+def publish_dir(new: Path, out: Path, marker: str) -> None:
+    """Move the finished `new` to `out`, its `marker` (JSON) listing the names in it ("files"), replacing an earlier
+    `out` but keeping what the user added there (names its marker does not list)."""
+    ours = sorted(p.name for p in new.iterdir())
+    (new / marker).write_text(json.dumps({**json.loads((new / marker).read_text()), "files": ours}, indent=2) + "\n")
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        before = json.loads((old / marker).read_text()).get("files")
+        theirs = [p.name for p in sorted(old.iterdir()) if before is not None and p.name not in before]
+        kept, replaced = [n for n in theirs if n not in ours], [n for n in theirs if n in ours]
+        for name in kept:
+            (old / name).rename(new / name)
+        if theirs:
+            print(f"{out}: kept what was added there since it was written ({', '.join(kept) or 'nothing'})"
+                  + (f"; replaced by this one's own: {', '.join(replaced)}" if replaced else ""), flush=True)
+    elif out.is_dir():
+        out.rmdir()
+    new.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def guard(out: Path):
+    """Rank 0's part of outdir.staging: the lock `.<name>.lock` beside `out` (unless the launcher holds it) while it
+    writes and publishes, the temp dirs of runs killed -9 removed first."""
+    lock = out.parent / f".{out.name}.lock"
+    own_lock = os.environ.get("FINETUNE_LOCK") != str(lock.resolve())  # else the launcher holds it for us
+    if own_lock:
+        hold_lock(lock, f"--output-dir {out}")
+    try:
+        remove_stale_partials(out.parent, out.name)
+        yield
+    finally:
+        if own_lock:
+            release_lock(lock)
+
+
+def pin_source(checkpoint: str):
+    """export.find_source, its step dir pinned (hold_pin) so that the retention of a run still saving into it
+    (checkpoint.keep) leaves it until the export ends. When retention deleted it first: the newest again (for an
+    output dir), else one line naming the step."""
+    from .. import export
+    from ..checkpoint import CheckpointError, damage, is_complete
+    if export.is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
+        return export.find_source(checkpoint)
+    step = Path(checkpoint)
+    for _ in range(3):
+        try:
+            source = export.find_source(checkpoint)
+        except FileNotFoundError:  # deleted between being found and being read
+            continue
+        step = source.weights
+        if hold_pin(step):
+            if is_complete(step) and damage(step) is None:  # intact while pinned (not deleted meanwhile)
+                return source
+            release_pin(step)
+        if step.resolve() == Path(checkpoint).resolve():  # the step itself was asked for: no newer one to take
+            break
+    raise CheckpointError(f"checkpoint {step} was deleted by the retention of the run saving into {step.parent} "
+                          f"(checkpoint.keep) before export-hf could pin it: export a newer step, or the output dir "
+                          f"(its newest)")
+
+
+@contextmanager
+def pinned_source(checkpoint: str):
+    """pin_source, unpinned when the block ends."""
+    source = pin_source(checkpoint)
+    try:
+        yield source
+    finally:
+        release_pin(source.weights)

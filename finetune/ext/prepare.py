@@ -1,4 +1,5 @@
-"""prepare-checkpoint: load a HF model once through the training load path (fp32, sharded) and save it as DCP.
+"""prepare-checkpoint: load a HF model once through the training load path (fp32, sharded) and save it as DCP (the
+core loads prepared dirs: load.load_prepared_weights; this extension writes them).
 
 A prepared dir P holds P/weights/ (DCP, {"model": <HF-named fp32 tensors>}), config.json, generation_config.json,
 tokenizer files and, written last, P/finetune_manifest.json, which marks it. It is published whole (outdir.staging);
@@ -14,13 +15,15 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from . import __version__
-from .distributed import init_distributed, is_main, print0, world_size
-from .errors import ModelError
-from .load import MANIFEST
-from .model import Transforms, build_model, load_hf_config, save_hf_files
-from .outdir import check_output_dir, staging
-from .weights import arch_of, fingerprint, local_dir, tied_groups
+from .. import __version__
+from ..distributed import init_distributed, is_main, print0, world_size
+from ..errors import ModelError
+from ..load import MANIFEST
+from ..model import Transforms, build_model, load_hf_config, save_hf_files
+from ..outdir import check_output_dir, staging
+from ..weights import arch_of, fingerprint, local_dir, tied_groups
+from . import locks
+from .varlen import register
 
 
 def check_prepare_target(out: Path, model_path: str) -> None:
@@ -49,17 +52,17 @@ def build_manifest(model, model_path: str, directory: Path, hf_config, keys: lis
 
 
 def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool = False,
-                       attn_implementation: str = "sdpa", varlen=None) -> Path:
+                       attn_implementation: str = "sdpa") -> Path:
     """Run on every rank: build the sharded fp32 model as sft does, DCP-save it, then config/tokenizer/manifest."""
     device, dims = init_distributed()
     out = Path(output_dir)
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    model, _ = build_model(model_path, device, dims.mesh, Transforms(varlen=varlen), mixed_precision="fp32",
+    model, _ = build_model(model_path, device, dims.mesh, Transforms(varlen=register), mixed_precision="fp32",
                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
     directory = local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
-    with staging(out, MANIFEST) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
+    with staging(out, MANIFEST, locks) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
         sd = get_model_state_dict(model)
         dcp.save({"model": sd}, checkpoint_id=str(tmp / "weights"))
         if is_main():
