@@ -1,5 +1,4 @@
-"""What a caller passes to train.train: the `Recipe` (the task's setup, the model transforms, the export's hooks), and
-the `Task` its setup returns for the built `Run`."""
+"""What a caller passes to train.train: the `Recipe`, and the `Task` its setup returns for the built `Run`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,9 +29,9 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 
 @dataclass
 class Task:
-    """What a task does on the loop (the defaults: sft). `loss(model, batch)` -> (the loss summed over the batch,
-    {statistic: 0-dim sum}); train_step divides the gradient by the global "count" statistic (default: label
-    tokens), reports a "loss" statistic in place of the loss, `means` as global means per count, `totals` as sums."""
+    """What a task does on the loop (the defaults: sft). `loss(model, batch)` -> (the batch's summed loss, {statistic:
+    0-dim sum}); the gradient is divided by the global "count" statistic (default: label tokens); `means` are
+    reported per count, `totals` as sums, a "loss" statistic in place of the loss."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
@@ -52,4 +51,6 @@ class Recipe:
     export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
     mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
+    report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:
+    # prints the start-up lines; a context (the progress bar) whose value is called with each step's record
     resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None

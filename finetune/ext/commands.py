@@ -1,5 +1,5 @@
-"""The extensions' commands (preview-data, bench, plan): their flags, checked before any model loads; each imports
-its module when it runs. cli.py's table adds them to the `finetune` command."""
+"""The extensions' commands (preview-data, bench, plan) and --version: their flags, checked before any model loads;
+each imports its module when it runs. cli.py's table adds them to the `finetune` command."""
 from __future__ import annotations
 
 import sys
@@ -8,9 +8,19 @@ from typing import List, Optional
 
 import typer
 
-from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, build_config, check_flag
-from ..config import ConfigError
+from .. import args
+from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, check_flag
+from ..config import Config, ConfigError
 from ..launch import guarded, set_threads
+from .hub import probe
+
+
+def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
+    """args.build_config; with check, the hub's reachability too (ext/hub.py)."""
+    cfg = args.build_config(config, overrides, check, **flags)
+    if check:
+        probe(cfg)
+    return cfg
 
 
 def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
@@ -101,6 +111,18 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
         return result["best"] is not None
     if not guarded(run, debug):
         raise SystemExit(1)
+
+
+def print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+        print(f"finetune {__version__}")
+        raise typer.Exit()
+
+
+def options(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
+                                         help="print the version and exit")):
+    """The `finetune` command's own options."""
 
 
 COMMANDS = {"preview-data": preview_data, "bench": bench, "plan": plan}

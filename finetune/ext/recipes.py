@@ -118,6 +118,7 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
     from .mfu import meter
+    from .report import Report
     from .resume_note import resume_note
     return Recipe(task, setup, transforms, export_hooks(), {"labellers": labellers, "stream": Mixture},
-                  mfu=meter, resume_note=resume_note)
+                  mfu=meter, report=Report, resume_note=resume_note)
