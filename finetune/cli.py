@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import List, NoReturn, Optional
+from typing import List, Optional
 
 import typer
 
@@ -248,22 +247,9 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
            nproc_per_node, debug)
 
 
-def interrupted(signum, frame) -> NoReturn:
-    """Ctrl-C before training started (then checkpoint.SignalFlag takes over: save and stop) or during an export."""
-    print("finetune: interrupted; nothing was saved", file=sys.stderr, flush=True)
-    raise SystemExit(130)
-
-
 def main():
-    # our progress bar and log lines only: no per-load bars from transformers/datasets
-    for key, value in (("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-                       ("TRANSFORMERS_VERBOSITY", "error"), ("TOKENIZERS_PARALLELISM", "false")):
-        os.environ.setdefault(key, value)
-    # torchao (imported by peft where it is installed) registers an Enum with torch's pytree, which logs a
-    # deprecation warning in every process: not ours to act on, and it would break the one-line errors
-    import logging
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    signal.signal(signal.SIGINT, interrupted)
+    if console := optional("console"):  # quiet libraries, Ctrl-C as one line
+        console.setup()
     app()
 
 

@@ -1,5 +1,4 @@
-"""Typed run configuration: preset (configs/tiny.toml unless --config) -> CLI flags -> `section.key=value`
-overrides -> `validate()`; a `ConfigError`'s message is one line naming the key."""
+"""Typed run configuration: preset -> CLI flags -> `section.key=value` overrides -> `validate()` (ConfigError)."""
 from __future__ import annotations
 
 import dataclasses

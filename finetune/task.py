@@ -29,9 +29,9 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 
 @dataclass
 class Task:
-    """What a task does on the loop (the defaults: sft). `loss(model, batch)` -> (the batch's summed loss, {statistic:
-    0-dim sum}); the gradient is divided by the global "count" statistic (default: label tokens); `means` are
-    reported per count, `totals` as sums, a "loss" statistic in place of the loss."""
+    """What a task does on the loop (default: sft). `loss(model, batch)` -> (summed loss, {statistic: 0-dim sum}); the
+    gradient / the global "count" (default: label tokens); reported: a "loss" statistic instead, `means` per count,
+    `totals` as sums."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()

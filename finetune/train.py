@@ -30,8 +30,7 @@ class NonFiniteError(FinetuneError):
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
                        collate=collate_labelled, ranks_per_row: int = 1):
-    """This rank's micro-batches for one step (each pad_to or its longest sample wide), and its share of their real
-    tokens (a row split over `ranks_per_row` context-parallel ranks: 1/N)."""
+    """This rank's micro-batches for one step and its share of their real tokens (1/ranks_per_row of a split row)."""
     batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
         items = [next(samples) for _ in range(micro_batch_size)]
@@ -197,8 +196,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
 @contextmanager
 def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None,
                  task: str = "sft"):
-    """Once the run is accepted (a refused run rewrites nothing): config.toml; (the metrics logger, the checkpointer
-    recording the config and `lora`), closed on exit."""
+    """Once the run is accepted (a refused run rewrites nothing): config.toml; (metrics logger, checkpointer)."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
@@ -218,8 +216,7 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
 
 def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
                 peak: float | None) -> tuple[dict, bool]:
-    """Read the pending steps' results on the host (one read; on GPU only on log and checkpoint steps, so the GPU
-    never waits in between) and log each; returns (the last record, whether a rank asked to stop)."""
+    """Read the pending steps' results on the host (one read) and log each; (the last record, whether to stop)."""
     keys = list(pending[0][0])
     rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
     values = [dict(zip(keys, row)) for row in rows]
