@@ -211,10 +211,9 @@ def resolve_path(value: str, base: Path) -> str:
 
 # The names apply_chat_template (transformers 5.x) takes or hands the template itself: a template kwarg of that name
 # would clash with them (a TypeError) or replace what the row gives (its messages, its tools).
-TEMPLATE_OWN_ARGS = ("messages", "tools", "documents", "add_generation_prompt", "conversation", "conversations",
-                     "chat_template", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
-                     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                     "tokenizer_kwargs")
+TEMPLATE_OWN_ARGS = ("messages tools documents add_generation_prompt conversation conversations chat_template "
+                     "continue_final_message tokenize sanitize_control_tokens padding truncation max_length "
+                     "return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs").split()
 RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key> must be <rule>"
     ("> 0", lambda v: v > 0, "train.max_steps train.micro_batch_size train.grad_accum_steps train.log_interval "
                              "data.max_seq_len data.num_proc lora.alpha dpo.beta eval.max_new_tokens"),
@@ -293,10 +292,9 @@ def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1
 
 def export_dtype_name(name: str) -> str:
     """export-hf --dtype: the torch dtype's name (here so that the CLI checks it before importing torch)."""
-    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-    if name not in names:
+    if name not in ("bfloat16", "bf16", "float32", "fp32"):
         raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
-    return names[name]
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(name, name)
 
 
 def parse_shard_size(text: str) -> int:

@@ -54,8 +54,7 @@ class MetricsLogger:
     """Writes one JSON object per optimizer step to metrics.jsonl (append, so resumed runs continue it)."""
 
     def __init__(self, output_dir: Path, use_wandb: bool, project: str, config: dict, start_step: int = 0):
-        self.file = None
-        self.wandb = None
+        self.file = self.wandb = None
         if not is_main():
             return
         path = Path(output_dir) / "metrics.jsonl"

@@ -214,49 +214,43 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
         logger.close()
 
 
+CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "num_computed_tokens")
+
+
 def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
                 peak: float | None) -> tuple[dict, bool]:
-    """Read the pending steps' results on the host (one read) and log each; (the last record, whether to stop)."""
+    """Read the pending steps' results on the host (one read) and log each step's record, counting tokens_seen and
+    raising on non-finite (nan_policy "stop"); returns (the last record, whether to stop)."""
     keys = list(pending[0][0])
     rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
-    values = [dict(zip(keys, row)) for row in rows]
-    for v, (_, timing) in zip(values, pending):
+    for row, (_, timing) in zip(rows, pending):
+        values = dict(zip(keys, row))
         if timing["skipped"]:  # only under nan_policy "skip", which reads every step at once
             state.skipped_steps += 1
             print0(f"step {timing['step']}: non-finite loss/grad norm, update skipped ({state.skipped_steps} skipped "
                    f"so far)")
-        record = make_record(v, timing, state, tc.nan_policy, device, peak)
+        loss, grad_norm = values["loss"], values["grad_norm"]
+        if tc.nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} at step "
+                                 f"{timing['step']} (loss={loss}, grad_norm={grad_norm}); stopping "
+                                 f"(train.nan_policy=\"stop\")")
+        state.tokens_seen += int(values["num_tokens"])
+        tokens_per_s = values["num_input_tokens"] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
+        record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
+                  "num_tokens": int(values["num_tokens"]), "tokens_per_s": tokens_per_s,
+                  "tokens_per_s_per_gpu": tokens_per_s / world_size(),
+                  "padding_fraction": 1 - values["num_input_tokens"] / values["num_computed_tokens"],
+                  "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
+                  "tokens_seen": state.tokens_seen}
+        if device.type == "cuda":
+            record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+        record.update((k, x) for k, x in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
+        if peak:
+            record["mfu"] = tokens_per_s * timing["flops_tok"] / (peak * world_size())  # ext/mfu.MFU_CONVENTION
         logger.log(record)
         show(record)
     pending.clear()
-    return record, values[-1]["stop"] > 0
-
-
-CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "num_computed_tokens")
-
-
-def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, nan_policy: str, device,
-                peak: float | None) -> dict:
-    """One step's metrics from train_step's values; counts tokens_seen; raises on non-finite (policy "stop")."""
-    loss, grad_norm = values["loss"], values["grad_norm"]
-    if nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} at step "
-                             f"{timing['step']} (loss={loss}, grad_norm={grad_norm}); stopping "
-                             f"(train.nan_policy=\"stop\")")
-    state.tokens_seen += int(values["num_tokens"])
-    tokens_per_s = values["num_input_tokens"] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
-    record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
-              "num_tokens": int(values["num_tokens"]), "tokens_per_s": tokens_per_s,
-              "tokens_per_s_per_gpu": tokens_per_s / world_size(),
-              "padding_fraction": 1 - values["num_input_tokens"] / values["num_computed_tokens"],
-              "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
-              "tokens_seen": state.tokens_seen}
-    if device.type == "cuda":
-        record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
-    record.update((k, v) for k, v in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
-    if peak:
-        record["mfu"] = tokens_per_s * timing["flops_tok"] / (peak * world_size())  # ext/mfu.MFU_CONVENTION
-    return record
+    return record, values["stop"] > 0
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
