@@ -258,7 +258,8 @@ def epoch_efficiency(base: dict, systems: dict) -> dict:
     """Real / computed tokens of each system's batching over a whole epoch (a few timed steps of padded batches
     are luck: one long sample pads its whole batch). The Trainer's random batches have the expectation of finetune's
     unpacked ones; TRL's padding-free rows compute no padding."""
-    from finetune.data import batch_efficiency, build_samples
+    from finetune.data import build_samples
+    from finetune.ext.report import batch_efficiency
     from finetune.model import load_tokenizer
     tok = load_tokenizer(base["model"])
     units = {p: build_samples(base["data"], tok, max_seq_len=base["seq_len"], packing=p).unit_lengths()

@@ -1,11 +1,11 @@
 """The `finetune` command and its subcommands; bad input ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
 
+import importlib.util
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import List, NoReturn, Optional
+from typing import List, Optional
 
 import typer
 
@@ -18,13 +18,11 @@ from .outdir import check_writable
 
 
 def has_extensions() -> bool:
-    import importlib.util
     return importlib.util.find_spec("finetune.ext") is not None
 
 
 def extension(name: str, what: str, load: bool = True):
     """finetune.ext.<name> (imported when `load`), for `what`; a ConfigError when this installation lacks it."""
-    import importlib.util
     if not has_extensions() or importlib.util.find_spec(f"finetune.ext.{name}") is None:
         raise ConfigError(f"{what} needs the extension finetune/ext/{name}.py, which this installation lacks")
     return importlib.import_module(f"finetune.ext.{name}") if load else None
@@ -32,29 +30,12 @@ def extension(name: str, what: str, load: bool = True):
 
 def optional(name: str):
     """finetune.ext.<name>, or None where this installation lacks it."""
-    try:
-        return extension(name, "")
-    except ConfigError:
-        return None
+    return extension(name, "") if has_extensions() and importlib.util.find_spec(f"finetune.ext.{name}") else None
 
 
 app = typer.Typer(cls=getattr(optional("flag_hints"), "Commands", None), add_completion=False, no_args_is_help=True,
                   pretty_exceptions_enable=False, help="Fine-tune Hugging Face causal LMs with FSDP2: sft, dpo, "
                   "preview-data, prepare-checkpoint, export-hf, bench, plan.")
-
-
-def print_version(value: bool) -> None:
-    if value:
-        from . import __version__
-        print(f"finetune {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def options(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
-                                         help="print the version and exit")):
-    pass
-
 
 
 # The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
@@ -94,9 +75,7 @@ def run_recipe(cfg: Config, task: str):
     if task != "sft":
         extension(task, f"finetune {task}")
     check_extensions(cfg)
-    if not has_extensions():
-        return Recipe()
-    return extension("recipes", f"finetune {task}").recipe(cfg, task)
+    return extension("recipes", f"finetune {task}").recipe(cfg, task) if has_extensions() else Recipe()
 
 
 def export_hooks() -> dict:
@@ -106,23 +85,20 @@ def export_hooks() -> dict:
 
 
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
+NNODES = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)")
+RDZV_ENDPOINT = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet (c10d rendezvous; "
+                             "on the first node); needed with --nnodes > 1")
+NO_RESUME = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist (they are kept beside, as "
+                         "checkpoints.N)")
+RESUME_FROM = typer.Option(None, "--resume-from", help="resume from this checkpoint dir")
 
 
 def train_command(task: str):
     """The `sft` or `dpo` command: train.train(cfg, the task's recipe) on the launched ranks."""
     def command(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
                 model: Optional[str] = MODEL, dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT,
-                nproc_per_node: int = NPROC,
-                nnodes: int = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per "
-                                           "node)"),
-                rdzv_endpoint: str = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers "
-                                                  "meet (c10d rendezvous; on the first node); needed with --nnodes "
-                                                  "> 1"),
-                no_resume: bool = typer.Option(False, "--no-resume", help="start fresh even if checkpoints exist "
-                                               "(they are kept beside, as checkpoints.N)"),
-                resume_from: Optional[str] = typer.Option(None, "--resume-from", help="resume from this checkpoint "
-                                                          "dir"),
-                debug: bool = DEBUG):
+                nproc_per_node: int = NPROC, nnodes: int = NNODES, rdzv_endpoint: str = RDZV_ENDPOINT,
+                no_resume: bool = NO_RESUME, resume_from: Optional[str] = RESUME_FROM, debug: bool = DEBUG):
         def prepare():
             check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)  # before the lock (dir)
             check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
@@ -131,6 +107,8 @@ def train_command(task: str):
             cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides,
                                **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                   "checkpoint.resume_from": resume_from})
+            if hub := optional("hub"):  # before torch is imported
+                hub.probe(cfg)
             if no_resume:
                 cfg.checkpoint.resume = False
             recipe = run_recipe(cfg, task)
@@ -172,15 +150,13 @@ def train_command(task: str):
         finally:
             if lock:
                 recipe.export["locks"].release_lock(lock)
-    command.__doc__ = {"sft": "Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat "
-                              "data, on CPU).",
-                       "dpo": "Preference tuning, DPO or SimPO (dpo.*), on sft's loop (with no arguments: the "
-                              "embedded tiny model on the bundled preference pairs, on CPU)."}[task]
     return command
 
 
-app.command("sft")(train_command("sft"))
-app.command("dpo")(train_command("dpo"))
+app.command("sft", help="Supervised fine-tuning (with no arguments: the embedded tiny model on the bundled chat data, "
+            "on CPU).")(train_command("sft"))
+app.command("dpo", help="Preference tuning, DPO or SimPO (dpo.*), on sft's loop (with no arguments: the embedded tiny "
+            "model on the bundled preference pairs, on CPU).")(train_command("dpo"))
 
 
 def missing(name: str):
@@ -192,8 +168,10 @@ def missing(name: str):
 
 
 def add_extension_commands() -> None:
-    """The extensions' commands (ext/commands.py), or where it is missing, commands that say so."""
-    commands = getattr(optional("commands"), "COMMANDS", {})
+    """The extensions' commands and --version (ext/commands.py), or where it is missing, commands that say so."""
+    ext = optional("commands")
+    app.callback()(getattr(ext, "options", lambda: None))
+    commands = getattr(ext, "COMMANDS", {})
     loose = {"ignore_unknown_options": True, "allow_extra_args": True}
     for name in [n for n in EXTENSION_COMMANDS if n != "dpo"]:
         app.command(name, context_settings={} if name in commands else loose)(commands.get(name) or missing(name))
@@ -236,23 +214,9 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
            nproc_per_node, debug)
 
 
-def interrupted(signum, frame) -> NoReturn:
-    """Ctrl-C before training started (then checkpoint.SignalFlag takes over: save and stop) or during an export."""
-    print("finetune: interrupted; nothing was saved", file=sys.stderr, flush=True)
-    raise SystemExit(130)
-
-
 def main():
-    # our progress bar and log lines only: no per-load bars from transformers/datasets
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # torchao (imported by peft where it is installed) registers an Enum with torch's pytree, which logs a
-    # deprecation warning in every process: not ours to act on, and it would break the one-line errors
-    import logging
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    signal.signal(signal.SIGINT, interrupted)
+    if console := optional("console"):  # quiet libraries, Ctrl-C as one line
+        console.setup()
     app()
 
 

@@ -1,5 +1,4 @@
-"""Typed run configuration: preset (configs/tiny.toml unless --config) -> CLI flags -> `section.key=value`
-overrides -> `validate()`; a `ConfigError`'s message is one line naming the key."""
+"""Typed run configuration: preset -> CLI flags -> `section.key=value` overrides -> `validate()` (ConfigError)."""
 from __future__ import annotations
 
 import dataclasses
@@ -212,10 +211,9 @@ def resolve_path(value: str, base: Path) -> str:
 
 # The names apply_chat_template (transformers 5.x) takes or hands the template itself: a template kwarg of that name
 # would clash with them (a TypeError) or replace what the row gives (its messages, its tools).
-TEMPLATE_OWN_ARGS = ("messages", "tools", "documents", "add_generation_prompt", "conversation", "conversations",
-                     "chat_template", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
-                     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                     "tokenizer_kwargs")
+TEMPLATE_OWN_ARGS = ("messages tools documents add_generation_prompt conversation conversations chat_template "
+                     "continue_final_message tokenize sanitize_control_tokens padding truncation max_length "
+                     "return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs").split()
 RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key> must be <rule>"
     ("> 0", lambda v: v > 0, "train.max_steps train.micro_batch_size train.grad_accum_steps train.log_interval "
                              "data.max_seq_len data.num_proc lora.alpha dpo.beta eval.max_new_tokens"),
@@ -230,6 +228,7 @@ RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key
     ("in [0, 1)", lambda v: 0 <= v < 1, "train.beta1 train.beta2 lora.dropout"),
     ("in [0, 0.5)", lambda v: 0 <= v < 0.5, "dpo.label_smoothing"),
     ('true, false or "auto"', lambda v: v in (True, False, "auto"), "model.liger model.compile"),
+    (">= 0 (or -1: the architecture's)", lambda v: v >= 0 or v == -1, "moe.aux_loss_coef"),
 ]
 
 
@@ -243,19 +242,13 @@ def validate(cfg: Config) -> None:
             if not holds(get_key(cfg, key)):
                 raise ConfigError(f"{key} must be {rule}, got {get_key(cfg, key)!r}")
     tc, dc = cfg.train, cfg.data
-    if cfg.moe.aux_loss_coef < 0 and cfg.moe.aux_loss_coef != -1:
-        raise ConfigError(f"moe.aux_loss_coef must be >= 0 (or -1: the architecture's), got {cfg.moe.aux_loss_coef!r}")
     if cfg.parallel.ep != 1:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not supported yet; leave it at 1 "
                           f"(FSDP shards the experts like every other weight)")
-    if cfg.model.fp8 != "off":  # refusals that need no torchao (ext/float8.py checks the device and the shards)
-        tp = getattr(cfg.parallel, "tp", 1)  # tensor parallel, once it exists: fp8 with TP gives NaN (torchtitan#3109)
-        for bad, why in ((cfg.lora.rank, f"with LoRA (lora.rank={cfg.lora.rank}) is not supported yet (peft's "
-                                         "adapters over torchao's Float8Linear, their merge and adapter export are "
-                                         "untested); set model.fp8=off or lora.rank=0"),
-                         (tp > 1, f"with tensor parallel (parallel.tp={tp}) is not supported yet; set model.fp8=off")):
-            if bad:
-                raise ConfigError(f"model.fp8={cfg.model.fp8} {why}")
+    if cfg.model.fp8 != "off" and cfg.lora.rank:  # needs no torchao (ext/float8.py checks the device and shards)
+        raise ConfigError(f"model.fp8={cfg.model.fp8} with LoRA (lora.rank={cfg.lora.rank}) is not supported yet "
+                          "(peft's adapters over torchao's Float8Linear, their merge and adapter export are untested); "
+                          "set model.fp8=off or lora.rank=0")
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
     if tc.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py
@@ -268,10 +261,11 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"train.tokens_per_step={tc.tokens_per_step} {why}")
     for j, src in enumerate(dc.sources):
         how = [k for k in ("weight", "samples", "epochs") if getattr(src, k)]
-        for ok, why in ((src.path, "path is not set"), (len(how) <= 1, f"sets {' and '.join(how)}; set one"),
-                        (min(src.weight, src.samples, src.epochs) >= 0, "weight, samples and epochs must be >= 0")):
-            if not ok:
-                raise ConfigError(f"data.sources[{j}]: {why}")
+        for ok, why in ((src.path, ": path is not set"), (len(how) <= 1, f": sets {' and '.join(how)}; set one"),
+                        (min(src.weight, src.samples, src.epochs) >= 0, ": weight, samples and epochs must be >= 0"),
+                        (src.epochs <= MAX_EPOCHS, f".epochs must be <= {MAX_EPOCHS:,}, got {src.epochs!r}")):
+            if not ok:  # MAX_EPOCHS: an epoch's sample indices are held in memory
+                raise ConfigError(f"data.sources[{j}]{why}")
     for key in dc.chat_template_kwargs:
         if key in TEMPLATE_OWN_ARGS:
             raise ConfigError(f"data.chat_template_kwargs.{key}: apply_chat_template sets {key!r} itself (from each "
@@ -279,9 +273,6 @@ def validate(cfg: Config) -> None:
     if not math.isfinite(sum(src.weight for src in dc.sources)):  # only their ratios count (mixture_sizes)
         raise ConfigError(f"data.sources: the weights sum past the largest number ({sum(s.weight for s in dc.sources)}"
                           f"); only their ratios count: scale them down, e.g. to 1 and 3")
-    for j, src in enumerate(dc.sources):
-        if src.epochs > MAX_EPOCHS:  # an epoch's sample indices are held in memory
-            raise ConfigError(f"data.sources[{j}].epochs must be <= {MAX_EPOCHS:,}, got {src.epochs!r}")
 
 
 def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1) -> int:
@@ -299,30 +290,11 @@ def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1
     return dp_shard
 
 
-def changed_sources(before: list[dict], now: list[dict], value) -> str:
-    """"data.sources[1] (b.jsonl): weight 1.0 -> 3.0, ..." for each source of the mixture that differs ("" if none);
-    `value(key, v)` normalises paths."""
-    def path(src):
-        return src.get("path", "")
-    out = []
-    for j in range(max(len(before), len(now))):
-        b, n = (before[j] if j < len(before) else None), (now[j] if j < len(now) else None)
-        if b is None or n is None:
-            out.append(f"data.sources[{j}] {path(b or n)} {'added' if b is None else 'removed'}")
-            continue
-        diffs = [f"{k} {b.get(k)!r} -> {v!r}" for k, v in n.items()
-                 if value("data.path" if k == "path" else k, b.get(k)) != value("data.path" if k == "path" else k, v)]
-        if diffs:
-            out.append(f"data.sources[{j}] ({path(b)}): {', '.join(diffs)}")
-    return "; ".join(out)
-
-
 def export_dtype_name(name: str) -> str:
     """export-hf --dtype: the torch dtype's name (here so that the CLI checks it before importing torch)."""
-    names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-    if name not in names:
+    if name not in ("bfloat16", "bf16", "float32", "fp32"):
         raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
-    return names[name]
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(name, name)
 
 
 def parse_shard_size(text: str) -> int:

@@ -1,5 +1,4 @@
-"""Dotted config keys on the config dataclasses: `set_key` (the key must exist and the value fit its type),
-`get_key`, values parsed from text, and hints naming the closest key."""
+"""Dotted config keys on the config dataclasses: `set_key` (checked), `get_key`, `parse_value`, closest-key hints."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,8 +72,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 
 
 def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
-    """Set `section.key` (or a top-level key, or `section.table.key` of a dict key) on cfg, checking that the key
-    exists and the type fits; messages name it as prefix + key."""
+    """Set `section.key` (top-level, or `section.table.key` of a dict key) on cfg, checking the key and the type."""
     parts = dotted.split(".")
     target, full = cfg, prefix + dotted
     for i, part in enumerate(parts):

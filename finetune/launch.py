@@ -1,5 +1,4 @@
-"""Where commands run: `guarded` (our errors as one line and their exit code), `launch` (here, or on ranks started
-by torch's elastic launcher) and `rank_main` (one rank's life)."""
+"""Where commands run: `guarded` (our errors as one line), `launch` (here, or on elastic-launched ranks), rank_main."""
 from __future__ import annotations
 
 import os
@@ -12,8 +11,7 @@ from .errors import STORAGE_ERRNOS, FinetuneError, os_error_line
 
 
 def guarded(fn: Callable, debug: bool, *args):
-    """Run fn; our errors and OS errors about a file (exit 1) become `error: <one line>` on stderr and their exit
-    code; with --debug, the traceback."""
+    """Run fn; our errors and storage OS errors (exit 1) end as `error: <one line>` and their exit code (or --debug)."""
     try:
         return fn(*args)
     except FinetuneError as e:
@@ -52,8 +50,7 @@ def set_threads(nproc: int) -> None:
 
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None,
            nnodes: int = 1, rdzv_endpoint: str = "", errors: Callable | None = None):
-    """Run entry(*args) here when one rank (or under torchrun); else start `nproc` local ranks re-running this
-    command line through torch's elastic launcher, one launcher per node meeting at `rdzv_endpoint`."""
+    """entry(*args) here when one rank (or under torchrun); else `nproc` local ranks re-running this command line."""
     set_threads(nproc)  # nproc >= 1: checked with the rest of the input
     if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
         return rank_main(entry, args, debug)

@@ -1,16 +1,15 @@
-"""Step metrics: peak memory, and the sinks (metrics.jsonl, console) on rank 0."""
+"""Step metrics: peak memory, and the metrics.jsonl sink on rank 0."""
 from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 from pathlib import Path
 
 import torch
 
-from .distributed import is_main, print0
+from .distributed import is_main
 from .outdir import keep_beside
 
 def peak_mem_mb(device: torch.device) -> float:
@@ -75,27 +74,3 @@ class MetricsLogger:
     def close(self) -> None:
         if self.file:
             self.file.close()
-
-
-def progress_bar(total: int, initial: int, enabled: bool):
-    """A tqdm bar on rank 0 when stderr is a terminal (or FINETUNE_PROGRESS is set); None otherwise."""
-    if not (enabled and is_main()):
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, desc="sft", dynamic_ncols=True, file=sys.stderr,
-                disable=not sys.stderr.isatty() and not os.environ.get("FINETUNE_PROGRESS"))
-
-
-def report(bar, record: dict, log_interval: int, max_steps: int) -> None:
-    """Advance the bar; every log_interval steps, one console line."""
-    line = (f"step {record['step']:>5}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s "
-            f"({record['tokens_per_s_per_gpu']:.0f}/device" + (f", MFU {record['mfu']:.1%}" if "mfu" in record else "")
-            + f") | mem {record['peak_mem_mb']:.0f} MB"
-            + (f" | reward acc {record['accuracy']:.2f} margin {record['margin']:.3f}" if "accuracy" in record else "")
-            + (f" | aux loss {record['aux_loss']:.4f}" if "aux_loss" in record else ""))
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}")
-    if record["step"] % log_interval == 0 or record["step"] == max_steps:
-        (bar.write if bar is not None and not bar.disable else print0)(line)

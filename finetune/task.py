@@ -1,5 +1,4 @@
-"""What a caller passes to train.train: the `Recipe` (the task's setup, the model transforms, the export's hooks), and
-the `Task` its setup returns for the built `Run`."""
+"""What a caller passes to train.train: the `Recipe`, and the `Task` its setup returns for the built `Run`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,9 +30,9 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 
 @dataclass
 class Task:
-    """What a task does on the loop (the defaults: sft). `loss(model, batch)` -> (the loss summed over the batch,
-    {statistic: 0-dim sum}); train_step divides the gradient by the global "count" statistic (default: label
-    tokens), reports a "loss" statistic in place of the loss, `means` as global means per count, `totals` as sums."""
+    """What a task does on the loop (default: sft). `loss(model, batch)` -> (summed loss, {statistic: 0-dim sum}); the
+    gradient / the global "count" (default: label tokens); reported: a "loss" statistic instead, `means` per count,
+    `totals` as sums."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
@@ -54,4 +53,6 @@ class Recipe:
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
     mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
     logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
+    report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:
+    # prints the start-up lines; a context (the progress bar) whose value is called with each step's record
     resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None

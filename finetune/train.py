@@ -3,21 +3,20 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, to_toml
-from .data import IGNORE_INDEX, batch_efficiency, build_samples, describe_counts, read_chat_template
+from .data import IGNORE_INDEX, build_samples, describe_counts, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .export import export_hf
 from .loss import collate_labelled
-from .metrics import peak_mem_mb, progress_bar, report
+from .metrics import peak_mem_mb
 from .model import Transforms, build_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler, by_mesh
 from .task import Recipe, Run, Task
@@ -31,8 +30,7 @@ class NonFiniteError(FinetuneError):
 
 def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pad_id: int, pad_to: int | None,
                        collate=collate_labelled, ranks_per_row: int = 1):
-    """This rank's micro-batches for one optimizer step (`collate`d, each as wide as pad_to or its longest sample)
-    and this rank's share of their real tokens (a row split over `ranks_per_row` context-parallel ranks: 1/N)."""
+    """This rank's micro-batches for one step and its share of their real tokens (1/ranks_per_row of a split row)."""
     batches, num_input_tokens = [], 0
     for _ in range(grad_accum_steps):
         items = [next(samples) for _ in range(micro_batch_size)]
@@ -43,8 +41,7 @@ def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pa
 
 def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: int, max_seq_len: int,
                 num_ranks: int) -> int:
-    """Micro-batches per rank per step; with tokens_per_step (packed data) R = tokens_per_step / max_seq_len rows
-    a step, so R / (ranks x micro_batch_size): the same global batch at any world size that divides it."""
+    """Micro-batches per rank per step; with tokens_per_step, its rows / (ranks x micro_batch_size)."""
     if not tokens_per_step:
         return grad_accum_steps
     rows = tokens_per_step // max_seq_len
@@ -57,9 +54,8 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
                skip_nonfinite: bool = False, stop: bool = False,
                task: Task | None = None) -> tuple[dict[str, torch.Tensor], bool]:
-    """One optimizer step over this rank's micro-batches: forward/backward (gradient sync on the last), ONE
-    all_reduce of the step's sums, gradients divided by the global count, clip, step. Returns ({name: float64 0-dim
-    device tensor}, never read here; CORE_STATS and the task's), whether the update was skipped."""
+    """One optimizer step: forward/backward, ONE all_reduce of the step's sums, gradients / the global count, clip,
+    step. Returns ({CORE_STATS and the task's: float64 0-dim device tensor, not read here}, whether skipped)."""
     task = task or Task()
     device = next(model.parameters()).device
     if task.begin_step is not None:
@@ -98,7 +94,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
 
 
 def build_run_samples(cfg: Config, tokenizer, **kwargs):
-    """The sample stream `cfg.data` describes (one call for sft, bench and preview-data, so they see the same data)."""
+    """The sample stream `cfg.data` describes (for sft, bench and preview-data alike)."""
     dc = cfg.data
     return build_samples([asdict(s) for s in dc.sources] or dc.path, tokenizer, fmt=dc.format, split=dc.split,
                          name=dc.name or None, streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing,
@@ -107,8 +103,7 @@ def build_run_samples(cfg: Config, tokenizer, **kwargs):
 
 
 def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
-    """(the model's tokenizer, with data.chat_template's in place of its own; that template or None). Resuming, the
-    template saved with the checkpoint is used, whatever the file holds now."""
+    """(the tokenizer with data.chat_template's template, that template or None); resuming: the checkpoint's."""
     path, template = cfg.data.chat_template, None
     if path:
         template = ckpt.read_marker(resume_dir).get("chat_template") if resume_dir is not None else None
@@ -120,7 +115,7 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
 
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
-    """(the model with `transforms`, its AdamW, its adapters' settings (build_model's)) as configured."""
+    """(the model with `transforms`, its AdamW, its adapters' settings) as configured."""
     tc = cfg.train
     model, lora = build_model(cfg.model.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
                               ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
@@ -144,19 +139,24 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
     if resume_dir is not None:
-        resume(resume_dir, cfg, model, optimizer, scheduler, state, lora, recipe.resume_note)
+        ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, model.config, lora)
+        print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
+        if recipe.resume_note and (line := recipe.resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg,
+                                                                state.samples_seen)):
+            print0(line)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
                                 start_sample=state.samples_seen, **recipe.samples)
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
-    describe_run(cfg, model, samples, dims, device, global_batch, state)
+    report = recipe.report(cfg, model, samples, dims, device, global_batch, state) if recipe.report else None
     flops_tok, peak = recipe.mfu(model, device) if recipe.mfu is not None else (None, None)
     task = recipe.setup(cfg, Run(model, optimizer, tokenizer, dims, device, out, resume_dir))
     before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
-        with open_outputs(cfg, out, state.step, chat_template, lora, recipe) as (logger, saver, bar):
+        with (open_outputs(cfg, out, state.step, chat_template, lora, recipe) as (logger, saver),
+              report or nullcontext(lambda record: None) as show):
             while state.step < tc.max_steps:
                 step = state.step + 1
                 t0 = time.perf_counter()
@@ -175,7 +175,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
                                          "skipped": skipped, "flops_tok": peak and flops_tok(micro_batches)}))
                 save = step == tc.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0)
                 if device.type != "cuda" or save or step % tc.log_interval == 0 or tc.nan_policy == "skip":
-                    record, stop = flush_steps(pending, state, logger, bar, tc, device, peak)
+                    record, stop = flush_steps(pending, state, logger, show, tc, device, peak)
                     if save or stop:
                         path = saver.save(step, model, optimizer, scheduler, state, model.config)
                     if stop:
@@ -193,21 +193,10 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     return record
 
 
-def resume(path: Path, cfg: Config, model, optimizer, scheduler, state: ckpt.TrainState, lora: dict | None,
-           note: Callable | None = None) -> None:
-    """Load the checkpoint at `path` into the run; say where it continues (and `note`'s line about changed keys)."""
-    ckpt.load_checkpoint(path, model, optimizer, scheduler, state, model.config, lora)
-    print0(f"resumed from {path} at step {state.step} ({state.samples_seen} samples seen)")
-    if note is not None and (line := note(ckpt.read_marker(path).get("config", {}), cfg, state.samples_seen)):
-        print0(line)
-
-
 @contextmanager
 def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None,
                  recipe: Recipe):
-    """Once the run is accepted (a refused run rewrites nothing): config.toml, and (the metrics logger, the
-    checkpointer, whose checkpoints record the config export-hf reads and `lora`, the progress bar or None), closed
-    on exit."""
+    """Once the run is accepted (a refused run rewrites nothing): config.toml; (metrics logger, checkpointer)."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
@@ -219,87 +208,54 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
     saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
                               lora=lora, run={"config": run, "chat_template": chat_template, "task": recipe.name},
                               locks=recipe.export.get("locks"))
-    bar = progress_bar(cfg.train.max_steps, start_step, cfg.log.progress)
     try:
-        yield logger, saver, bar
+        yield logger, saver
     finally:
         saver.close()
         logger.close()
-        if bar is not None:
-            bar.close()
-
-
-def describe_run(cfg: Config, model, samples, dims, device, global_batch: int, state: ckpt.TrainState):
-    """Print what this run trains on (data, packing, model, mesh, batch; a resumed run's changed global batch)."""
-    tc, dc = cfg.train, cfg.data
-    for line in samples.summary():  # streaming counts fill in as rows go by; reported at the end
-        print0(f"data: {line}")
-    if samples.num_samples is not None:
-        packed = (f"packed into {samples.num_samples} rows of <= {dc.max_seq_len} tokens" if dc.packing else
-                  "not packed: each micro-batch pads to its longest sample")
-        efficiency = batch_efficiency(samples.unit_lengths(), tc.micro_batch_size, dims.dp_size,
-                                      dc.max_seq_len if dc.pad_to_max else None)
-        print0(f"data: {packed}; packing efficiency {efficiency:.1%} (real tokens / computed tokens, first epoch)")
-    if state.step and state.samples_seen != state.step * global_batch:  # allowed, but then not the same run
-        print0(f"note: the global batch is now {global_batch} samples; the checkpoint's run used "
-               f"{state.samples_seen / state.step:g} per step (micro_batch_size x grad_accum_steps x ranks)")
-    num_params = sum(p.numel() for p in model.parameters())
-    print0(f"model: {cfg.model.path} ({num_params / 1e6:.1f}M params) on {world_size()} x {device.type} ({dims}), "
-           f"{tc.mixed_precision}, ac.ratio={cfg.ac.ratio}; global batch {global_batch} "
-           + (f"packed rows (<= {global_batch * dc.max_seq_len} tokens)" if dc.packing else "samples"))
-
-
-def flush_steps(pending: list, state: ckpt.TrainState, logger, bar, tc, device,
-                peak: float | None) -> tuple[dict, bool]:
-    """Read the pending steps' results on the host (one read) and log each; returns (the last record, whether a
-    rank asked to stop). On GPU train calls it only on log and checkpoint steps (every step under nan_policy
-    "skip"), so the GPU never waits for the host in between; signals and "stop" non-finite steps are acted on
-    here, always before a checkpoint is written."""
-    keys = list(pending[0][0])
-    rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
-    values = [dict(zip(keys, row)) for row in rows]
-    for v, (_, timing) in zip(values, pending):
-        if timing["skipped"]:  # only under nan_policy "skip", which reads every step at once
-            state.skipped_steps += 1
-            print0(f"step {timing['step']}: non-finite loss/grad norm, update skipped ({state.skipped_steps} skipped "
-                   f"so far)")
-        record = make_record(v, timing, state, tc.nan_policy, device, peak)
-        logger.log(record)
-        report(bar, record, tc.log_interval, tc.max_steps)
-    pending.clear()
-    return record, values[-1]["stop"] > 0
 
 
 CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "num_computed_tokens")
 
 
-def make_record(values: dict[str, float], timing: dict, state: ckpt.TrainState, nan_policy: str, device,
-                peak: float | None) -> dict:
-    """One step's metrics from train_step's values; counts tokens_seen; raises on non-finite (policy "stop")."""
-    loss, grad_norm = values["loss"], values["grad_norm"]
-    if nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} at step "
-                             f"{timing['step']} (loss={loss}, grad_norm={grad_norm}); stopping "
-                             f"(train.nan_policy=\"stop\")")
-    state.tokens_seen += int(values["num_tokens"])
-    tokens_per_s = values["num_input_tokens"] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
-    record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
-              "num_tokens": int(values["num_tokens"]), "tokens_per_s": tokens_per_s,
-              "tokens_per_s_per_gpu": tokens_per_s / world_size(),
-              "padding_fraction": 1 - values["num_input_tokens"] / values["num_computed_tokens"],
-              "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
-              "tokens_seen": state.tokens_seen}
-    if device.type == "cuda":
-        record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
-    record.update((k, v) for k, v in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
-    if peak:
-        record["mfu"] = tokens_per_s * timing["flops_tok"] / (peak * world_size())  # ext/mfu.MFU_CONVENTION
-    return record
+def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
+                peak: float | None) -> tuple[dict, bool]:
+    """Read the pending steps' results on the host (one read) and log each step's record, counting tokens_seen and
+    raising on non-finite (nan_policy "stop"); returns (the last record, whether to stop)."""
+    keys = list(pending[0][0])
+    rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
+    for row, (_, timing) in zip(rows, pending):
+        values = dict(zip(keys, row))
+        if timing["skipped"]:  # only under nan_policy "skip", which reads every step at once
+            state.skipped_steps += 1
+            print0(f"step {timing['step']}: non-finite loss/grad norm, update skipped ({state.skipped_steps} skipped "
+                   f"so far)")
+        loss, grad_norm = values["loss"], values["grad_norm"]
+        if tc.nan_policy == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'} at step "
+                                 f"{timing['step']} (loss={loss}, grad_norm={grad_norm}); stopping "
+                                 f"(train.nan_policy=\"stop\")")
+        state.tokens_seen += int(values["num_tokens"])
+        tokens_per_s = values["num_input_tokens"] / timing["step_time_s"]  # all real (non-pad) tokens, not only labels
+        record = {"step": timing["step"], "loss": loss, "lr": timing["lr"], "grad_norm": grad_norm,
+                  "num_tokens": int(values["num_tokens"]), "tokens_per_s": tokens_per_s,
+                  "tokens_per_s_per_gpu": tokens_per_s / world_size(),
+                  "padding_fraction": 1 - values["num_input_tokens"] / values["num_computed_tokens"],
+                  "step_time_s": timing["step_time_s"], "peak_mem_mb": peak_mem_mb(device),
+                  "tokens_seen": state.tokens_seen}
+        if device.type == "cuda":
+            record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+        record.update((k, x) for k, x in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
+        if peak:
+            record["mfu"] = tokens_per_s * timing["flops_tok"] / (peak * world_size())  # ext/mfu.MFU_CONVENTION
+        logger.log(record)
+        show(record)
+    pending.clear()
+    return record, values["stop"] > 0
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Global grad norm over all shards (clipped when max_norm > 0), as a tensor on the device. Parameters on several
-    device meshes: the norm of each mesh's, combined (sqrt of the sum of squares), then each group clipped by it."""
+    """Global grad norm over all shards and device meshes (clipped when max_norm > 0), as a tensor on the device."""
     groups = by_mesh(p for p in model.parameters() if p.grad is not None)
     max_norm = max_norm if max_norm > 0 else float("inf")
     if len(groups) <= 1:

@@ -10,9 +10,10 @@ import pytest
 
 from _tokenizers import build_tokenizer
 from finetune.config import Config, ConfigError
-from finetune.data import batch_efficiency, build_samples
+from finetune.data import build_samples
 from finetune.data.stream import _best_fit_packs
 from finetune.ext.streaming import build_samples as build_streamed
+from finetune.ext.report import batch_efficiency
 from finetune.model import load_tokenizer
 from finetune.train import accum_steps
 from helpers import invoke, read_metrics, run_ranks, sft, sft_config, train_rank

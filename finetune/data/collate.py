@@ -36,15 +36,3 @@ def sample_boundaries(lengths: list[int]) -> dict:
     of the segments of the flattened (batch x seq) tokens: each row's samples, then its padding as one."""
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
-
-
-def batch_efficiency(lengths, micro_batch_size: int, num_ranks: int, pad_to: int | None = None) -> float:
-    """Real / computed tokens of units of these lengths (in global order) batched as train does: unit g on rank
-    g % num_ranks, micro_batch_size of a rank per micro-batch, padded to its longest (or pad_to); whole rounds only."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    group = micro_batch_size * num_ranks
-    n = max(len(lengths) // group, 1) * group
-    x = np.resize(lengths, n).reshape(-1, micro_batch_size, num_ranks)  # [micro-batch round, row, rank]
-    width = x.max(axis=1) if pad_to is None else np.full(x[:, 0].shape, pad_to)
-    return float(x.sum() / (width.sum() * micro_batch_size))
-

@@ -1,5 +1,5 @@
-"""The extensions' commands (preview-data, bench, plan, prepare-checkpoint): their flags, checked before any model
-loads; each imports its module when it runs. cli.py's table adds them to the `finetune` command."""
+"""The extensions' commands (preview-data, bench, plan, prepare-checkpoint) and --version: their flags, checked
+before any model loads; each imports its module when it runs. cli.py's table adds them to the `finetune` command."""
 from __future__ import annotations
 
 import sys
@@ -8,10 +8,20 @@ from typing import List, Optional
 
 import typer
 
-from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, build_config, check_flag
-from ..config import ConfigError
+from .. import args
+from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, check_flag
+from ..config import Config, ConfigError
 from ..launch import guarded, launch, set_threads
 from ..outdir import check_writable
+from .hub import probe
+
+
+def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
+    """args.build_config; with check, the hub's reachability too (ext/hub.py)."""
+    cfg = args.build_config(config, overrides, check, **flags)
+    if check:
+        probe(cfg)
+    return cfg
 
 
 def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:
@@ -135,6 +145,18 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
                              cfg.model.attn_implementation), nproc_per_node, debug, errors=rank_errors)
     finally:
         release_lock(lock)
+
+
+def print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+        print(f"finetune {__version__}")
+        raise typer.Exit()
+
+
+def options(version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
+                                         help="print the version and exit")):
+    """The `finetune` command's own options."""
 
 
 COMMANDS = {"preview-data": preview_data, "bench": bench, "plan": plan, "prepare-checkpoint": prepare_checkpoint}

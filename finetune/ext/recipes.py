@@ -127,7 +127,8 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
     from .mfu import meter
+    from .report import Report
     from .resume_note import resume_note
     from .wandb import WandbLogger
     return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers),
-                  mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg))
+                  mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg), report=Report)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import PATH_KEYS, Config, changed_sources
+from ..config import PATH_KEYS, Config
 from ..keys import _flatten
 
 
@@ -50,3 +50,21 @@ def resume_note(saved: dict, cfg: Config, samples_seen: int) -> str | None:
                          f"indexes the new mixture's order: the run skips its first {samples_seen} samples, not the "
                          f"ones the checkpoint's run trained on; some of those come again, others are never read)")
     return "note: changed since the checkpoint: " + "; ".join(notes) if notes else None
+
+
+def changed_sources(before: list[dict], now: list[dict], value) -> str:
+    """"data.sources[1] (b.jsonl): weight 1.0 -> 3.0, ..." for each source of the mixture that differs ("" if none);
+    `value(key, v)` normalises paths."""
+    def path(src):
+        return src.get("path", "")
+    out = []
+    for j in range(max(len(before), len(now))):
+        b, n = (before[j] if j < len(before) else None), (now[j] if j < len(now) else None)
+        if b is None or n is None:
+            out.append(f"data.sources[{j}] {path(b or n)} {'added' if b is None else 'removed'}")
+            continue
+        diffs = [f"{k} {b.get(k)!r} -> {v!r}" for k, v in n.items()
+                 if value("data.path" if k == "path" else k, b.get(k)) != value("data.path" if k == "path" else k, v)]
+        if diffs:
+            out.append(f"data.sources[{j}] ({path(b)}): {', '.join(diffs)}")
+    return "; ".join(out)
