@@ -143,20 +143,23 @@ def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool =
 
 
 def keep_earlier_run(root: Path, resume: bool) -> None:
-    """A fresh run (no resume): rank 0 moves an earlier run's checkpoints to `checkpoints.N`, kept from retention."""
+    """A fresh run: rank 0 moves an earlier run's checkpoints to `checkpoints.N`, kept from retention."""
     if not resume and is_main() and step_dirs(root):
         print0(f"checkpoint.resume=false: starting fresh; the checkpoints already in {root} were moved to "
                f"{outdir.keep_beside(root)}")
 
 
-def check_run(output_dir: Path, resume_dir: Path | None, resume_from: str, task: str, model_path: str = "",
-              fingerprint=None) -> None:
-    """The run continues only a run of its own task ("sft", "dpo") and, given `model_path` and `fingerprint`
-    (load.base_fingerprint), of its own model (fingerprints of local dirs, else names); else a CheckpointError."""
+def asked_export(output_dir: Path, resume_dir: Path | None, resume_from: str) -> tuple[str, str]:
+    """(the checkpoint a refusal names, how to export it) for check_run's and ext/preflight's refusals."""
+    return (f"checkpoint.resume_from: {resume_dir}" if resume_from else f"output_dir {output_dir}",
+            f"export it (finetune export-hf --checkpoint {resume_dir if resume_from else output_dir} -o DIR)")
+
+
+def check_run(output_dir: Path, resume_dir: Path | None, resume_from: str, task: str) -> None:
+    """The run continues only a run of its own task ("sft", "dpo"); else a CheckpointError."""
     root = Path(output_dir) / "checkpoints"
     own = latest_complete(root, report=False) if resume_dir is None or resume_from else resume_dir
-    asked = f"checkpoint.resume_from: {resume_dir}" if resume_from else f"output_dir {output_dir}"
-    export = f"export it (finetune export-hf --checkpoint {resume_dir if resume_from else output_dir} -o DIR)"
+    asked, export = asked_export(output_dir, resume_dir, resume_from)
     for path in dict.fromkeys(p for p in (resume_dir, own) if p is not None):
         saved = read_marker(path).get("task")
         if saved and saved != task:
@@ -165,21 +168,6 @@ def check_run(output_dir: Path, resume_dir: Path | None, resume_from: str, task:
             raise CheckpointError(f"{where}; `finetune {task}` continues only {task} runs and keeps its own output "
                                   f"dir: to start {task} from that model, {export} and pass DIR as --model, with "
                                   f"another --output-dir")
-    if not fingerprint or resume_dir is None or read_marker(resume_dir).get("lora"):
-        return
-    trained = read_marker(resume_dir).get("config", {}).get("model", {}).get("path", "")
-    if not trained:
-        return
-    local = [Path(p).is_dir() for p in (trained, model_path)]
-    differs = (trained != model_path and fingerprint(trained) != fingerprint(model_path) if all(local)
-               else trained != model_path if not any(local) else False)
-    if differs:
-        restart = ("start a new run from its weights" if resume_from else
-                   f"train '{model_path}' instead, pass --no-resume (its checkpoints are kept as checkpoints.N) or "
-                   f"another --output-dir; to start from its weights")
-        raise CheckpointError(f"{asked}: its run trained the model '{trained}', not '{model_path}' (model.path): to "
-                              f"continue that run, pass --model {trained}; to {restart}, {export} and pass DIR as "
-                              f"--model")
 
 
 def read_marker(path: Path) -> dict:
@@ -196,14 +184,12 @@ def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
 
 
 def check_arch(path: Path, hf_config) -> None:
-    """Same architecture as the checkpoint (its marker's)."""
     if diffs := arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run"):
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
 
 
 def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) -> None:
-    """Same architecture, LoRA settings (`run`: this run's) and parameter names (`want`) as the checkpoint, or a
-    CheckpointError."""
+    """Same architecture, LoRA settings (`run`) and parameter names (`want`) as the checkpoint, or a CheckpointError."""
     saved = read_marker(path).get("lora")
     if saved and run:  # `run`: ext/lora.LoraSettings, which check a LoRA checkpoint's settings and base
         run.check(path, saved, hf_config)
@@ -273,7 +259,6 @@ class Checkpointer:
         return path
 
     def _finish(self, path: Path, marker: dict) -> None:
-        """Rank 0 marks the checkpoint complete, then prunes."""
         if is_main():
             write_marker(path, marker)
             prune(self.root, self.keep, self.locks)
@@ -287,7 +272,6 @@ class Checkpointer:
         barrier()
 
     def close(self) -> None:
-        """Wait for the save in flight, then free the async saves' process group."""
         self.wait()
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -323,8 +307,7 @@ def save_failure(path: Path, causes: list[BaseException]) -> str:
 
 
 def prune(root: Path, keep: int, locks=None) -> None:
-    """Keep the newest `keep` intact checkpoints (0: all; damaged ones are left, never counted); `locks`
-    (ext/locks): and those an export-hf pinned."""
+    """Keep the newest `keep` intact checkpoints (0: all; damaged ones are left) and those `locks` (ext/locks) pin."""
     intact = [p for p in step_dirs(root) if damage(p) is None]
     for old in intact[:-keep] if keep > 0 else []:
         with locks.unpinned(old) if locks else nullcontext(True) as free:

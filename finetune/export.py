@@ -21,7 +21,7 @@ from .load import MANIFEST, is_prepared
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .weights import INDEX, open_dcp, open_live, out_dtype_of, to_disk, write_safetensors
+from .weights import INDEX, open_dcp, out_dtype_of, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 
@@ -164,13 +164,11 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
               verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
-              check=None, locks=None, templates=None) -> Path:
-    """Write the HF model dir (adapter=True: the PEFT adapter dir of a LoRA checkpoint) `output_dir` from
-    `checkpoint`; returns it. `live`: the sharded model `checkpoint` was just saved from, gathered instead of read
-    back where the layout allows. The extensions' hooks, each optional: `adapters` (ext/lora_export: LoRA
-    checkpoints, else refused), `check` (ext/verify.verify_export, when `verify`: else unchecked, with a note),
-    `locks` (ext/locks: the source pinned against retention, the output dir locked), `templates`
-    (ext/template_defaults: the run's data.chat_template_kwargs as the exported chat template's defaults)."""
+              check=None, locks=None, templates=None, gather=None) -> Path:
+    """Write the HF model dir (adapter=True: a LoRA checkpoint's PEFT adapter dir) `output_dir` from `checkpoint`;
+    returns it. `live`: the sharded model just saved there, gathered by `gather` (ext/live) where the layout allows.
+    Optional hooks: `adapters` (ext/lora_export; LoRA checkpoints are refused without), `check` (ext/verify, when
+    `verify`), `locks` (ext/locks), `templates` (ext/template_defaults)."""
     dtype, shard_bytes, out = parse_dtype(dtype_name), parse_shard_size(max_shard_size), Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
@@ -193,9 +191,10 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             else:
                 skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
             kept, disk = export_layout(source, skeleton, stored)
-            gathered = live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk)
+            gathered = live is not None and gather is not None and not source.lora and \
+                len({k for k, _ in disk.values()}) == len(disk)
             if gathered:
-                load = open_live(live)[1]
+                load = gather(live)[1]
             label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
         with staging(out, EXPORT_MARKER, locks) as tmp:
             if adapter:

@@ -1,5 +1,5 @@
 """Fill a built, materialised sharded model: each rank preads its own slices of the HF safetensors (never a copy of
-the model in RAM), or rank 0 reads and scatters (a layout converted on load, no safetensors), or a prepared DCP dir."""
+the model in RAM), or of a prepared DCP dir; hub ids and layouts converted on load: ext/loader."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from .compat import local_shape_and_offset
-from .distributed import is_main, print0
+from .distributed import print0
 from .errors import ModelError
-from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, fingerprint, hf_key, local_dir,
+from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key,
                       missing_allowed, open_dir, persistent_buffers, read_rows, read_tensor, tied_groups)
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
@@ -20,13 +20,6 @@ MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
 
 def is_prepared(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
-
-
-def base_fingerprint(path: str) -> str:
-    """weights.fingerprint of the model at `path` (a prepared checkpoint's: its source's)."""
-    if is_prepared(path):
-        return json.loads((Path(path) / MANIFEST).read_text())["source"]["fingerprint"]
-    return fingerprint(local_dir(path))
 
 
 def check_manifest(path: str, hf_config) -> None:
@@ -52,9 +45,9 @@ def lacks_buffer(path: str, arch: str, key: str) -> str:
             f"compute on load (left at its initial value it would change what the model computes)")
 
 
-def locate_slices(model: nn.Module, skeleton: nn.Module, path: str) -> dict[str, Entry] | str:
+def locate_slices(model: nn.Module, skeleton: nn.Module, path: str, local_dir=Path) -> dict[str, Entry] | str:
     """{HF key: Entry} for each parameter of the sharded `model` (`skeleton`: the same model unwrapped, on meta),
-    checked strictly; or why to take the rank-0 path."""
+    checked strictly; or why to take the rank-0 path. `local_dir`: ext/loader's for a hub id."""
     entries = open_dir(local_dir(path))
     if entries is None:
         return f"'{path}' has no safetensors files"
@@ -114,62 +107,16 @@ def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
             buf.copy_(read_tensor(located[key]))
 
 
-def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Every rank reads its own slices (locate_slices), or rank 0 reads and scatters (load_hf_weights_rank0)."""
-    located = locate_slices(model, skeleton, path)
+def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False,
+                    loader=None) -> None:
+    """Every rank reads its own slices (locate_slices), or `loader` (ext/loader) reads on rank 0 and scatters."""
+    located = locate_slices(model, skeleton, path, loader.local_dir if loader else Path)
+    if isinstance(located, str) and loader is None:
+        raise ModelError(f"{located}: loading it needs finetune/ext/loader.py, which this installation lacks")
     if isinstance(located, str):
         print0(f"loading on rank 0 and scattering: {located}")
-        return load_hf_weights_rank0(model, path, trust_remote_code)
+        return loader.load_hf_weights_rank0(model, path, trust_remote_code)
     load_slices(model, located)
-
-
-@torch.no_grad()
-def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards."""
-    from collections import Counter
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    full, problem = None, [None]
-    params, buffers = hf_params(model), hf_buffers(model)
-    uses = Counter(key for key, _ in params)  # a module to save and its trained copy load the same tensor
-    if is_main():
-        from transformers import AutoModelForCausalLM
-        src, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code,
-                                                         output_loading_info=True)
-        full, arch = src.state_dict(), type(src).__name__
-        del src
-        # from_pretrained initialises what the checkpoint lacks (less what the class says it computes on load) and
-        # drops what the model has no place for (less what the class says to ignore): both would train another model
-        absent = set(info["missing_keys"])
-        missing = [key for key in uses if key not in full or key in absent]
-        lost = [key for key, _ in buffers if key in absent]
-        unexpected = sorted(info["unexpected_keys"])
-        if missing:
-            problem[0] = f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}"
-        elif lost:
-            problem[0] = lacks_buffer(path, arch, lost[0])
-        elif unexpected:
-            problem[0] = (f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place for, "
-                          f"e.g. {unexpected[0]}")
-    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops, not rank 0 alone
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise ModelError(problem[0])
-    for key, param in params:
-        uses[key] -= 1
-        if is_main():
-            src_t = (full.pop(key) if uses[key] == 0 else full[key]).to(param.device, param.dtype)
-        else:
-            src_t = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        assert isinstance(param, DTensor), key  # fully_shard at the root makes every parameter a DTensor
-        shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
-        param.to_local().copy_(shard.to_local())
-        del src_t
-    for key, buf in buffers:  # whole on every rank
-        if is_main():
-            buf.copy_(full.pop(key))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(buf, src=0)
 
 
 def load_prepared_weights(model: nn.Module, path: str) -> None:

@@ -37,6 +37,7 @@ class Transforms:
     lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
+    loader: object = None  # ext/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -247,7 +248,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     if is_prepared(path):
         load_prepared_weights(model, path)
     else:  # the name map comes from a clean skeleton: the model's own is wrapped by now
-        load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code)
+        load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code,
+                        transforms.loader)
     if transforms.after_load is not None:
         transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32

@@ -31,10 +31,8 @@ def publish_dir(new: Path, out: Path) -> None:
 
 @contextmanager
 def staging(out: Path, marker: str, locks=None):
-    """On every rank: yields rank 0's sibling temp dir `.<name>.partial-<pid>`, which they all write `out` into
-    (`marker` last); once the block has ended everywhere, rank 0 publishes it; `locks` (ext/locks): inside the dir's
-    lock, stale temp dirs removed first, what the user added to an earlier `out` kept. On an error nothing is
-    published."""
+    """On every rank: yields rank 0's sibling temp dir `.<name>.partial-<pid>` to write `out` into (`marker` last),
+    published by rank 0 once the block has ended everywhere (under `locks`, ext/locks, if given); on an error, not."""
     from .distributed import barrier, broadcast, is_main  # here: the CLI checks paths with this module before torch
     if not is_main():
         yield broadcast(None)
@@ -52,8 +50,7 @@ def staging(out: Path, marker: str, locks=None):
 
 
 def check_writable(path: Path, what: str) -> None:
-    """New files can be made in `path` (or its nearest existing parent), or a ConfigError (not os.access: root passes
-    it)."""
+    """New files can be made in `path` (or its nearest existing parent; os.access passes root), or a ConfigError."""
     where = Path(path).absolute()
     while not where.exists() and where != where.parent:
         where = where.parent

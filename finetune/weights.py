@@ -1,8 +1,7 @@
 """The bottom of the weights path: parameter names, safetensors bytes (a u64 header length, a JSON header, raw
-row-major data), tensor sources ({name: metadata}, name -> full tensor), architecture and weights fingerprints."""
+row-major data), tensor sources ({name: metadata}, name -> full tensor), architecture fingerprints."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -25,7 +24,6 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.
 SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}  # torch dtype -> safetensors' name
 ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
 # peft wraps a target Linear as <name>.base_layer + <name>.lora_A/B.default, and a module to save as
 # <name>.original_module (frozen) + <name>.modules_to_save.default (the trained copy)
 _WRAPPERS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
@@ -113,43 +111,6 @@ def read_header(file: Path) -> dict[str, Entry]:
         raise ModelError(f"{file} has {length} bytes, its header describes {end} (a truncated copy?)")
     return {name: Entry(file, h["dtype"], tuple(h["shape"]), 8 + size + h["data_offsets"][0])
             for name, h in header.items()}
-
-
-def local_dir(path: str) -> Path:
-    """The local directory of `path`: a dir, or a hub id downloaded once per node (safetensors and json files)."""
-    if Path(path).is_dir():
-        return Path(path)
-    import torch.distributed as dist
-    from huggingface_hub import snapshot_download
-    patterns = ["*.safetensors", "*.json"]
-    error = None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        try:
-            snapshot_download(path, allow_patterns=patterns)
-        except Exception as e:  # noqa: BLE001 - any failure is reported by every rank below
-            error = one_line(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise ModelError(f"cannot download '{path}': {error}")
-    return Path(snapshot_download(path, allow_patterns=patterns, local_files_only=True))
-
-
-def fingerprint(directory: Path, num_reads: int = 64) -> str:
-    """sha256 of the weight files' names and sizes and of `num_reads` 4 KiB reads spread over each (<1 s for a 70B
-    model; a change confined to bytes between the reads goes unseen)."""
-    h = hashlib.sha256()
-    for f in sorted(directory.rglob("*")):
-        if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name in (".metadata", INDEX)):
-            size = f.stat().st_size
-            h.update(f"{f.relative_to(directory)}:{size}\n".encode())
-            with open(f, "rb") as file:
-                for i in range(num_reads):
-                    file.seek(size * i // num_reads)
-                    h.update(file.read(4096))
-    return "sha256:" + h.hexdigest()
 
 
 def open_dir(root: Path) -> dict[str, Entry] | None:
@@ -245,19 +206,6 @@ def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
         return t
-    return stored, load
-
-
-def open_live(model: nn.Module) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """open_dcp for the sharded model in memory: load(name) gathers the full tensor (a collective)."""
-    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
-    from torch.distributed.tensor import DTensor
-    tensors = {clean_fqn(n): t for n, t in model.state_dict().items()}  # tied aliases included, as DCP saves them
-    stored = {n: TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.shape, []) for n, t in tensors.items()}
-
-    def load(name: str) -> torch.Tensor:
-        t = tensors[name]
-        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
     return stored, load
 
 

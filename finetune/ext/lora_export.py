@@ -12,9 +12,10 @@ from ..config import ConfigError
 from ..distributed import print0, world_size
 from ..errors import ModelError
 from ..export import Source, find_source
-from ..load import base_fingerprint, is_prepared
+from ..load import is_prepared
 from ..model import build_skeleton
 from ..weights import arch_diffs, open_dcp
+from .fingerprint import base_fingerprint
 from .lora import check_base as check_trained_base, merge_lora_tensor, peft_config, peft_key
 from .verify import open_safetensors
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from ..attention import check_trainable
-from ..checkpoint import check_arch, check_run, find_resume, read_marker
+from ..checkpoint import CheckpointError, asked_export, check_arch, check_run, find_resume, read_marker
 from ..config import Config, ConfigError
 from ..data import open_sources, require_chat_template
-from ..load import base_fingerprint
+from .fingerprint import base_fingerprint
 from ..model import load_hf_config
 from ..train import run_tokenizer
 from .recipes import samples
@@ -31,7 +31,8 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
             from .lora import check_base
             check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
     # the same task and (of the same architecture) the same model, or a hint for what was asked
-    check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task, cfg.model.path, base_fingerprint)
+    check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task)
+    check_model(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, cfg.model.path, base_fingerprint)
     dc, opened = cfg.data, samples(cfg, {})["stream"].open_sources  # as the run opens them: streamed or not
     sources = opened([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split, name=dc.name or None)
     sources += open_sources(cfg.eval.path) if cfg.eval.path else []  # checked now, not when training ends
@@ -48,3 +49,24 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
         return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
                 f"{cfg.train.max_steps}; raise train.max_steps to train on")
     return None
+
+
+def check_model(output_dir: Path, resume_dir: Path | None, resume_from: str, model_path: str, fingerprint) -> None:
+    """The run continues only a run of its own model (`fingerprint`s of local dirs, else names); else a
+    CheckpointError."""
+    asked, export = asked_export(output_dir, resume_dir, resume_from)
+    if resume_dir is None or read_marker(resume_dir).get("lora"):
+        return
+    trained = read_marker(resume_dir).get("config", {}).get("model", {}).get("path", "")
+    if not trained:
+        return
+    local = [Path(p).is_dir() for p in (trained, model_path)]
+    differs = (trained != model_path and fingerprint(trained) != fingerprint(model_path) if all(local)
+               else trained != model_path if not any(local) else False)
+    if differs:
+        restart = ("start a new run from its weights" if resume_from else
+                   f"train '{model_path}' instead, pass --no-resume (its checkpoints are kept as checkpoints.N) or "
+                   f"another --output-dir; to start from its weights")
+        raise CheckpointError(f"{asked}: its run trained the model '{trained}', not '{model_path}' (model.path): to "
+                              f"continue that run, pass --model {trained}; to {restart}, {export} and pass DIR as "
+                              f"--model")

@@ -21,8 +21,9 @@ from ..errors import ModelError
 from ..load import MANIFEST
 from ..model import Transforms, build_model, load_hf_config, save_hf_files
 from ..outdir import check_output_dir, staging
-from ..weights import arch_of, fingerprint, local_dir, tied_groups
-from . import locks
+from ..weights import arch_of, tied_groups
+from .fingerprint import fingerprint
+from . import loader, locks
 from .varlen import register
 
 
@@ -58,10 +59,11 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
     out = Path(output_dir)
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    model, _ = build_model(model_path, device, dims.mesh, Transforms(varlen=register), mixed_precision="fp32",
+    t = Transforms(varlen=register, loader=loader)
+    model, _ = build_model(model_path, device, dims.mesh, t, mixed_precision="fp32",
                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
-    directory = local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
+    directory = loader.local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
     with staging(out, MANIFEST, locks) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
         sd = get_model_state_dict(model)
         dcp.save({"model": sd}, checkpoint_id=str(tmp / "weights"))

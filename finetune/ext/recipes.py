@@ -16,8 +16,10 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     context parallelism, LoRA, op-level AC, activation offload), bound to their settings."""
     from ..distributed import print0
     from .sac import checkpoint_kwargs
+    from . import loader
     from .varlen import register
-    cuda, t = device.type == "cuda", Transforms(varlen=register, sac=checkpoint_kwargs)
+    t = Transforms(varlen=register, sac=checkpoint_kwargs, loader=loader)
+    cuda = device.type == "cuda"
     compile, liger = resolve_compile(cfg.model.compile, cuda), False
     if cfg.model.liger is not False:
         from .liger import resolve_liger
@@ -47,8 +49,9 @@ def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: st
     """`into` (or empty transforms) with LoRA's slots filled: `settings` (rank, alpha, dropout, target_modules,
     modules_to_save) on the frozen base in bf16 (fp32 when mixed_precision is fp32), adapters initialised from
     `seed`, tied to the base weights at `path`."""
+    from . import loader
     from .lora import apply_lora
-    t = into or Transforms()
+    t = into or Transforms(loader=loader)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     t.adapters = partial(apply_lora, **settings, base_dtype=base_dtype)
     t.after_load = partial(_init_adapters, seed=seed, path=path)
@@ -58,7 +61,7 @@ def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: st
 def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
     """After the weights are loaded: the adapters initialised from `seed`, and the fingerprint of the base weights
     they belong to recorded in `settings` (checkpoints record it to tie adapters to their base)."""
-    from ..load import base_fingerprint
+    from .fingerprint import base_fingerprint
     from .lora import init_lora_weights
     init_lora_weights(model, seed)
     settings["base_fingerprint"] = base_fingerprint(path)
@@ -107,8 +110,9 @@ def export_hooks() -> dict:
     """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, the streamed
     check of what was written, the locks (also the run's and its retention's: cli.py, train.open_outputs), the chat
     template's defaults."""
-    from . import locks, lora_export, template_defaults, verify
-    return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults}
+    from . import live, locks, lora_export, template_defaults, verify
+    return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults,
+            "gather": live.open_live}
 
 
 def samples(cfg: Config, labellers: dict) -> dict:

@@ -15,8 +15,9 @@ from ..distributed import is_main, is_my_file, print0
 from ..errors import FinetuneError, ModelError
 from ..metrics import peak_rss_mb
 from ..model import build_skeleton, find_layers
-from ..weights import (SAFETENSORS_CODES, SAFETENSORS_DTYPES, Entry, disk_to_memory, local_dir, open_dir,
+from ..weights import (SAFETENSORS_CODES, SAFETENSORS_DTYPES, Entry, disk_to_memory, open_dir,
                        out_dtype_of, persistent_buffers, read_tensor, to_disk)
+from .loader import local_dir
 
 
 class VerifyError(FinetuneError):
