@@ -249,6 +249,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.fp8={cfg.model.fp8} with LoRA (lora.rank={cfg.lora.rank}) is not supported yet "
                           "(peft's adapters over torchao's Float8Linear, their merge and adapter export are untested); "
                           "set model.fp8=off or lora.rank=0")
+    if cfg.model.fp8 != "off" and getattr(cfg.parallel, "tp", 1) > 1:  # once TP exists: NaNs (torchtitan#3109)
+        raise ConfigError(f"model.fp8={cfg.model.fp8} with tensor parallel (parallel.tp={cfg.parallel.tp}) is not "
+                          f"supported yet; set model.fp8=off")
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
     if tc.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py
