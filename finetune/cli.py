@@ -80,8 +80,7 @@ def run_recipe(cfg: Config, task: str):
 
 def export_hooks() -> dict:
     """export_hf's hooks (LoRA checkpoints, the check) where the extensions are installed."""
-    import importlib.util
-    return {} if importlib.util.find_spec("finetune.ext") is None else extension("recipes", "export-hf").export_hooks()
+    return extension("recipes", "export-hf").export_hooks() if has_extensions() else {}
 
 
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
