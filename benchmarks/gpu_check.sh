@@ -19,7 +19,7 @@ STAGES=(
   "tests-b      6 min  tests/test_gpu.py: Liger, compile+AC, varlen, all together = the plain path"
   "tests-c      4 min  tests/test_gpu.py: bench sweeps a compiled checkpointed model; offload on streams = without"
   "sft          3 min  the embedded default config in bf16"
-  "bench        6 min  finetune bench, 886M Llama, 8 packed rows x 2048: VARIANTS (default: auto and sdpa)"
+  "bench        6 min  finetune bench, 886M Llama, 8 packed rows x 2048: VARIANTS (default: auto and sdpa; +fp8: model.fp8=tensorwise)"
   "peers        8 min  compare_peers.py: one round of finetune defaults, TRL (packing, its best), HF Trainer"
   "lora8b       6 min  gpu_points.py lora8b: 8B + LoRA r16 at plan's point (bench, no checkpoint) vs plan's memory"
   "full         8 min  gpu_points.py full: the largest full fine-tune plan says fits (bench, no checkpoint) vs plan"
@@ -27,7 +27,7 @@ STAGES=(
 if [ "${1:-}" = --list ]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu}; mkdir -p "$OUT"
-WHEELS="transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 trl==1.16.0"
+WHEELS="transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 trl==1.16.0 torchao==0.18.0"
 if [ "${1:-}" = wheels ]; then  # pure-Python wheels; the image has torch, triton, accelerate, peft, tokenizers
   mkdir -p .whl  # /.whl/ is in .gitignore
   exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -68,7 +68,7 @@ tests-a|tests-b|tests-c)
   python3 -m pytest -q -x tests/test_gpu.py -k "$k" -p no:cacheprovider 2>&1 | tee -a $OUT/$s.log | tail -15;;
 sft)
   cuda $s || continue
-  /usr/bin/time -v $FT sft -o /tmp/gpu-sft-bf16 train.mixed_precision=bf16 2>&1 | grep -vE "^\s+(Average|Exit|Page|Swaps|File|Socket|Signals|Voluntary|Involuntary|Minor|Major|System time|User time|Percent)" | tee $OUT/sft-bf16.log | tail -25;;
+  $( [ -x /usr/bin/time ] && echo /usr/bin/time -v) $FT sft -o /tmp/gpu-sft-bf16 train.mixed_precision=bf16 2>&1 | grep -vE "^\s+(Average|Exit|Page|Swaps|File|Socket|Signals|Voluntary|Involuntary|Minor|Major|System time|User time|Percent)" | tee $OUT/sft-bf16.log | tail -25;;
 bench)
   cuda $s || continue
   m1b
@@ -78,9 +78,10 @@ bench)
     case $name in auto) attn=auto; liger=auto; comp=auto;; *varlen*) attn=varlen;; esac
     case $name in *liger*) liger=true;; esac
     case $name in *compile*) comp=true;; esac
-    echo "== bench $name (model.attn_implementation=$attn model.liger=$liger model.compile=$comp)"
+    fp8=off; case $name in *fp8*) fp8=tensorwise;; esac
+    echo "== bench $name (model.attn_implementation=$attn model.liger=$liger model.compile=$comp model.fp8=$fp8)"
     $FT bench $common --sac-ratios ${RATIOS:-0} -o /tmp/bench-$name model.attn_implementation=$attn \
-      model.liger=$liger model.compile=$comp 2>&1 | tee -a $OUT/bench.log | tail -8
+      model.liger=$liger model.compile=$comp model.fp8=$fp8 2>&1 | tee -a $OUT/bench.log | tail -8
     cp /tmp/bench-$name/bench.md $OUT/bench-${name//+/_}.md 2>/dev/null
   done;;
 peers)

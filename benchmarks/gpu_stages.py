@@ -69,7 +69,7 @@ def packed_batch(lengths: list[int], device) -> dict:
 
 
 def stage_varlen() -> None:
-    from finetune import attention
+    from finetune.ext import varlen as attention
     from finetune.data.collate import sample_boundaries
     attention.register()
     k = attention._VARLEN
