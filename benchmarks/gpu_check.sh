@@ -75,7 +75,7 @@ bench)
   common="--model /tmp/m1b --dataset examples/data/tiny_chat.jsonl --steps 8 --warmup 3 data.packing=true data.max_seq_len=2048 train.micro_batch_size=8 train.mixed_precision=bf16"
   for name in ${VARIANTS:-auto sdpa}; do
     attn=sdpa; liger=false; comp=false
-    case $name in auto) attn=auto; liger=auto; comp=auto;; *varlen*) attn=varlen;; esac
+    case $name in auto*) attn=auto; liger=auto; comp=auto;; *varlen*) attn=varlen;; esac
     case $name in *liger*) liger=true;; esac
     case $name in *compile*) comp=true;; esac
     fp8=off; case $name in *fp8*) fp8=tensorwise;; esac

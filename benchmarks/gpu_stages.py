@@ -59,9 +59,9 @@ def tiny_llama(layers: int = 2, hidden: int = 256, heads: int = 8, kv: int = 2, 
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=resolve_attn_implementation(cfg, attn, register))
 
 
-def packed_batch(lengths: list[int], device) -> dict:
+def packed_batch(lengths: list[int], device, vocab: int = 1024) -> dict:
     from finetune.data import pad_collate
-    row = {"input_ids": torch.randint(0, 1024, (sum(lengths),)).tolist(), "labels": [1] * sum(lengths),
+    row = {"input_ids": torch.randint(0, vocab, (sum(lengths),)).tolist(), "labels": [1] * sum(lengths),
            "position_ids": [i for n in lengths for i in range(n)]}
     batch = pad_collate([row], pad_id=0)
     batch["labels"] = batch["input_ids"].clone()
@@ -143,7 +143,7 @@ def stage_evalcompile() -> None:
          ok=counters["stats"]["unique_graphs"] == 0)
     model.train()
     for lengths in ([100, 200], [300, 50, 80], [64], [120, 120, 120]):
-        batch = packed_batch(lengths, dev)
+        batch = packed_batch(lengths, dev, model.config.vocab_size)
         model(**batch, use_cache=False).loss.backward()
     emit("evalcompile", phase="training (4 packed rows)", graphs=counters["stats"]["unique_graphs"],
          stats={k: v for k, v in counters["stats"].items()}, recompiles=dict(counters.get("recompiles", {})),
@@ -153,7 +153,10 @@ def stage_evalcompile() -> None:
 def stage_offload() -> None:
     from torch import nn
 
+    from functools import partial
+
     from finetune.ext.compat import storage_key
+    from finetune.ext.offload import HostOffload, Offloaded
     from finetune.model import apply_ac, apply_compile, find_layers
     base = tiny_llama()
     dev = need_cuda("offload")
@@ -169,7 +172,7 @@ def stage_offload() -> None:
     want = grads(copy.deepcopy(base))
     for compiled in (False, True):
         model = copy.deepcopy(base)
-        apply_ac(model, 1.0, "block", offload=True)
+        apply_ac(model, 1.0, "block", partial(Offloaded, offload=HostOffload()))  # the ac_wrap slot
         apply_compile(model, compiled)
         host = find_layers(model)[0].offload
         params = {storage_key(p.untyped_storage()) for p in model.parameters()}
@@ -218,6 +221,7 @@ def stage_opac() -> None:
     import copy
 
     from finetune.ext.compat import TorchDispatchMode
+    from finetune.ext.sac import checkpoint_kwargs
     from finetune.model import apply_ac
     base = tiny_llama(layers=4)
     dev = need_cuda("opac")
@@ -238,7 +242,7 @@ def stage_opac() -> None:
 
     for mode in ("block", "op"):
         model = copy.deepcopy(base)
-        apply_ac(model, 1.0, mode)
+        apply_ac(model, 1.0, mode, sac=checkpoint_kwargs)
         with Count() as fwd:
             loss = model(**batch, use_cache=False).loss
         with Count() as bwd:

@@ -106,3 +106,12 @@ def test_recommendation_is_the_fastest_point_within_the_budget():
     assert recommend(rows, 505, cuda=True).startswith("No point")  # CUDA: max reserved (510 MB) must fit
     assert "ac.ratio=1 " in recommend(rows, 515, cuda=True)
     assert recommend(rows, 100, cuda=False).startswith("No point fits the memory budget of 100 MB")
+
+
+def test_points_are_spawned_on_cuda(monkeypatch):
+    """A fork server's preloads can initialise CUDA, and its children then cannot use it ("Cannot re-initialize CUDA
+    in forked subprocess", every point failed on an H200): on CUDA each point is a spawned process."""
+    from finetune.ext.bench import start_workers
+    assert start_workers("llama").get_start_method() == "forkserver"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert start_workers("llama").get_start_method() == "spawn"

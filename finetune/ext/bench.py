@@ -172,11 +172,14 @@ def run_worker(job: dict) -> None:
 
 
 def start_workers(model_type: str):
-    """A fork server that has imported torch/transformers once: every point is a fresh child process (clean
-    peak memory, no CUDA state) without paying the imports again."""
+    """Every point is a fresh child process (clean peak memory, no CUDA state): on CPU a child of a fork server that
+    has imported torch/transformers once; on CUDA a spawned one (the preloads can initialise CUDA, and a fork server's
+    children then fail "Cannot re-initialize CUDA in forked subprocess": seen on an H200 with torch 2.11)."""
     import multiprocessing as mp
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["finetune.bench", "finetune.train", "finetune.model", "datasets", "accelerate",
+    ctx.set_forkserver_preload(["finetune.ext.bench", "finetune.train", "finetune.model", "datasets", "accelerate",
                                 "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
                                 f"transformers.models.{model_type}.modeling_{model_type}"])
     return ctx
