@@ -111,6 +111,8 @@ def test_recommendation_is_the_fastest_point_within_the_budget():
 def test_points_are_spawned_on_cuda(monkeypatch):
     """A fork server's preloads can initialise CUDA, and its children then cannot use it ("Cannot re-initialize CUDA
     in forked subprocess", every point failed on an H200): on CUDA each point is a spawned process."""
+    import torch
+
     from finetune.ext.bench import start_workers
     assert start_workers("llama").get_start_method() == "forkserver"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
