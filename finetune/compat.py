@@ -16,3 +16,11 @@ def compile_jinja_template(template: str):
     """A chat template compiled as transformers renders it (transformers 5.23 chat_template_utils)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
     return _compile_jinja_template(template)
+
+
+def launch_config(**kwargs):
+    """torch's elastic LaunchConfig, without `shutdown_timeout` where torch lacks it (2.11: ranks get 30 s, fixed)."""
+    from torch.distributed.launcher.api import LaunchConfig
+    if "shutdown_timeout" not in LaunchConfig.__dataclass_fields__:
+        kwargs.pop("shutdown_timeout")
+    return LaunchConfig(**kwargs)

@@ -94,14 +94,14 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
 def local_launch_config(nproc: int, nnodes: int = 1, rdzv_endpoint: str = ""):
     """torch's elastic LaunchConfig for `nproc` ranks here (of `nnodes` meeting at `rdzv_endpoint`), no restarts."""
     import uuid
-    from torch.distributed.launcher.api import LaunchConfig
+    from .compat import launch_config
     from .distributed import free_port
     # every node's launcher must name the same rendezvous run: the SLURM job, or one fixed name per endpoint
     run_id = os.environ.get("SLURM_JOB_ID", "finetune") if nnodes > 1 else str(uuid.uuid4())
-    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
-                        rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", max_restarts=0,
-                        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1", monitor_interval=0.5,
-                        shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
+    return launch_config(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
+                       rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", max_restarts=0,
+                       signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1", monitor_interval=0.5,
+                       shutdown_timeout=int(os.environ.get("FINETUNE_SHUTDOWN_TIMEOUT_S", 3600)))
 
 
 def rank_main(entry: Callable, args: tuple, debug: bool):
