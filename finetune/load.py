@@ -1,5 +1,5 @@
 """Fill a built, materialised sharded model: each rank preads its own slices of the HF safetensors (never a copy of
-the model in RAM), or of a prepared DCP dir; hub ids and layouts converted on load: ext/loader."""
+the model in RAM); hub ids, layouts converted on load and prepared DCP dirs: ext/loader."""
 from __future__ import annotations
 
 import json
@@ -109,7 +109,10 @@ def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
 
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False,
                     loader=None) -> None:
-    """Every rank reads its own slices (locate_slices), or `loader` (ext/loader) reads on rank 0 and scatters."""
+    """Every rank reads its own slices (locate_slices), or `loader` (ext/loader) reads on rank 0 and scatters, or loads
+    a prepared dir."""
+    if is_prepared(path) and loader is not None:
+        return loader.load_prepared_weights(model, path)
     located = locate_slices(model, skeleton, path, loader.local_dir if loader else Path)
     if isinstance(located, str) and loader is None:
         raise ModelError(f"{located}: loading it needs finetune/ext/loader.py, which this installation lacks")
@@ -118,18 +121,3 @@ def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remo
         return loader.load_hf_weights_rank0(model, path, trust_remote_code)
     load_slices(model, located)
 
-
-def load_prepared_weights(model: nn.Module, path: str) -> None:
-    """DCP-load a prepared checkpoint straight into the shards (DCP reshards and casts)."""
-    import torch.distributed.checkpoint as dcp
-    targets, copies = {}, []
-    for key, param in hf_params(model):
-        if key in targets:
-            copies.append((param, key))
-        else:
-            targets[key] = param
-    targets.update(hf_buffers(model))  # persistent buffers (a router's bias): prepare-checkpoint saved them
-    dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
-    with torch.no_grad():
-        for param, key in copies:
-            param.copy_(targets[key])

@@ -21,7 +21,7 @@ from .compat import CheckpointImpl, checkpoint_wrapper
 from .config import ConfigError
 from .distributed import print0
 from .errors import ModelError, one_line
-from .load import check_manifest, is_prepared, load_hf_weights, load_prepared_weights
+from .load import check_manifest, is_prepared, load_hf_weights
 
 
 @dataclass
@@ -245,11 +245,9 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
                            ac_mode=ac_mode, compile=compile)
     _materialize(model, device)
-    if is_prepared(path):
-        load_prepared_weights(model, path)
-    else:  # the name map comes from a clean skeleton: the model's own is wrapped by now
-        load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code,
-                        transforms.loader)
+    # the name map comes from a clean skeleton: the model's own is wrapped by now
+    load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code,
+                    transforms.loader)
     if transforms.after_load is not None:
         transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32

@@ -1,5 +1,6 @@
-"""What the core's slice reader cannot load alone (model.Transforms.loader): a hub id, downloaded once per node, and
-layouts transformers converts on load (fused MoE experts) or without safetensors, which rank 0 loads and scatters."""
+"""What the core's slice reader cannot load alone (model.Transforms.loader): a hub id, downloaded once per node,
+layouts transformers converts on load (fused MoE experts) or without safetensors, which rank 0 loads and scatters, and
+prepared checkpoint dirs (ext/prepare.py writes them)."""
 from __future__ import annotations
 
 import os
@@ -82,3 +83,19 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
             buf.copy_(full.pop(key))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(buf, src=0)
+
+
+def load_prepared_weights(model: nn.Module, path: str) -> None:
+    """DCP-load a prepared checkpoint straight into the shards (DCP reshards and casts)."""
+    import torch.distributed.checkpoint as dcp
+    targets, copies = {}, []
+    for key, param in hf_params(model):
+        if key in targets:
+            copies.append((param, key))
+        else:
+            targets[key] = param
+    targets.update(hf_buffers(model))  # persistent buffers (a router's bias): prepare-checkpoint saved them
+    dcp.load({"model": targets}, checkpoint_id=str(Path(path) / "weights"))
+    with torch.no_grad():
+        for param, key in copies:
+            param.copy_(targets[key])

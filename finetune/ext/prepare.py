@@ -1,5 +1,5 @@
-"""prepare-checkpoint: load a HF model once through the training load path (fp32, sharded) and save it as DCP (the
-core loads prepared dirs: load.load_prepared_weights; this extension writes them).
+"""prepare-checkpoint: load a HF model once through the training load path (fp32, sharded) and save it as DCP
+(ext/loader.py, the core's model.Transforms.loader slot, loads prepared dirs).
 
 A prepared dir P holds P/weights/ (DCP, {"model": <HF-named fp32 tensors>}), config.json, generation_config.json,
 tokenizer files and, written last, P/finetune_manifest.json, which marks it. It is published whole (outdir.staging);
