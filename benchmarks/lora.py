@@ -76,7 +76,7 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     dist.all_reduce(state_bytes)
     state = ckpt.TrainState()
     state.step = warmup + steps
-    path = ckpt.Checkpointer(Path(out) / "checkpoints", keep=1, use_async=False).save(
+    path = ckpt.Checkpointer(Path(out) / "checkpoints", keep=1).save(
         state.step, model, optimizer, scheduler, state, model.config)
     hwm = next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
     hwms: list = [None] * dist.get_world_size()

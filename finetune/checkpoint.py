@@ -11,26 +11,22 @@ import shutil
 import signal
 import sys
 import time
-from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import outdir
-from .errors import FinetuneError, one_line, os_error_line
+from .errors import FinetuneError
 from .distributed import barrier, is_main, print0, world_size
 from .optim import reapply_settings, settings
 from .weights import arch_diffs, arch_of, clean_fqn
 
 MARKER = "finetune_complete.json"
-FULL_BYTES = 2**26  # free space under which a failed save is reported as a full disk
 
 
 class CheckpointError(FinetuneError, ValueError):
@@ -38,7 +34,7 @@ class CheckpointError(FinetuneError, ValueError):
 
 
 class SaveError(FinetuneError):
-    """A checkpoint could not be written (disk full, quota, read-only): exit 1, printed by rank 0."""
+    """A checkpoint could not be written (disk full, quota, read-only): exit 1, printed by rank 0 (ext/saving.py)."""
 
     exit_code = 1
     on_rank0 = True
@@ -218,15 +214,11 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, 
 
 
 class Checkpointer:
-    """Saves step-N checkpoints; with use_async, at most one save in flight (a new save first waits for it)."""
+    """Saves step-N checkpoints and prunes older ones (ext/saving.py's: in the background, a failure in one line)."""
 
-    def __init__(self, root: Path, keep: int, use_async: bool, lora: dict | None = None, run: dict | None = None,
-                 locks=None):
+    def __init__(self, root: Path, keep: int, lora: dict | None = None, run: dict | None = None, locks=None):
         # lora: the run's LoRA settings; run: what else the marker records; locks: prune's hook (ext/locks)
-        self.root, self.keep, self.use_async, self.lora, self.run = Path(root), keep, use_async, lora, run or {}
-        self.locks, self.pending = locks, None
-        # async saves run collectives from a background thread: give them their own gloo group
-        self.group = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
+        self.root, self.keep, self.lora, self.run, self.locks = Path(root), keep, lora, run or {}, locks
 
     def save(self, step: int, model, optimizer, scheduler, state: TrainState, hf_config) -> Path:
         self.wait()
@@ -240,23 +232,12 @@ class Checkpointer:
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
                   "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen,
                   "lora": self.lora, **self.run}
-        if self.use_async:
-            fut, finished = dcp.async_save(sd, checkpoint_id=str(path), process_group=self.group), Future()
-
-            def on_done(f):  # rank 0's save ends after DCP's .metadata is written: the marker can follow
-                try:
-                    f.result()
-                    self._finish(path, marker)
-                    finished.set_result(None)
-                except (Exception, CheckpointException) as e:  # raised by wait(), in the loop's thread
-                    finished.set_exception(e)
-            getattr(fut, "upload_completion", fut).add_done_callback(on_done)
-            self.pending = (finished, path)
-        else:
-            with removed_if_failed(path):
-                dcp.save(sd, checkpoint_id=str(path))
-                self._finish(path, marker)
+        self.write(path, sd, marker)
         return path
+
+    def write(self, path: Path, sd: dict, marker: dict) -> None:
+        dcp.save(sd, checkpoint_id=str(path))
+        self._finish(path, marker)
 
     def _finish(self, path: Path, marker: dict) -> None:
         if is_main():
@@ -265,45 +246,10 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written; raises its error."""
-        if self.pending is not None:
-            (finished, path), self.pending = self.pending, None
-            with removed_if_failed(path):
-                finished.result()
         barrier()
 
     def close(self) -> None:
         self.wait()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
-
-
-@contextmanager
-def removed_if_failed(path: Path):
-    """A failed save stops every rank with a SaveError naming the step dir and cause; rank 0 removes the dir."""
-    try:
-        yield
-    except (Exception, CheckpointException) as e:
-        cause = save_failure(path, [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException)
-                             else [e])
-        if is_main():
-            shutil.rmtree(path, ignore_errors=True)
-        latest = latest_complete(path.parent, report=False)
-        raise SaveError(f"cannot save checkpoint {path}: {cause}; removed it (the newest complete checkpoint: "
-                        f"{latest.name if latest else 'none'})") from e
-
-
-def save_failure(path: Path, causes: list[BaseException]) -> str:
-    """The cause of a failed save: an OS error of any rank (also a chained one), else the first error, with the free
-    space where it is little (torch.save reports a full disk as "unexpected pos N vs M")."""
-    for cause in causes:
-        while cause is not None:
-            if isinstance(cause, OSError) and cause.errno:
-                return os_error_line(cause)
-            cause = cause.__cause__ or cause.__context__
-    free = shutil.disk_usage(path.parent).free
-    return (f"no space left on the disk? ({free} bytes free; the error: {one_line(causes[0])})" if free < FULL_BYTES
-            else one_line(causes[0]))
 
 
 def prune(root: Path, keep: int, locks=None) -> None:

@@ -117,5 +117,5 @@ def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def get_key(cfg, dotted: str) -> Any:
-    """cfg's value at `section.key`."""
-    return reduce(getattr, dotted.split("."), cfg)
+    """cfg's value at `section.key` (TOML's `async` is the field async_)."""
+    return reduce(lambda obj, part: getattr(obj, part if hasattr(obj, part) else part + "_"), dotted.split("."), cfg)

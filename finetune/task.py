@@ -7,6 +7,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .checkpoint import Checkpointer
 from .loss import collate_labelled, token_loss_sum
 from .metrics import MetricsLogger
 from .model import Transforms
@@ -55,4 +56,5 @@ class Recipe:
     logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
     report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:
     # prints the start-up lines; a context (the progress bar) whose value is called with each step's record
+    checkpointer: Callable = Checkpointer  # (root, keep=, lora=, run=, locks=) -> it (ext/saving.py's: async saves)
     resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None

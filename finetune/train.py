@@ -205,9 +205,9 @@ def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | d
     run = asdict(cfg)
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
-    saver = ckpt.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_,
-                              lora=lora, run={"config": run, "chat_template": chat_template, "task": recipe.name},
-                              locks=recipe.export.get("locks"))
+    saver = recipe.checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, lora=lora,
+                                run={"config": run, "chat_template": chat_template, "task": recipe.name},
+                                locks=recipe.export.get("locks"))
     try:
         yield logger, saver
     finally:

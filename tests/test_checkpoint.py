@@ -280,6 +280,7 @@ def train_with_full_disk(cfg, step: int, rank: int) -> tuple[str, int]:
     import torch.distributed as dist
     import torch.distributed.checkpoint.filesystem as fs
 
+    from finetune.ext.recipes import recipe
     from finetune.train import train
     write_item = fs._write_item
 
@@ -290,7 +291,7 @@ def train_with_full_disk(cfg, step: int, rank: int) -> tuple[str, int]:
         return write_item(transforms, stream, *args, **kwargs)
     fs._write_item = full_disk
     try:
-        train(cfg)
+        train(cfg, recipe(cfg))
     except FinetuneError as e:
         return str(e), e.exit_code
     raise AssertionError("the save did not fail")

@@ -192,7 +192,8 @@ def train_on_prepared_base(llama_dir, tmp_path):
     """On one rank (run_ranks), bf16 mixed precision, base weights from a prepared checkpoint: a few large optimizer
     steps, the checks below, then a checkpoint; returns (prepared dir, step dir)."""
     from torch.distributed.tensor import DTensor
-    from finetune.checkpoint import Checkpointer, TrainState
+    from finetune.checkpoint import TrainState
+    from finetune.ext.saving import Checkpointer
     from finetune.distributed import init_distributed
     from finetune.model import build_model
     from finetune.weights import base_name, clean_fqn, is_adapter

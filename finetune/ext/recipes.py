@@ -133,6 +133,8 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     from .mfu import meter
     from .report import Report
     from .resume_note import resume_note
+    from .saving import Checkpointer
     from .wandb import WandbLogger
     return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers),
-                  mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg), report=Report)
+                  mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg), report=Report,
+                  checkpointer=partial(Checkpointer, use_async=cfg.checkpoint.async_))
