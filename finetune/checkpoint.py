@@ -33,13 +33,6 @@ class CheckpointError(FinetuneError, ValueError):
     """A checkpoint cannot be used for this run; the message is one line saying why."""
 
 
-class SaveError(FinetuneError):
-    """A checkpoint could not be written (disk full, quota, read-only): exit 1, printed by rank 0 (ext/saving.py)."""
-
-    exit_code = 1
-    on_rank0 = True
-
-
 @dataclass
 class TrainState(Stateful):
     """Loop counters and RNG: what else a resumed run needs to continue exactly."""

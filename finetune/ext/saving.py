@@ -12,11 +12,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import checkpoint
-from ..checkpoint import SaveError, latest_complete
+from ..checkpoint import latest_complete
 from ..distributed import is_main
-from ..errors import one_line, os_error_line
+from ..errors import FinetuneError, one_line, os_error_line
 
 FULL_BYTES = 2**26  # free space under which a failed save is reported as a full disk
+
+
+class SaveError(FinetuneError):
+    """A checkpoint could not be written (disk full, quota, read-only): exit 1, printed by rank 0."""
+
+    exit_code = 1
+    on_rank0 = True
 
 
 class Checkpointer(checkpoint.Checkpointer):
