@@ -223,8 +223,7 @@ class Checkpointer:
         barrier()
         sd = train_state_dict(model, optimizer, scheduler, state)
         marker = {"step": step, "world_size": world_size(), "time": time.time(), "arch": arch_of(hf_config),
-                  "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen,
-                  "lora": self.lora, **self.run}
+                  "samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen, "lora": self.lora, **self.run}
         self.write(path, sd, marker)
         return path
 

@@ -109,8 +109,7 @@ def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
 
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False,
                     loader=None) -> None:
-    """Every rank reads its own slices (locate_slices), or `loader` (ext/loader) reads on rank 0 and scatters, or loads
-    a prepared dir."""
+    """Each rank reads its own slices (locate_slices), or `loader` (ext/loader) loads a prepared dir or on rank 0."""
     if is_prepared(path) and loader is not None:
         return loader.load_prepared_weights(model, path)
     located = locate_slices(model, skeleton, path, loader.local_dir if loader else Path)
