@@ -49,7 +49,7 @@ def locate_slices(model: nn.Module, skeleton: nn.Module, path: str, local_dir=Pa
     """{HF key: Entry} for each parameter of the sharded `model` (`skeleton`: the same model unwrapped, on meta),
     checked strictly; or why to take the rank-0 path. `local_dir`: ext/loader's for a hub id."""
     entries = open_dir(local_dir(path))
-    if entries is None:  # (a prepared dir, where no loader loads it)
+    if entries is None:  # a prepared dir reaches here only without a loader
         return f"'{path}' is a prepared checkpoint" if is_prepared(path) else f"'{path}' has no safetensors files"
     mapping = disk_to_memory(skeleton, entries)
     converted = next((d for d, k in mapping.items() if k is None), None)
