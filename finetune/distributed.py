@@ -1,5 +1,4 @@
-"""Process group, device, ParallelDims (meshes, data-parallel rank and size), rank-0 helpers. Every run, even one
-process, has a process group and a mesh: the 1-process path is the N-rank path (FSDP2 on a mesh of one)."""
+"""Process group, device, ParallelDims, rank-0 helpers. One process is a group of one (FSDP2 on a mesh of one)."""
 from __future__ import annotations
 
 import os

@@ -10,8 +10,7 @@ LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss
 
 
 def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """(host) label_index (N,) int64: the flattened positions with a target, and label_targets (N,): the next
-    position's label (none across a packed sample's start)."""
+    """(host) label_index (N,): the flattened positions with a target; label_targets (N,): the next position's label."""
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
     if position_ids is not None:

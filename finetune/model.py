@@ -1,7 +1,6 @@
-"""Build the sharded training model: skeleton -> `parallelize` (the transforms in their one order) -> weights.
-The order: kernels -> (tensor parallel) -> context parallel -> (expert parallel) -> float8 -> adapters (on the plain HF
-modules, so every later wrapper and FSDP unit holds what they add) -> activation checkpointing -> compile (each
-block, before FSDP hooks it) -> FSDP (each block, then the root); the caller's `Transforms` fill the slots before AC."""
+"""Build the sharded training model: skeleton -> `parallelize` -> weights. The transforms' one order: kernels ->
+(tensor parallel) -> context parallel -> (expert parallel) -> float8 -> adapters (on the plain HF modules, so later
+wrappers and FSDP units hold them) -> activation checkpointing (with offload) -> compile (each block) -> FSDP."""
 from __future__ import annotations
 
 import copy
@@ -69,8 +68,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True,
 
 
 def load_generation_config(model_path: str, hf_config):
-    """The source's generation_config.json, or (it has none) one derived from the model config, as save_pretrained
-    does; a file that is there but unreadable or invalid is an error, never replaced."""
+    """The source's generation_config.json, else one derived from `hf_config`; one there but invalid is an error."""
     from transformers import GenerationConfig
     try:
         return GenerationConfig.from_pretrained(model_path)
@@ -84,9 +82,8 @@ def load_generation_config(model_path: str, hf_config):
 
 def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = "",
                   template_kwargs: dict | None = None, with_defaults=None):
-    """config.json, generation_config.json and the tokenizer files of `model_path` (with `chat_template` in place of
-    its own, if given; `template_kwargs`, the run's data.chat_template_kwargs, as its defaults where `with_defaults`,
-    ext/template_defaults.with_template_defaults, is given), saved as save_pretrained would."""
+    """config.json, generation_config.json and the tokenizer files of `model_path`, with `chat_template` if given
+    (and `template_kwargs` as its defaults, by `with_defaults`: ext/template_defaults), as save_pretrained would."""
     hf_config.save_pretrained(out)
     load_generation_config(model_path, hf_config).save_pretrained(out)
     tok = load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template)
@@ -150,8 +147,7 @@ def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
 
 def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None,
              sac: Callable | None = None) -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint (mode "op": with `sac`'s arguments), then
-    `wrap`; returns their indices."""
+    """Wrap the chosen blocks in non-reentrant checkpoint (mode "op": `sac`'s arguments), then `wrap`; their ids."""
     if mode == "op" and sac is None:
         raise ConfigError("ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
     layers = find_layers(model)
@@ -179,8 +175,7 @@ def shard_dim(shape, shards: int) -> int:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
-    """fully_shard each block, the input embedding and the output projection, then the root (HSDP on a 2-D mesh).
-    Tied embeddings stay in the root; so does lm_head with `lm_head_unit=False` (Transforms.lm_head_in_root)."""
+    """fully_shard each block, the embedding and lm_head (not tied, `lm_head_unit`), the root (2-D mesh: HSDP)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
     shards = mesh.shape[-1]

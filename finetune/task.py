@@ -30,14 +30,14 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 
 @dataclass
 class Task:
-    """What a task does on the loop (default: sft). `loss(model, batch)` -> (summed loss, {statistic: 0-dim sum}); the
-    gradient / the global "count" (default: label tokens); reported: a "loss" statistic instead, `means` per count,
-    `totals` as sums."""
+    """What a task does on the loop (default: sft). `loss(model, batch)` -> (summed loss, {statistic: 0-dim sum}), the
+    gradient / the global "count" (default: label tokens); reported: `means` per count, `totals` as sums."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
     totals: tuple = ()
     begin_step: Callable | None = None  # (micro_batches, device) -> None: before the step's first forward
+    clip: Callable | None = None  # (model, max_norm) -> the grad norm, for parameters on several device meshes
     end_step: Callable | None = None  # () -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
     evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
     evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training

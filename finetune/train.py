@@ -52,8 +52,7 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
-               skip_nonfinite: bool = False, stop: bool = False,
-               task: Task | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+               skip_nonfinite: bool = False, stop: bool = False, task: Task | None = None) -> tuple[dict, bool]:
     """One optimizer step: forward/backward, ONE all_reduce of the step's sums, gradients / the global count, clip,
     step. Returns ({CORE_STATS and the task's: float64 0-dim device tensor, not read here}, whether skipped)."""
     task = task or Task()
@@ -82,7 +81,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     count = total.get("count", total["num_tokens"]).clamp(min=1)
     for group in by_mesh(p for p in model.parameters() if p.grad is not None):  # one foreach per device mesh
         torch._foreach_mul_([p.grad for p in group], (1 / count).float())
-    grad_norm = clip_grad_norm(model, max_grad_norm)
+    grad_norm = (task.clip or clip_grad_norm)(model, max_grad_norm)
     result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
               **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means},
               **{k: total[k] for k in task.totals}, **(task.end_step() if task.end_step is not None else {})}
@@ -220,8 +219,7 @@ CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "nu
 
 def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
                 peak: float | None) -> tuple[dict, bool]:
-    """Read the pending steps' results on the host (one read) and log each step's record, counting tokens_seen and
-    raising on non-finite (nan_policy "stop"); returns (the last record, whether to stop)."""
+    """Read the pending steps' results on the host (one read) and log each; (the last record, whether to stop)."""
     keys = list(pending[0][0])
     rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
     for row, (_, timing) in zip(rows, pending):
@@ -255,17 +253,8 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Global grad norm over all shards and device meshes (clipped when max_norm > 0), as a tensor on the device."""
-    groups = by_mesh(p for p in model.parameters() if p.grad is not None)
-    max_norm = max_norm if max_norm > 0 else float("inf")
-    if len(groups) <= 1:
-        params = groups[0] if groups else []
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    from torch.distributed.tensor.experimental import implicit_replication
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
-    norm = torch.stack([(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms]).sum().sqrt()
-    with implicit_replication():  # the plain norm scales each mesh's DTensor gradients
-        for g in groups:
-            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm, foreach=True)
-    return norm
+    """Global grad norm over all shards of one device mesh (clipped when max_norm > 0), as a tensor on the device;
+    Task.clip for several meshes."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
