@@ -51,6 +51,7 @@ class Recipe:
     transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
     export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
+    accum: Callable | None = None  # (cfg, data ranks) -> micro-batches per rank per step, for train.tokens_per_step
     mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
     logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
     report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from .config import Config, ConfigError, to_toml
+from .config import Config, to_toml
 from .data import IGNORE_INDEX, build_samples, describe_counts, read_chat_template
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
@@ -37,18 +37,6 @@ def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pa
         num_input_tokens += sum(len(x["input_ids"]) for x in items) / ranks_per_row
         batches.append(collate(items, pad_id, pad_to or max(len(x["input_ids"]) for x in items)))
     return batches, num_input_tokens
-
-
-def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: int, max_seq_len: int,
-                num_ranks: int) -> int:
-    """Micro-batches per rank per step; with tokens_per_step, its rows / (ranks x micro_batch_size)."""
-    if not tokens_per_step:
-        return grad_accum_steps
-    rows = tokens_per_step // max_seq_len
-    if rows % (micro_batch_size * num_ranks):
-        raise ConfigError(f"train.tokens_per_step={tokens_per_step} is {rows} rows of data.max_seq_len={max_seq_len}, "
-                          f"not a multiple of train.micro_batch_size ({micro_batch_size}) x ranks ({num_ranks})")
-    return rows // (micro_batch_size * num_ranks)
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
@@ -128,7 +116,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     recipe = recipe or Recipe()
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
-    accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
+    accum = recipe.accum(cfg, dims.dp_size) if tc.tokens_per_step else tc.grad_accum_steps
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
     ckpt.check_run(out, resume_dir, cfg.checkpoint.resume_from, recipe.name)  # a run of this task (the CLI: and model)
