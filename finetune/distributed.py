@@ -21,8 +21,7 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """dp_replicate groups of dp_shard x cp ranks: FSDP2 shards parameters within a group (torchtitan's dp_shard_cp)
-    and replicates them across groups (HSDP); the cp consecutive ranks of a data rank split each row's tokens."""
+    """dp_replicate groups of dp_shard x cp ranks: FSDP2 shards in a group, replicates across (HSDP); cp splits rows."""
 
     dp_replicate: int
     dp_shard: int

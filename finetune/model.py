@@ -224,8 +224,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
                 mixed_precision: str = "bf16", ac_ratio: float = 0.0, ac_mode: str = "block",
                 compile: bool | str = False, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                 packing: bool = False) -> tuple[nn.Module, dict | None]:
-    """(A sharded model ready to train over `mesh` with the weights of `path` (HF dir/id or prepared dir): fp32
-    masters, or trainable adapters on a frozen base, the adapters' settings or None). `packing`: check_packing."""
+    """(model, adapter settings or None) over `mesh`, `path`'s weights: fp32 masters, or adapters on a frozen base."""
     transforms = transforms or Transforms()
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     asked = "auto" in (attn_implementation, compile)

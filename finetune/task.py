@@ -36,9 +36,9 @@ class Task:
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
     totals: tuple = ()
-    begin_step: Callable | None = None  # (micro_batches, device) -> None: before the step's first forward
+    begin_step: Callable = lambda micro_batches, device: None  # before the step's first forward
     clip: Callable | None = None  # (model, max_norm) -> the grad norm, for parameters on several device meshes
-    end_step: Callable | None = None  # () -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
+    end_step: Callable = lambda: {}  # -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
     evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
     evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
 

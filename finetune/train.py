@@ -45,8 +45,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     step. Returns ({CORE_STATS and the task's: float64 0-dim device tensor, not read here}, whether skipped)."""
     task = task or Task()
     device = next(model.parameters()).device
-    if task.begin_step is not None:
-        task.begin_step(micro_batches, device)
+    task.begin_step(micro_batches, device)
     sums: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -72,7 +71,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     grad_norm = (task.clip or clip_grad_norm)(model, max_grad_norm)
     result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
               **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means},
-              **{k: total[k] for k in task.totals}, **(task.end_step() if task.end_step is not None else {})}
+              **{k: total[k] for k in task.totals}, **task.end_step()}
     skipped = skip_nonfinite and not bool(torch.isfinite(torch.stack([result["loss"], result["grad_norm"]])).all())
     if not skipped:
         optimizer.step()

@@ -183,8 +183,7 @@ def router_task(task: Task, router: RouterLoss) -> Task:
     """`task` with the router's load-balancing term added to each micro-batch's loss (the reported loss stays the
     task's), and the step's global value reported as aux_loss."""
     def begin_step(micro_batches: list[dict], device) -> None:
-        if task.begin_step is not None:
-            task.begin_step(micro_batches, device)
+        task.begin_step(micro_batches, device)
         router.begin_step(micro_batches, sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches),
                           device)
 
@@ -194,7 +193,7 @@ def router_task(task: Task, router: RouterLoss) -> Task:
         return value + router.micro_batch_loss(), {"loss": value.detach(), **stats}
 
     def end_step() -> dict:
-        return {**(task.end_step() if task.end_step is not None else {}), "aux_loss": router.end_step()}
+        return {**task.end_step(), "aux_loss": router.end_step()}
     return replace(task, loss=loss, begin_step=begin_step, end_step=end_step)
 
 
