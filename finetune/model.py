@@ -32,7 +32,7 @@ class Transforms:
     adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
     ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
     sac: Callable | None = None  # () -> checkpoint()'s arguments for ac.mode=op (op-level selective AC)
-    after_load: Callable | None = None  # (model, settings) once the weights are in (the adapters' init)
+    after_load: Callable = lambda model, settings: None  # once the weights are in (the adapters' init)
     lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
@@ -178,8 +178,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head
     """fully_shard each block, the embedding and lm_head (not tied, `lm_head_unit`), the root (2-D mesh: HSDP)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
-    shards = mesh.shape[-1]
-    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, shards)))
+    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])))
     layers = find_layers(model)
     for i, layer in enumerate(layers):
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
@@ -244,8 +243,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     else:  # the name map comes from a clean skeleton: the model's own is wrapped by now
         load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code,
                         transforms.loader)
-    if transforms.after_load is not None:
-        transforms.after_load(model, settings)
+    transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
         assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype
