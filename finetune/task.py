@@ -56,4 +56,4 @@ class Recipe:
     logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
     report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:
     # prints the start-up lines; a context (the progress bar) whose value is called with each step's record
-    resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None
+    resume_note: Callable = lambda saved, cfg, samples_seen: None  # (saved config, ...) -> a resumed run's line or None

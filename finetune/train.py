@@ -127,8 +127,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, model.config, lora)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
-        if recipe.resume_note and (line := recipe.resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg,
-                                                                state.samples_seen)):
+        if line := recipe.resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg, state.samples_seen):
             print0(line)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
