@@ -102,11 +102,10 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
     """(the model with `transforms`, its AdamW, its adapters' settings) as configured."""
-    tc = cfg.train
-    model, lora = build_model(cfg.model.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
-                              ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
-                              attn_implementation=cfg.model.attn_implementation,
-                              trust_remote_code=cfg.model.trust_remote_code, packing=cfg.data.packing)
+    m, tc = cfg.model, cfg.train
+    model, lora = build_model(m.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
+                              ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=m.compile, packing=cfg.data.packing,
+                              attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 
