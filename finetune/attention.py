@@ -1,6 +1,5 @@
-"""Which attention implementation runs, and the refusals for what cannot keep packed samples apart: varlen and flash
-attend per sample with the boundaries each micro-batch carries (data.collate.sample_boundaries) as model kwargs;
-sdpa, eager and flex_attention ignore them and get a block-diagonal mask from the position_ids restarts."""
+"""Which attention implementation runs, and the refusals for what cannot keep packed samples apart (varlen and flash
+take the sample boundaries as kwargs; the others get a block-diagonal mask from the position_ids restarts)."""
 from __future__ import annotations
 
 import importlib.util

@@ -45,7 +45,8 @@ EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench",
 EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
                   "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
                   "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac",
-                  "data.streaming": "streaming", "log.wandb": "wandb", "checkpoint.async": "saving"}
+                  "data.streaming": "streaming", "log.wandb": "wandb", "checkpoint.async": "saving",
+                  "train.tokens_per_step": "tokens_per_step"}
 REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 

@@ -254,7 +254,7 @@ def validate(cfg: Config) -> None:
                           f"supported yet; set model.fp8=off")
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
-    if tc.tokens_per_step:  # a step is a number of packed rows: see accum_steps in train.py
+    if tc.tokens_per_step:  # a step is a number of packed rows: see ext/tokens_per_step.py
         for ok, why in ((dc.packing, "needs data.packing=true (a step of unpacked samples has no token size)"),
                         (tc.tokens_per_step % dc.max_seq_len == 0, f"must be a multiple of data.max_seq_len "
                                                                     f"({dc.max_seq_len}): rows of that many tokens"),

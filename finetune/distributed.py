@@ -1,5 +1,4 @@
-"""Process group, device, ParallelDims (meshes, data-parallel rank and size), rank-0 helpers. Every run, even one
-process, has a process group and a mesh: the 1-process path is the N-rank path (FSDP2 on a mesh of one)."""
+"""Process group, device, ParallelDims, rank-0 helpers. One process is a group of one (FSDP2 on a mesh of one)."""
 from __future__ import annotations
 
 import os
@@ -22,8 +21,7 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """dp_replicate groups of dp_shard x cp ranks: FSDP2 shards parameters within a group (torchtitan's dp_shard_cp)
-    and replicates them across groups (HSDP); the cp consecutive ranks of a data rank split each row's tokens."""
+    """dp_replicate groups of dp_shard x cp ranks: FSDP2 shards in a group, replicates across (HSDP); cp splits rows."""
 
     dp_replicate: int
     dp_shard: int

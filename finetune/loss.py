@@ -10,8 +10,7 @@ LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss
 
 
 def label_targets(labels: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """(host) label_index (N,) int64: the flattened positions with a target, and label_targets (N,): the next
-    position's label (none across a packed sample's start)."""
+    """(host) label_index (N,): the flattened positions with a target; label_targets (N,): the next position's label."""
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
     if position_ids is not None:
@@ -39,16 +38,13 @@ def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
         output["last_hidden_state"] = output[0].flatten(0, 1).index_select(0, index).unsqueeze(0)
         return output
 
-    inputs = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
-    fused = getattr(model, "fused_loss", None) if reduction == "sum" else None
-    if fused is not None:
-        inputs.update(fused(targets))
+    fused = model.fused_loss(targets) if reduction == "sum" and getattr(model, "fused_loss", None) else {}
     handle = model.get_decoder().register_forward_hook(keep_labelled)
     try:
-        out = model(**inputs, use_cache=False)
+        out = model(**{k: v for k, v in batch.items() if k not in LOSS_KEYS}, **fused, use_cache=False)
     finally:
         handle.remove()
-    if fused is not None:
+    if fused:
         return out.loss
     # flatten (a view), not [0]: a select's backward zero-fills a tensor of all the logits
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets, reduction=reduction)

@@ -1,7 +1,6 @@
-"""Build the sharded training model: skeleton -> `parallelize` (the transforms in their one order) -> weights.
-The order: kernels -> (tensor parallel) -> context parallel -> (expert parallel) -> float8 -> adapters (on the plain HF
-modules, so every later wrapper and FSDP unit holds what they add) -> activation checkpointing -> compile (each
-block, before FSDP hooks it) -> FSDP (each block, then the root); the caller's `Transforms` fill the slots before AC."""
+"""Build the sharded training model: skeleton -> `parallelize` -> weights. The transforms' one order: kernels ->
+(tensor parallel) -> context parallel -> (expert parallel) -> float8 -> adapters (on the plain HF modules, so later
+wrappers and FSDP units hold them) -> activation checkpointing (with offload) -> compile (each block) -> FSDP."""
 from __future__ import annotations
 
 import copy
@@ -33,7 +32,7 @@ class Transforms:
     adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
     ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
     sac: Callable | None = None  # () -> checkpoint()'s arguments for ac.mode=op (op-level selective AC)
-    after_load: Callable | None = None  # (model, settings) once the weights are in (the adapters' init)
+    after_load: Callable = lambda model, settings: None  # once the weights are in (the adapters' init)
     lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
@@ -69,8 +68,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True,
 
 
 def load_generation_config(model_path: str, hf_config):
-    """The source's generation_config.json, or (it has none) one derived from the model config, as save_pretrained
-    does; a file that is there but unreadable or invalid is an error, never replaced."""
+    """The source's generation_config.json, else one derived from `hf_config`; one there but invalid is an error."""
     from transformers import GenerationConfig
     try:
         return GenerationConfig.from_pretrained(model_path)
@@ -84,9 +82,8 @@ def load_generation_config(model_path: str, hf_config):
 
 def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = "",
                   template_kwargs: dict | None = None, with_defaults=None):
-    """config.json, generation_config.json and the tokenizer files of `model_path` (with `chat_template` in place of
-    its own, if given; `template_kwargs`, the run's data.chat_template_kwargs, as its defaults where `with_defaults`,
-    ext/template_defaults.with_template_defaults, is given), saved as save_pretrained would."""
+    """config.json, generation_config.json and the tokenizer files of `model_path`, with `chat_template` if given
+    (and `template_kwargs` as its defaults, by `with_defaults`: ext/template_defaults), as save_pretrained would."""
     hf_config.save_pretrained(out)
     load_generation_config(model_path, hf_config).save_pretrained(out)
     tok = load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template)
@@ -150,8 +147,7 @@ def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
 
 def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None,
              sac: Callable | None = None) -> list[int]:
-    """Wrap the chosen decoder blocks in torch's non-reentrant checkpoint (mode "op": with `sac`'s arguments), then
-    `wrap`; returns their indices."""
+    """Wrap the chosen blocks in non-reentrant checkpoint (mode "op": `sac`'s arguments), then `wrap`; their ids."""
     if mode == "op" and sac is None:
         raise ConfigError("ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
     layers = find_layers(model)
@@ -179,12 +175,10 @@ def shard_dim(shape, shards: int) -> int:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
-    """fully_shard each block, the input embedding and the output projection, then the root (HSDP on a 2-D mesh).
-    Tied embeddings stay in the root; so does lm_head with `lm_head_unit=False` (Transforms.lm_head_in_root)."""
+    """fully_shard each block, the embedding and lm_head (not tied, `lm_head_unit`), the root (2-D mesh: HSDP)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
-    shards = mesh.shape[-1]
-    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, shards)))
+    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])))
     layers = find_layers(model)
     for i, layer in enumerate(layers):
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
@@ -229,8 +223,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
                 mixed_precision: str = "bf16", ac_ratio: float = 0.0, ac_mode: str = "block",
                 compile: bool | str = False, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                 packing: bool = False) -> tuple[nn.Module, dict | None]:
-    """(A sharded model ready to train over `mesh` with the weights of `path` (HF dir/id or prepared dir): fp32
-    masters, or trainable adapters on a frozen base, the adapters' settings or None). `packing`: check_packing."""
+    """(model, adapter settings or None) over `mesh`, `path`'s weights: fp32 masters, or adapters on a frozen base."""
     transforms = transforms or Transforms()
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     asked = "auto" in (attn_implementation, compile)
@@ -248,8 +241,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     # the name map comes from a clean skeleton: the model's own is wrapped by now
     load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code,
                     transforms.loader)
-    if transforms.after_load is not None:
-        transforms.after_load(model, settings)
+    transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
         assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype

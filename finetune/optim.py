@@ -56,8 +56,7 @@ def settings(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 
 def reapply_settings(optimizer: torch.optim.Optimizer, scheduler, run_settings: list[dict]) -> None:
-    """After a checkpoint load (which restores the saved run's hyperparameters too): this run's again
-    (`run_settings`: settings() of the fresh optimizer) and its schedule's lr at the restored step."""
+    """After a checkpoint load: this run's `run_settings` (settings() when fresh) and its lr at the restored step."""
     for group, own in zip(optimizer.param_groups, run_settings, strict=True):
         group.update(own)
     scheduler.base_lrs = [own["initial_lr"] for own in run_settings]

@@ -31,15 +31,15 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 
 @dataclass
 class Task:
-    """What a task does on the loop (default: sft). `loss(model, batch)` -> (summed loss, {statistic: 0-dim sum}); the
-    gradient / the global "count" (default: label tokens); reported: a "loss" statistic instead, `means` per count,
-    `totals` as sums."""
+    """What a task does on the loop (default: sft). `loss(model, batch)` -> (summed loss, {statistic: 0-dim sum}), the
+    gradient / the global "count" (default: label tokens); reported: `means` per count, `totals` as sums."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
     totals: tuple = ()
-    begin_step: Callable | None = None  # (micro_batches, device) -> None: before the step's first forward
-    end_step: Callable | None = None  # () -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
+    begin_step: Callable = lambda micro_batches, device: None  # before the step's first forward
+    clip: Callable | None = None  # (model, max_norm) -> the grad norm, for parameters on several device meshes
+    end_step: Callable = lambda: {}  # -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
     evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)
     evaluate_after: Callable | None = None  # (the result before, or None) -> the held-out result after training
 
@@ -52,9 +52,10 @@ class Recipe:
     transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
     export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
+    accum: Callable | None = None  # (cfg, data ranks) -> micro-batches per rank per step, for train.tokens_per_step
     mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
     logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
     report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:
     # prints the start-up lines; a context (the progress bar) whose value is called with each step's record
     checkpointer: Callable = Checkpointer  # (root, keep=, lora=, run=, locks=) -> it (ext/saving.py's: async saves)
-    resume_note: Callable | None = None  # (saved config, cfg, samples seen) -> the line a resumed run prints, or None
+    resume_note: Callable = lambda saved, cfg, samples_seen: None  # (saved config, ...) -> a resumed run's line or None

@@ -39,27 +39,13 @@ def next_micro_batches(samples, micro_batch_size: int, grad_accum_steps: int, pa
     return batches, num_input_tokens
 
 
-def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: int, max_seq_len: int,
-                num_ranks: int) -> int:
-    """Micro-batches per rank per step; with tokens_per_step, its rows / (ranks x micro_batch_size)."""
-    if not tokens_per_step:
-        return grad_accum_steps
-    rows = tokens_per_step // max_seq_len
-    if rows % (micro_batch_size * num_ranks):
-        raise ConfigError(f"train.tokens_per_step={tokens_per_step} is {rows} rows of data.max_seq_len={max_seq_len}, "
-                          f"not a multiple of train.micro_batch_size ({micro_batch_size}) x ranks ({num_ranks})")
-    return rows // (micro_batch_size * num_ranks)
-
-
 def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens: int, max_grad_norm: float,
-               skip_nonfinite: bool = False, stop: bool = False,
-               task: Task | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+               skip_nonfinite: bool = False, stop: bool = False, task: Task | None = None) -> tuple[dict, bool]:
     """One optimizer step: forward/backward, ONE all_reduce of the step's sums, gradients / the global count, clip,
     step. Returns ({CORE_STATS and the task's: float64 0-dim device tensor, not read here}, whether skipped)."""
     task = task or Task()
     device = next(model.parameters()).device
-    if task.begin_step is not None:
-        task.begin_step(micro_batches, device)
+    task.begin_step(micro_batches, device)
     sums: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -82,10 +68,10 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     count = total.get("count", total["num_tokens"]).clamp(min=1)
     for group in by_mesh(p for p in model.parameters() if p.grad is not None):  # one foreach per device mesh
         torch._foreach_mul_([p.grad for p in group], (1 / count).float())
-    grad_norm = clip_grad_norm(model, max_grad_norm)
+    grad_norm = (task.clip or clip_grad_norm)(model, max_grad_norm)
     result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
               **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means},
-              **{k: total[k] for k in task.totals}, **(task.end_step() if task.end_step is not None else {})}
+              **{k: total[k] for k in task.totals}, **task.end_step()}
     skipped = skip_nonfinite and not bool(torch.isfinite(torch.stack([result["loss"], result["grad_norm"]])).all())
     if not skipped:
         optimizer.step()
@@ -116,11 +102,10 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
     """(the model with `transforms`, its AdamW, its adapters' settings) as configured."""
-    tc = cfg.train
-    model, lora = build_model(cfg.model.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
-                              ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=cfg.model.compile,
-                              attn_implementation=cfg.model.attn_implementation,
-                              trust_remote_code=cfg.model.trust_remote_code, packing=cfg.data.packing)
+    m, tc = cfg.model, cfg.train
+    model, lora = build_model(m.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
+                              ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=m.compile, packing=cfg.data.packing,
+                              attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 
@@ -129,7 +114,9 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     recipe = recipe or Recipe()
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
-    accum = accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, dc.max_seq_len, dims.dp_size)
+    if tc.tokens_per_step and recipe.accum is None:
+        raise ConfigError("train.tokens_per_step needs the extension finetune/ext/tokens_per_step.py (Recipe.accum)")
+    accum = recipe.accum(cfg, dims.dp_size) if tc.tokens_per_step else tc.grad_accum_steps
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
     ckpt.check_run(out, resume_dir, cfg.checkpoint.resume_from, recipe.name)  # a run of this task (the CLI: and model)
@@ -141,8 +128,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     if resume_dir is not None:
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, model.config, lora)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
-        if recipe.resume_note and (line := recipe.resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg,
-                                                                state.samples_seen)):
+        if line := recipe.resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg, state.samples_seen):
             print0(line)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
@@ -220,8 +206,7 @@ CORE_STATS = ("loss", "grad_norm", "num_tokens", "num_input_tokens", "stop", "nu
 
 def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
                 peak: float | None) -> tuple[dict, bool]:
-    """Read the pending steps' results on the host (one read) and log each step's record, counting tokens_seen and
-    raising on non-finite (nan_policy "stop"); returns (the last record, whether to stop)."""
+    """Read the pending steps' results on the host (one read) and log each; (the last record, whether to stop)."""
     keys = list(pending[0][0])
     rows = torch.stack([torch.stack([r[k] for k in keys]) for r, _ in pending]).tolist()  # the one host read
     for row, (_, timing) in zip(rows, pending):
@@ -255,17 +240,8 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
 
 
 def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Global grad norm over all shards and device meshes (clipped when max_norm > 0), as a tensor on the device."""
-    groups = by_mesh(p for p in model.parameters() if p.grad is not None)
-    max_norm = max_norm if max_norm > 0 else float("inf")
-    if len(groups) <= 1:
-        params = groups[0] if groups else []
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    from torch.distributed.tensor.experimental import implicit_replication
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
-    norm = torch.stack([(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms]).sum().sqrt()
-    with implicit_replication():  # the plain norm scales each mesh's DTensor gradients
-        for g in groups:
-            torch.nn.utils.clip_grads_with_norm_(g, max_norm, norm, foreach=True)
-    return norm
+    """Global grad norm over all shards of one device mesh (clipped when max_norm > 0), as a tensor on the device;
+    Task.clip for several meshes."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -15,7 +15,7 @@ from finetune.data.stream import _best_fit_packs
 from finetune.ext.streaming import build_samples as build_streamed
 from finetune.ext.report import batch_efficiency
 from finetune.model import load_tokenizer
-from finetune.train import accum_steps
+from finetune.ext.tokens_per_step import accum_steps
 from helpers import invoke, read_metrics, run_ranks, sft, sft_config, train_rank
 
 TOK = build_tokenizer("llama3")

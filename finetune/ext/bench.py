@@ -215,7 +215,7 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
     p = cfg.parallel
     data_ranks = p.dp_replicate * check_parallel(p.dp_replicate, p.dp_shard, nproc, p.cp)
     if cfg.train.tokens_per_step:  # the rows of a step as sft takes them on these ranks, as accumulation
-        from ..train import accum_steps
+        from .tokens_per_step import accum_steps
         cfg.train.grad_accum_steps = accum_steps(cfg.train.micro_batch_size, 1, cfg.train.tokens_per_step,
                                                  cfg.data.max_seq_len, data_ranks)
         cfg.train.tokens_per_step = 0

@@ -21,7 +21,8 @@ from ..config import ConfigError
 from ..distributed import all_reduce, print0
 from ..data import IGNORE_INDEX
 from ..errors import ModelError, one_line
-from ..train import Task
+from ..optim import by_mesh
+from ..train import Task, clip_grad_norm
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 
@@ -182,8 +183,7 @@ def router_task(task: Task, router: RouterLoss) -> Task:
     """`task` with the router's load-balancing term added to each micro-batch's loss (the reported loss stays the
     task's), and the step's global value reported as aux_loss."""
     def begin_step(micro_batches: list[dict], device) -> None:
-        if task.begin_step is not None:
-            task.begin_step(micro_batches, device)
+        task.begin_step(micro_batches, device)
         router.begin_step(micro_batches, sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches),
                           device)
 
@@ -193,5 +193,20 @@ def router_task(task: Task, router: RouterLoss) -> Task:
         return value + router.micro_batch_loss(), {"loss": value.detach(), **stats}
 
     def end_step() -> dict:
-        return {**(task.end_step() if task.end_step is not None else {}), "aux_loss": router.end_step()}
+        return {**task.end_step(), "aux_loss": router.end_step()}
     return replace(task, loss=loss, begin_step=begin_step, end_step=end_step)
+
+
+def clip_grad_norm_by_mesh(model, max_norm: float) -> torch.Tensor:
+    """Task.clip for parameters on several device meshes (experts on a mesh of their own): the global norm over all
+    of them, each mesh's gradients clipped by it."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    groups = by_mesh(p for p in model.parameters() if p.grad is not None)
+    if len(groups) <= 1:
+        return clip_grad_norm(model, max_norm)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
+    norm = torch.stack([(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms]).sum().sqrt()
+    with implicit_replication():  # the plain norm scales each mesh's DTensor gradients
+        for g in groups:
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm if max_norm > 0 else float("inf"), norm, foreach=True)
+    return norm

@@ -134,7 +134,8 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     from .report import Report
     from .resume_note import resume_note
     from .saving import Checkpointer
+    from .tokens_per_step import run_accum
     from .wandb import WandbLogger
-    return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers),
+    return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers), accum=run_accum,
                   mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg), report=Report,
                   checkpointer=partial(Checkpointer, use_async=cfg.checkpoint.async_))
