@@ -11,6 +11,7 @@ import datasets
 import numpy as np
 import torch
 
+from ..keys import ConfigError
 from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
 from .template import require_chat_template
@@ -103,13 +104,10 @@ class SampleStream(torch.utils.data.IterableDataset):
     then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process."""
     open_sources = staticmethod(open_sources)  # how build_samples opens its sources
 
-    def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,
-                 shuffle=True, seed=0, rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1,
-                 pack_window=PACK_WINDOW):
+    def __init__(self, sources: list[Source], tokenizers, *, max_seq_len=2048, packing=False, shuffle=True, seed=0,
+                 rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1, pack_window=PACK_WINDOW):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        if streaming:
-            raise DataError("data.streaming needs the extension finetune/ext/streaming.py")
         self.shuffle, self.packing, self.max_seq_len = shuffle, packing, max_seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.start_sample, self.epoch_limit, self.pack_window = start_sample, epoch_limit, pack_window
@@ -164,8 +162,10 @@ class SampleStream(torch.utils.data.IterableDataset):
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
     def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
-        """An epoch's samples in order: every usable one, source after source (a mixture's shares: ext/mixture.py)."""
-        return np.concatenate(kept).astype(np.int64)
+        """An epoch's samples in order: every usable one of the one source (a mixture's shares: ext/mixture.py)."""
+        if len(kept) > 1 or any(src.spec.get(k) for src in self.sources for k in ("weight", "samples", "epochs")):
+            raise ConfigError("data.sources: a mixture's shares need finetune/ext/mixture.py (its build_samples)")
+        return np.asarray(kept[0], dtype=np.int64)
 
     def describe_source(self) -> str:
         return ", ".join(src.spec["path"] for src in self.sources)

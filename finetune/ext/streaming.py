@@ -47,9 +47,6 @@ class Streamed(SampleStream):
     number of samples an epoch and the counts are known after the first pass."""
     open_sources = staticmethod(open_streamed)
 
-    def __init__(self, *args, streaming: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
-
     def _tokenize(self, num_proc: int) -> None:
         pass  # rows are labelled as they are read
 
