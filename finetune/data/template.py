@@ -3,7 +3,6 @@ template on prepared messages), how it wants tool-call arguments, and the text i
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import weakref
@@ -107,15 +106,6 @@ class Template:
                                                      **{**self.kwargs, **extra})
         except Exception as e:  # noqa: BLE001 - template errors are about this row
             raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
-
-    @functools.cached_property
-    def switches(self) -> list[str]:
-        """The template's variables that may switch thinking off (enable_thinking, ...), not set to false already."""
-        import jinja2.meta
-        texts = self.text.values() if isinstance(self.text, dict) else [self.text]
-        names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
-                              for x in texts))
-        return sorted(n for n in names if ("think" in n or "reason" in n) and self.kwargs.get(n) is not False)
 
 
 def render_or_why(tokenizer, messages, tools, extra: dict) -> tuple[str | None, str]:
