@@ -7,7 +7,7 @@ import pytest
 
 from _tokenizers import QWEN3_LIKE_TEMPLATE, build_tokenizer
 from finetune.data import DataError, to_conversation
-from finetune.ext.labelling import build_samples, tokenize_messages  # data's, with its optional parts
+from finetune.ext.label_hints import build_samples, tokenize_messages  # data's, with the not_prefix hint
 from finetune.ext.streaming import build_samples as build_streamed
 from helpers import REPO, sft
 

@@ -73,8 +73,23 @@ def _check_kept(m: dict, i: int, completion: str) -> None:
             raise Unsupported("drops_tool_calls", f"message {i}: the chat template drops its tool call '{name}'")
 
 
-def _tokens(tokenizer, t: Template, text: str, where: str) -> tuple[list, tuple, tuple]:
-    """(ids, start offsets, end offsets) of `text`."""
+def _tokens(tokenizer, t: Template, text: str, where: str, base=None, shared: int = 0) -> tuple[list, tuple, tuple]:
+    """(ids, start offsets, end offsets) of `text`. base: the same of a text sharing `text`'s first `shared`
+    characters, whose tokens before the last added token within them are reused (checked once per template)."""
+    if base is not None and t.reuse is not False:
+        ids, starts, ends = base
+        k = bisect.bisect_right(ends, shared)
+        while k and ids[k - 1] not in t.added:
+            k -= 1
+        if k > 1:
+            cut = starts[k - 1]
+            rest_ids, rest_starts, rest_ends = _tokens(tokenizer, t, text[cut:], where)
+            got = (ids[:k - 1] + rest_ids, starts[:k - 1] + tuple(a + cut for a in rest_starts),
+                   ends[:k - 1] + tuple(b + cut for b in rest_ends))
+            if t.reuse is None:
+                t.reuse = list(got[0]) == list(_tokens(tokenizer, t, text, where)[0])
+            if t.reuse:
+                return got
     if t.backend is not None:
         enc = t.backend.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
@@ -104,8 +119,7 @@ def _encode(t: Template, ids: list, starts, ends, spans, max_seq_len: int) -> di
     return {"input_ids": list(ids[:max_seq_len]), "labels": labels[:max_seq_len], "turns": turns}
 
 
-def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: str, prompt: str | None,
-          labelling):
+def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: str, prompt: str | None, hint):
     """(prompt_i, completion_i, the stop token the template does not write) of assistant message i, or Unsupported."""
     prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
     upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
@@ -113,7 +127,7 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     if start is None:
         raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                         f"generation prompt, so there is no answer to train"
-                                        + (labelling.hint(t, msgs, i, tools) if labelling else ""))
+                                        + (hint(t, msgs, i, tools) if hint else ""))
     length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[start:])
     completion = upto[start:start + length]
     if not completion:
@@ -129,11 +143,10 @@ def refuse(e: Unsupported, where: str, on_unsupported: str, then: str) -> None:
 
 
 def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: str = "", tools=None,
-                      on_unsupported: str = "error", template_kwargs: dict | None = None, labelling=None) -> Labelled:
+                      on_unsupported: str = "error", template_kwargs: dict | None = None, hint=None) -> Labelled:
     """One conversation's Labelled by the module docstring's rule. A turn (or row) the template cannot hold raises a
-    DataError (on_unsupported="error") or is left untrained and reported ("drop"). `labelling`: its optional parts
-    (ext/labelling.py): .hint(template, messages, i, tools) adds to a not_prefix turn's reason; .tokens(tokenizer,
-    template, text, where, the first sample's tokens, the row's text) tokenizes the samples after the first."""
+    DataError (on_unsupported="error") or is left untrained and reported ("drop"). hint(template, messages, i, tools):
+    text added to a not_prefix turn's reason (ext/label_hints.py)."""
     where = where or "conversation"
     require_chat_template(tokenizer, where)
     # An assistant message that opens the conversation (a greeting) is context only: no prompt precedes it at inference
@@ -158,7 +171,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
     for i in trained:
         try:
             prompt, completion, stop = _turn(tokenizer, t, msgs, messages[i], i, tools, full,
-                                             first if i == trained[0] else None, labelling)
+                                             first if i == trained[0] else None, hint)
         except Unsupported as e:
             e = e if str(e).startswith("message") else Unsupported(e.reason, f"message {i}: {e}")
             refuse(e, where, on_unsupported, "leaves such turns untrained and trains the rest")
@@ -176,8 +189,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
         _check_tokenization(tokenizer, t, msgs, tools, full, where)
     samples, base = [], None
     for text, spans, why in ([(main_text, main, "")] if main else []) + alone:
-        tokens = (labelling.tokens(tokenizer, t, text, where, base, main_text) if labelling and base
-                  else _tokens(tokenizer, t, text, where))
+        tokens = _tokens(tokenizer, t, text, where, base, len(os.path.commonprefix([main_text, text])) if base else 0)
         base = base or tokens  # the whole row's: the samples of turns split out share much of its text
         samples.append({**_encode(t, *tokens, spans, max_seq_len), "split": why})
     samples = sorted((s for s in samples if s["turns"]), key=lambda s: s["turns"][0])

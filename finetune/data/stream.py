@@ -88,14 +88,14 @@ def describe_counts(counts: dict) -> str:
 
 
 def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs, labellers: dict,
-              labelling):
+              hint):
     def tokenize(item: dict, idx: int):
         row, where = row_of(item, source.spec["path"], idx)
         if source.fmt in labellers:  # a format a task labels its own way (dpo's pairs: ext/pairs.py)
             return labellers[source.fmt](tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs)
         conv = to_conversation(row, source.fmt, where)
         return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported,
-                                 template_kwargs, labelling)
+                                 template_kwargs, hint)
     return tokenize
 
 
@@ -219,14 +219,14 @@ class SampleStream(torch.utils.data.IterableDataset):
 
 
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, max_seq_len=2048,
-                  on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None, labelling=None,
+                  on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None, hint=None,
                   stream=SampleStream, **order) -> SampleStream:
     """This rank's samples (`stream`: SampleStream or a subclass: ext/mixture.py, ext/streaming.py; `order`: its keyword
     arguments) of `data`: a path (fmt, split, name apply) or source dicts (path, split, name, format).
     `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled};
-    `labelling`: tokenize_messages' labelling=."""
+    `hint`: tokenize_messages' hint=."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = stream.open_sources(data, fmt=fmt, split=split, name=name)
-    tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {},
-                            labelling) for src in sources]
+    tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {}, hint)
+                  for src in sources]
     return stream(sources, tokenizers, max_seq_len=max_seq_len, **order)

@@ -67,6 +67,7 @@ class Template:
         self.control = [t.content for t in added.values() if t.content.strip()]
         self.tails: dict[tuple, tuple[str, int | None] | None] = {}
         self.checked = False  # our rendering + tokenization checked against apply_chat_template(tokenize=True) once
+        self.reuse: bool | None = None  # whether _tokens' reuse of a shared prefix's tokens holds (checked once)
         # The backend tokenizer directly gives the same ids and offsets without the wrapper's cost; where it does
         # not (the first row tells), the tokenizer's own __call__.
         self.backend = getattr(tokenizer, "backend_tokenizer", None)

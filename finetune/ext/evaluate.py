@@ -7,10 +7,9 @@ from pathlib import Path
 
 import torch
 
-from ..data import IGNORE_INDEX, detect_format, load_rows, pad_collate, row_of, to_conversation
+from ..data import IGNORE_INDEX, detect_format, load_rows, pad_collate, row_of, to_conversation, tokenize_messages
 from ..data.template import prepared, template_of
 from ..distributed import is_main, print0
-from .labelling import tokenize_messages
 
 
 # a held-out conversation is scored whole up to this many tokens, not cut at the training data.max_seq_len

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..data.formats import DataError, text_of, to_conversation
 from ..data.labels import Labelled, refuse
 from ..data.template import Unsupported
-from .labelling import tokenize_messages  # with labelling's optional parts
+from .label_hints import tokenize_messages  # with the not_prefix hint
 
 PAIR_REASONS = ("missing_side", "prompt_mismatch", "empty_completion")
 
