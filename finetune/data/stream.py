@@ -168,19 +168,6 @@ class SampleStream(torch.utils.data.IterableDataset):
             raise ConfigError("data.sources: a mixture's shares need finetune/ext/mixture.py (its build_samples)")
         return np.asarray(kept[0], dtype=np.int64)
 
-    def describe_source(self) -> str:
-        return ", ".join(src.spec["path"] for src in self.sources)
-
-    def summary(self) -> list[str]:
-        """Start-up lines: the files read and the counts."""
-        lines = []
-        for src in self.sources:
-            path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
-            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-            where = f": {len(files)} file(s): {shown}" if files else " from the hub"
-            lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
-        return lines + [describe_counts(self.counts)]
-
     def _assemble(self, samples: list[dict]) -> dict:
         unit = {k: [t for s in samples for t in s[k]] for k in ("input_ids", "labels")}
         if self.packing or samples[0].get("starts"):  # position_ids restart per sample (and per side of a pair):
