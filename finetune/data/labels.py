@@ -29,9 +29,8 @@ class Labelled(NamedTuple):
 
 
 def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
-    """Where message i's answer starts in `upto` (the rendering through message i) when `upto` does not extend
-    `prompt` (GPT-OSS drops tool-call analysis, Mistral moves the system prompt): of the places after which `upto`
-    holds nothing of the previous message, the one whose preceding text ends as `prompt` does the longest; or None."""
+    """Where message i's answer starts in `upto` (its rendering) that does not extend `prompt` (GPT-OSS, Mistral), or
+    None: of the places after which `upto` holds nothing of message i-1, the one ending the most as `prompt` does."""
     history = t.render(msgs[:i], tools, False)
     if not prompt.startswith(history):
         return None

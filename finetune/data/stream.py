@@ -208,10 +208,9 @@ class SampleStream(torch.utils.data.IterableDataset):
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, max_seq_len=2048,
                   on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None, hint=None,
                   stream=SampleStream, **order) -> SampleStream:
-    """This rank's samples (`stream`: SampleStream or a subclass: ext/mixture.py, ext/streaming.py; `order`: its keyword
-    arguments) of `data`: a path (fmt, split, name apply) or source dicts (path, split, name, format).
-    `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled};
-    `hint`: tokenize_messages' hint=."""
+    """This rank's samples of `data` (a path: fmt, split, name apply; or source dicts: path, split, name, format) by
+    `stream` (SampleStream, ext/mixture.py's, ext/streaming.py's) given `order`; `hint`: tokenize_messages'.
+    `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = stream.open_sources(data, fmt=fmt, split=split, name=name)
     tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {}, hint)
