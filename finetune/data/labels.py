@@ -3,8 +3,7 @@
 For assistant message i, prompt_i is the rendering of messages[:i] with a generation prompt; completion_i is the
 rendering of messages[:i+1] after prompt_i, cut right after its end-of-turn token. Turns whose prompt_i + completion_i
 begin the whole row's rendering share its sample; a turn it shows differently gets a sample of its own. A turn that
-cannot be trained so (Unsupported) stays untrained, as context of the later turns.
-"""
+cannot be trained so (Unsupported) stays untrained, as context of the later turns."""
 
 from __future__ import annotations
 

@@ -151,9 +151,8 @@ class SampleStream(torch.utils.data.IterableDataset):
             _count(self.source_counts[k], group)
             if not group[0]["drop"]:
                 kept[k] += ids
-        for counts in self.source_counts:
-            self.counts.update(counts)
         for src, counts, ids in zip(self.sources, self.source_counts, kept):
+            self.counts.update(counts)
             if not ids:
                 raise DataError(f"{src.spec['path']}: no usable samples ({describe_counts(counts)})")
         order = self._choose(kept, lengths)
