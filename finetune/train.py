@@ -83,7 +83,7 @@ def build_run_samples(cfg: Config, tokenizer, **kwargs):
     """The sample stream `cfg.data` describes (for sft, bench and preview-data alike)."""
     dc = cfg.data
     return build_samples([asdict(s) for s in dc.sources] or dc.path, tokenizer, fmt=dc.format, split=dc.split,
-                         name=dc.name or None, streaming=dc.streaming, max_seq_len=dc.max_seq_len, packing=dc.packing,
+                         name=dc.name or None, max_seq_len=dc.max_seq_len, packing=dc.packing,
                          seed=cfg.train.seed, on_unsupported=dc.on_unsupported, num_proc=dc.num_proc,
                          chat_template_kwargs=dc.chat_template_kwargs, **kwargs)
 

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from _tokenizers import QWEN3_LIKE_TEMPLATE, build_tokenizer
-from finetune.data import DataError, build_samples, to_conversation, tokenize_messages
+from finetune.data import DataError, to_conversation
+from finetune.ext.label_hints import build_samples, tokenize_messages  # data's, with the not_prefix hint
 from finetune.ext.streaming import build_samples as build_streamed
 from helpers import REPO, sft
 

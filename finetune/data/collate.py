@@ -9,8 +9,7 @@ from .labels import IGNORE_INDEX
 
 
 def pad_collate(samples: list[dict], pad_id: int, pad_to: int | None = None) -> dict:
-    """Right-pad to the longest sample (or pad_to), with sample_boundaries. Packed samples (with position_ids) get no
-    attention_mask: transformers builds the block-diagonal mask from the position_ids restarts (use_cache=False)."""
+    """Right-pad to the longest sample (or pad_to), with sample_boundaries; packed samples (position_ids): no mask."""
     longest = max(len(s["input_ids"]) for s in samples)
     width = longest if pad_to is None else pad_to
     if width < longest:

@@ -129,9 +129,8 @@ def _not_utf8(file: str) -> str:
 
 
 def load_rows(path: str, *, split: str = "train", name: str | None = None, stream=None) -> Rows:
-    """Rows of a local .json/.jsonl/.parquet file, a dataset dir's split or a hub dataset id (optionally "id:split"),
-    as a datasets.Dataset (items: see row_of); with `stream` (ext/streaming.py) the hub's streamed, local files read by
-    stream(path, split, files)."""
+    """Rows of a local .json/.jsonl/.parquet file, a dataset dir's split or a hub dataset id ("id:split") as a Dataset
+    (items: row_of); `stream` (ext/streaming.py): hub data streamed, local files read by stream(path, split, files)."""
     files = _local_files(path, split, name)
     if files is None:
         ref, _, hub_split = path.partition(":")
@@ -164,9 +163,8 @@ def load_rows(path: str, *, split: str = "train", name: str | None = None, strea
 
 
 def _no_rows(path: str, split: str, files: list[str]) -> str:
-    if files == [path]:
-        return f"{path}: has no rows (the file is empty)"
-    return f"{path}: split {split!r} has no rows (its files are empty: {', '.join(files)})"
+    return (f"{path}: has no rows (the file is empty)" if files == [path] else
+            f"{path}: split {split!r} has no rows (its files are empty: {', '.join(files)})")
 
 
 def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
@@ -222,9 +220,7 @@ def _content(value, where: str, what: str) -> str | list[dict]:
 
 def text_of(content) -> str:
     """The text of a message's content (None, a string, or text parts)."""
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content)
-    return content or ""
+    return "".join(part["text"] for part in content) if isinstance(content, list) else content or ""
 
 
 def _json(value, where: str, what: str):
@@ -303,10 +299,9 @@ def to_conversation(row: dict, fmt: str, where: str) -> Conversation:
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None and role == "tool":
                 msg[key] = str(m[key])
-        if m.get("train") is not None:
-            if not isinstance(m["train"], bool):
-                raise DataError(f"{where}: message {j} train must be true or false, got {m['train']!r}")
-            if not m["train"]:
-                msg["train"] = False
+        if m.get("train") is not None and not isinstance(m["train"], bool):
+            raise DataError(f"{where}: message {j} train must be true or false, got {m['train']!r}")
+        if m.get("train") is False:
+            msg["train"] = False
         out.append(msg)
     return Conversation(out, _tools(row.get("tools"), where))

@@ -3,8 +3,7 @@
 For assistant message i, prompt_i is the rendering of messages[:i] with a generation prompt; completion_i is the
 rendering of messages[:i+1] after prompt_i, cut right after its end-of-turn token. Turns whose prompt_i + completion_i
 begin the whole row's rendering share its sample; a turn it shows differently gets a sample of its own. A turn that
-cannot be trained so (Unsupported) stays untrained, as context of the later turns.
-"""
+cannot be trained so (Unsupported) stays untrained, as context of the later turns."""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ class Labelled(NamedTuple):
 
 
 def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
-    """Where message i's answer starts in `upto` (the rendering through message i) when `upto` does not extend
-    `prompt` (GPT-OSS drops tool-call analysis, Mistral moves the system prompt): of the places after which `upto`
-    holds nothing of the previous message, the one whose preceding text ends as `prompt` does the longest; or None."""
+    """Where message i's answer starts in `upto` (its rendering) that does not extend `prompt` (GPT-OSS, Mistral), or
+    None: of the places after which `upto` holds nothing of message i-1, the one ending the most as `prompt` does."""
     history = t.render(msgs[:i], tools, False)
     if not prompt.startswith(history):
         return None
@@ -55,24 +53,6 @@ def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) 
         return t.render(msgs, tools, generation_prompt, **extra)
     except Unsupported:
         return None
-
-
-def _way_out(t: Template, msgs, i: int, tools) -> str:
-    """The hint for a turn that does not extend its generation prompt: the template switch that, set to false, fixes
-    it (a generation prompt opening a think block), or ""."""
-    for name in t.switches:
-        off = {name: False}
-        prompt = _render_or_none(t, msgs[:i], tools, True, **off)
-        upto = _render_or_none(t, msgs[:i + 1], tools, False, **off)
-        if prompt is not None and upto is not None and upto.startswith(prompt):
-            return (f"; data.chat_template_kwargs.{name}=false renders the generation prompt without it, which makes "
-                    f"such turns trainable")
-    history, prompt = _render_or_none(t, msgs[:i], tools, False), _render_or_none(t, msgs[:i], tools, True)
-    if (history is not None and prompt is not None and prompt.startswith(history) and not msgs[i].get("thinking")
-            and "think" in prompt[len(history):].lower()):
-        return ("; its generation prompt opens a thinking block, this turn has no reasoning, and the template reads "
-                "no switch (such as enable_thinking) that turns thinking off: give the turn reasoning_content")
-    return ""
 
 
 def _check_kept(m: dict, i: int, completion: str) -> None:
@@ -137,7 +117,7 @@ def _encode(t: Template, ids: list, starts, ends, spans, max_seq_len: int) -> di
     return {"input_ids": list(ids[:max_seq_len]), "labels": labels[:max_seq_len], "turns": turns}
 
 
-def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: str, prompt: str | None):
+def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: str, prompt: str | None, hint):
     """(prompt_i, completion_i, the stop token the template does not write) of assistant message i, or Unsupported."""
     prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
     upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
@@ -145,7 +125,7 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     if start is None:
         raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                         f"generation prompt, so there is no answer to train"
-                                        + _way_out(t, msgs, i, tools))
+                                        + (hint(t, msgs, i, tools) if hint else ""))
     length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[start:])
     completion = upto[start:start + length]
     if not completion:
@@ -161,9 +141,10 @@ def refuse(e: Unsupported, where: str, on_unsupported: str, then: str) -> None:
 
 
 def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: str = "", tools=None,
-                      on_unsupported: str = "error", template_kwargs: dict | None = None) -> Labelled:
+                      on_unsupported: str = "error", template_kwargs: dict | None = None, hint=None) -> Labelled:
     """One conversation's Labelled by the module docstring's rule. A turn (or row) the template cannot hold raises a
-    DataError (on_unsupported="error") or is left untrained and reported ("drop")."""
+    DataError (on_unsupported="error") or is left untrained and reported ("drop"). hint(template, messages, i, tools):
+    text added to a not_prefix turn's reason (ext/label_hints.py)."""
     where = where or "conversation"
     require_chat_template(tokenizer, where)
     # An assistant message that opens the conversation (a greeting) is context only: no prompt precedes it at inference
@@ -188,7 +169,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
     for i in trained:
         try:
             prompt, completion, stop = _turn(tokenizer, t, msgs, messages[i], i, tools, full,
-                                             first if i == trained[0] else None)
+                                             first if i == trained[0] else None, hint)
         except Unsupported as e:
             e = e if str(e).startswith("message") else Unsupported(e.reason, f"message {i}: {e}")
             refuse(e, where, on_unsupported, "leaves such turns untrained and trains the rest")

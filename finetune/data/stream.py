@@ -11,6 +11,7 @@ import datasets
 import numpy as np
 import torch
 
+from ..keys import ConfigError
 from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
 from .template import require_chat_template
@@ -86,14 +87,15 @@ def describe_counts(counts: dict) -> str:
                      for k, v in counts.items() if not k.startswith("rows_unsupported_"))
 
 
-def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs, labellers: dict):
+def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs, labellers: dict,
+              hint):
     def tokenize(item: dict, idx: int):
         row, where = row_of(item, source.spec["path"], idx)
         if source.fmt in labellers:  # a format a task labels its own way (dpo's pairs: ext/pairs.py)
             return labellers[source.fmt](tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs)
         conv = to_conversation(row, source.fmt, where)
         return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported,
-                                 template_kwargs)
+                                 template_kwargs, hint)
     return tokenize
 
 
@@ -103,13 +105,10 @@ class SampleStream(torch.utils.data.IterableDataset):
     then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process."""
     open_sources = staticmethod(open_sources)  # how build_samples opens its sources
 
-    def __init__(self, sources: list[Source], tokenizers, *, streaming=False, max_seq_len=2048, packing=False,
-                 shuffle=True, seed=0, rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1,
-                 pack_window=PACK_WINDOW):
+    def __init__(self, sources: list[Source], tokenizers, *, max_seq_len=2048, packing=False, shuffle=True, seed=0,
+                 rank=0, world_size=1, start_sample=0, epoch_limit=None, num_proc=1, pack_window=PACK_WINDOW):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        if streaming:
-            raise DataError("data.streaming needs the extension finetune/ext/streaming.py")
         self.shuffle, self.packing, self.max_seq_len = shuffle, packing, max_seq_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.start_sample, self.epoch_limit, self.pack_window = start_sample, epoch_limit, pack_window
@@ -152,9 +151,8 @@ class SampleStream(torch.utils.data.IterableDataset):
             _count(self.source_counts[k], group)
             if not group[0]["drop"]:
                 kept[k] += ids
-        for counts in self.source_counts:
-            self.counts.update(counts)
         for src, counts, ids in zip(self.sources, self.source_counts, kept):
+            self.counts.update(counts)
             if not ids:
                 raise DataError(f"{src.spec['path']}: no usable samples ({describe_counts(counts)})")
         order = self._choose(kept, lengths)
@@ -164,21 +162,10 @@ class SampleStream(torch.utils.data.IterableDataset):
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
     def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
-        """An epoch's samples in order: every usable one, source after source (a mixture's shares: ext/mixture.py)."""
-        return np.concatenate(kept).astype(np.int64)
-
-    def describe_source(self) -> str:
-        return ", ".join(src.spec["path"] for src in self.sources)
-
-    def summary(self) -> list[str]:
-        """Start-up lines: the files read and the counts."""
-        lines = []
-        for src in self.sources:
-            path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
-            shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-            where = f": {len(files)} file(s): {shown}" if files else " from the hub"
-            lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
-        return lines + [describe_counts(self.counts)]
+        """An epoch's samples in order: every usable one of the one source (a mixture's shares: ext/mixture.py)."""
+        if len(kept) > 1 or any(src.spec.get(k) for src in self.sources for k in ("weight", "samples", "epochs")):
+            raise ConfigError("data.sources: a mixture's shares need finetune/ext/mixture.py (its build_samples)")
+        return np.asarray(kept[0], dtype=np.int64)
 
     def _assemble(self, samples: list[dict]) -> dict:
         unit = {k: [t for s in samples for t in s[k]] for k in ("input_ids", "labels")}
@@ -218,13 +205,13 @@ class SampleStream(torch.utils.data.IterableDataset):
 
 
 def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train", name=None, max_seq_len=2048,
-                  on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None,
+                  on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None, hint=None,
                   stream=SampleStream, **order) -> SampleStream:
-    """This rank's samples (`stream`: SampleStream or a subclass: ext/mixture.py, ext/streaming.py; `order`: its keyword
-    arguments) of `data`: a path (fmt, split, name apply) or source dicts (path, split, name, format).
+    """This rank's samples of `data` (a path: fmt, split, name apply; or source dicts: path, split, name, format) by
+    `stream` (SampleStream, ext/mixture.py's, ext/streaming.py's) given `order`; `hint`: tokenize_messages'.
     `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = stream.open_sources(data, fmt=fmt, split=split, name=name)
-    tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {})
+    tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {}, hint)
                   for src in sources]
     return stream(sources, tokenizers, max_seq_len=max_seq_len, **order)

@@ -1,14 +1,13 @@
-"""What finetune learns once per tokenizer, chat template and template arguments: how to render (the compiled
-template on prepared messages), how it wants tool-call arguments, and the text it writes after a turn (probes)."""
+"""What finetune learns once per tokenizer, chat template and kwargs: how to render, tool-call arguments, turn ends."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import weakref
 from pathlib import Path
 
+from ..compat import compile_jinja_template
 from ..errors import one_line
 from .formats import DataError
 
@@ -46,8 +45,6 @@ def read_chat_template(path: str) -> str | dict:
     if not template:
         raise DataError(f"data.chat_template: the tokenizer in {path} has no chat template")
     from jinja2 import TemplateSyntaxError
-
-    from ..compat import compile_jinja_template
     for name, text in (template.items() if isinstance(template, dict) else [("", template)]):
         try:
             compile_jinja_template(text)
@@ -95,7 +92,6 @@ class Template:
         # The compiled template called directly on prepared messages renders as apply_chat_template does (the first
         # row is checked against it) without its per-call deep copy of the conversation: labelling renders each
         # row about twice per turn.
-        from ..compat import compile_jinja_template
         self.compiled = {has: compile_jinja_template(tokenizer.get_chat_template(None, [{}] if has else None))
                          for has in (False, True)}  # a template dict may have its own "tool_use" template
 
@@ -107,15 +103,6 @@ class Template:
                                                      **{**self.kwargs, **extra})
         except Exception as e:  # noqa: BLE001 - template errors are about this row
             raise Unsupported("template_error", f"chat template failed ({one_line(e)})") from e
-
-    @functools.cached_property
-    def switches(self) -> list[str]:
-        """The template's variables that may switch thinking off (enable_thinking, ...), not set to false already."""
-        import jinja2.meta
-        texts = self.text.values() if isinstance(self.text, dict) else [self.text]
-        names = set().union(*(jinja2.meta.find_undeclared_variables(self.compiled[False].environment.parse(x))
-                              for x in texts))
-        return sorted(n for n in names if ("think" in n or "reason" in n) and self.kwargs.get(n) is not False)
 
 
 def render_or_why(tokenizer, messages, tools, extra: dict) -> tuple[str | None, str]:
@@ -203,7 +190,6 @@ def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | 
 
 
 def _like(content, text: str):
-    """`text` in the shape of a row's content: a string, or a list of text parts."""
     return [{"type": "text", "text": text}] if isinstance(content, list) else text
 
 

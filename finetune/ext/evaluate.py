@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from ..data import IGNORE_INDEX, detect_format, load_rows, pad_collate, row_of, to_conversation, tokenize_messages
+from ..data import IGNORE_INDEX, detect_format, load_rows, pad_collate, row_of, to_conversation
 from ..data.template import prepared, template_of
 from ..distributed import is_main, print0
+from .label_hints import tokenize_messages  # with the not_prefix hint, as before
 
 
 # a held-out conversation is scored whole up to this many tokens, not cut at the training data.max_seq_len

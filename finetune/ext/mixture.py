@@ -8,6 +8,7 @@ import numpy as np
 
 from ..data import DataError, build_samples as build_one, describe_counts
 from ..data.stream import SampleStream
+from .report import data_lines
 
 MAX_EPOCH_SAMPLES = 2**32  # of one source (8 bytes each: 32 GiB of indices)
 
@@ -45,13 +46,14 @@ class Mixture(SampleStream):
         at = np.concatenate([(np.arange(len(c)) + 0.5) / len(c) for c in chosen if len(c)])
         order = np.concatenate(chosen)[np.argsort(at, kind="stable")]
         if not len(order):
-            raise DataError(f"{self.describe_source()}: an epoch of this mixture holds no sample")
+            raise DataError(f"{', '.join(src.spec['path'] for src in self.sources)}: an epoch of this mixture holds no "
+                            f"sample")
         return order
 
     def summary(self) -> list[str]:
-        """SampleStream's lines, then each source's share of an epoch."""
+        """Start-up lines: the files read, the counts, then each source's share of an epoch."""
         total_samples, total_tokens = (sum(x) for x in zip(*self.shares)) if self.shares else (0, 0)
-        return super().summary() + ([
+        return data_lines(self) + ([
             f"source {k} {src.spec['path']}: {n} samples an epoch ({n / total_samples:.1%}), "
             f"{t / max(total_tokens, 1):.1%} of tokens; {describe_counts(counts)}"
             for k, (src, (n, t), counts) in enumerate(zip(self.sources, self.shares, self.source_counts))]

@@ -10,8 +10,9 @@ apply to both. A pair fits data.max_seq_len: each side is cut at max_seq_len // 
 from __future__ import annotations
 
 from ..data.formats import DataError, text_of, to_conversation
-from ..data.labels import Labelled, refuse, tokenize_messages
+from ..data.labels import Labelled, refuse
 from ..data.template import Unsupported
+from .label_hints import tokenize_messages  # with the not_prefix hint
 
 PAIR_REASONS = ("missing_side", "prompt_mismatch", "empty_completion")
 

@@ -116,12 +116,11 @@ def export_hooks() -> dict:
 
 
 def samples(cfg: Config, labellers: dict) -> dict:
-    """build_samples' labellers and stream for `cfg`: rows streamed (ext/streaming.py), else a mixture."""
-    if cfg.data.streaming:
-        from .streaming import Streamed
-        return {"labellers": labellers, "stream": Streamed}
+    """build_samples' labellers, hint and stream for `cfg`: rows streamed (ext/streaming.py), else a mixture."""
+    from .label_hints import way_out
     from .mixture import Mixture
-    return {"labellers": labellers, "stream": Mixture}
+    from .streaming import Streamed
+    return {"labellers": labellers, "hint": way_out, "stream": Streamed if cfg.data.streaming else Mixture}
 
 
 def recipe(cfg: Config, task: str = "sft") -> Recipe:

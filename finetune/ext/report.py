@@ -7,7 +7,19 @@ import sys
 
 import numpy as np
 
+from ..data import describe_counts
 from ..distributed import is_main, print0, world_size
+
+
+def data_lines(samples) -> list[str]:
+    """A sample stream's start-up lines (its summary()): the files read and the counts."""
+    lines = []
+    for src in samples.sources:
+        path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        where = f": {len(files)} file(s): {shown}" if files else " from the hub"
+        lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
+    return lines + [describe_counts(samples.counts)]
 
 
 def batch_efficiency(lengths, micro_batch_size: int, num_ranks: int, pad_to: int | None = None) -> float:

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 from ..data import DataError, build_samples as build_one, describe_counts, load_rows, open_sources, row_of
 from ..data.formats import WHERE, Rows, _iter_rows, _no_rows
 from ..data.stream import SampleStream, _best_fit_packs, _count, _entries, _new_counts
+from .report import data_lines
 
 
 def _iter_parquet(files):
@@ -47,9 +48,6 @@ class Streamed(SampleStream):
     number of samples an epoch and the counts are known after the first pass."""
     open_sources = staticmethod(open_streamed)
 
-    def __init__(self, *args, streaming: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
-
     def _tokenize(self, num_proc: int) -> None:
         pass  # rows are labelled as they are read
 
@@ -74,14 +72,14 @@ class Streamed(SampleStream):
             if g >= self.start_sample and g % self.world_size == self.rank:
                 yield self._assemble(unit)
         if not n:
-            raise DataError(f"{self.describe_source()}: no usable samples ({describe_counts(self.counts)})")
+            raise DataError(f"{self.sources[0].spec['path']}: no usable samples ({describe_counts(self.counts)})")
         if first_pass:
             self.num_samples = n
         return n
 
     def summary(self) -> list[str]:
-        """SampleStream's lines; the counts cover the rows read so far until a pass is done."""
-        lines = super().summary()
+        """Start-up lines: the files read and the counts (of the rows read so far until a pass is done)."""
+        lines = data_lines(self)
         if self.num_samples is None:
             lines[-1:] = ["streamed so far: " + lines[-1]] if self.counts["rows"] else []
         return lines
