@@ -378,6 +378,22 @@ def test_example_file_order_counts_workers_and_streaming():
     assert [(x["input_ids"], x["labels"]) for x in streamed] == key and streamed.counts == s.counts
 
 
+def test_a_rows_samples_do_not_depend_on_the_rows_before_it():
+    """The tokens reused from a row's first sample (labels._tokens' base) are those of the text it shares, also in a
+    row whose every turn is split out (its first sample is not the row's whole rendering)."""
+    from finetune.data.template import _TEMPLATES
+    tok = tok_with()
+    got = [(x["input_ids"], x["labels"]) for x in build_samples(str(EXAMPLE), tok, shuffle=False, epoch_limit=1,
+                                                                   max_seq_len=1024)]
+    alone = []
+    for k, line in enumerate(EXAMPLE.read_text().splitlines()):
+        _TEMPLATES.pop(tok, None)  # what the template learned from the rows before does not count
+        conv = to_conversation(json.loads(line), "messages", f"row {k}")
+        alone += [(x["input_ids"], x["labels"]) for x in tokenize_messages(tok, conv.messages, 1024, f"row {k}",
+                                                                            conv.tools).samples]
+    assert got == alone
+
+
 def test_unsupported_rows_dropped_and_counted(tmp_path):
     rows = [json.loads(line) for line in EXAMPLE.read_text().splitlines()]
     path = tmp_path / "d.jsonl"

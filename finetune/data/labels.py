@@ -185,9 +185,11 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
             alone.append((prompt + completion, [span], "history" if full.startswith(prompt) else "context"))
     if main and not t.checked:  # once: our rendering and tokenization are what the library itself gives
         _check_tokenization(tokenizer, t, msgs, tools, full, where)
+    texts = ([(main_text, main, "")] if main else []) + alone
     samples, base = [], None
-    for text, spans, why in ([(main_text, main, "")] if main else []) + alone:
-        tokens = _tokens(tokenizer, t, text, where, base, len(os.path.commonprefix([main_text, text])) if base else 0)
+    for text, spans, why in texts:
+        shared = len(os.path.commonprefix([texts[0][0], text]))  # with the text whose tokens `base` holds
+        tokens = _tokens(tokenizer, t, text, where, base, shared)
         base = base or tokens  # the whole row's: the samples of turns split out share much of its text
         samples.append({**_encode(t, *tokens, spans, max_seq_len), "split": why})
     samples = sorted((s for s in samples if s["turns"]), key=lambda s: s["turns"][0])
