@@ -44,7 +44,7 @@ EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench",
                       "prepare-checkpoint": "prepare"}
 EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
                   "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
-                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac",
+                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac", "parallel.ep": "moe",
                   "data.streaming": "streaming", "log.wandb": "wandb"}
 REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
@@ -103,11 +103,9 @@ def train_command(task: str):
             check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
             check_flag("--rdzv-endpoint", nnodes == 1 or ":" in rdzv_endpoint, "host:port with --nnodes > 1",
                        repr(rdzv_endpoint))
-            cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides,
+            cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides, checks=optional("checks"),
                                **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
-                                  "checkpoint.resume_from": resume_from})
-            if hub := optional("hub"):  # before torch is imported
-                hub.probe(cfg)
+                                  "checkpoint.resume_from": resume_from})  # the hub's probe: before torch is imported
             if no_resume:
                 cfg.checkpoint.resume = False
             recipe = run_recipe(cfg, task)
@@ -186,12 +184,10 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
                                                        "dir to write (replaces an earlier export)"),
               dtype: str = typer.Option("bfloat16", "--dtype",
                                         help="dtype of the exported weights: bfloat16 | float32"),
-              max_shard_size: str = typer.Option("5GB", "--max-shard-size",
-                                                 help="largest safetensors file: 5GB, 500MiB, 1.5GB (as "
-                                                      "transformers' max_shard_size)"),
-              verify: bool = typer.Option(True, "--verify/--no-verify",
-                                          help="read every tensor back and compare logits streamed block by block "
-                                               "from the files (never holds the model)"),
+              max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors file: 5GB, "
+                                                 "500MiB, 1.5GB (as transformers' max_shard_size)"),
+              verify: bool = typer.Option(True, "--verify/--no-verify", help="read every tensor back and compare "
+                                          "logits streamed block by block from the files (never holds the model)"),
               adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoints: write the PEFT adapter dir "
                                            "(adapter_config.json + adapter_model.safetensors), not the merged model"),
               nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="processes, each writing and "

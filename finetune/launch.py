@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from contextlib import nullcontext
 from typing import Callable
@@ -50,32 +49,16 @@ def set_threads(nproc: int) -> None:
 
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None,
            nnodes: int = 1, rdzv_endpoint: str = "", errors: Callable | None = None):
-    """entry(*args) here when one rank (or under torchrun); else `nproc` local ranks re-running this command line."""
+    """entry(*args) here when one rank (or under torchrun); else `nproc` local ranks re-running this command line,
+    within the context `errors` (ext/rank_errors.py: the ranks' errors as one line, Ctrl-C passed on to them)."""
     set_threads(nproc)  # nproc >= 1: checked with the rest of the input
     if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them. SIGINT
-    # is ours: the ranks run in their own sessions, so a Ctrl-C reaches them only through this process, which passes
-    # the first one on (the ranks save and stop, as on SIGTERM) and kills them on the second. (Not by raising into
-    # the launcher as its own handler does: an except Exception there can swallow that, leaving the ranks paused.)
-    import psutil
-
-    def on_sigint(signum, frame):
-        ranks = psutil.Process().children()
-        if ranks and not getattr(on_sigint, "seen", False):
-            on_sigint.seen = True
-            for rank in ranks:
-                rank.send_signal(signal.SIGINT)
-            return
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-        print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
-        os._exit(130)
-    signal.signal(signal.SIGINT, on_sigint)
-    with (errors or nullcontext)() as refused:  # errors: a context whose value is called when the ranks failed
+    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them
+    with (errors or nullcontext)() as refused:  # its value is called when the ranks failed
         try:
             elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",
                                                                                              *sys.argv[1:])
