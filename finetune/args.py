@@ -22,8 +22,7 @@ DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 FLAGS = {"model.path": "--model", "data.path": "--dataset", "output_dir": "--output-dir"}  # what a command must have
 
 
-def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, checks=None,
-                 **flags) -> Config:
+def build_config(config: Optional[Path], overrides: Optional[List[str]], check=True, checks=None, **flags) -> Config:
     """Preset + flags (by their config keys) + key=value overrides, validated (also by `checks.validate`: the
     extensions' keys), FLAGS set; with check, the paths (and `checks.probe`: the hub)."""
     values = {key: value for key, value in flags.items() if value is not None}

@@ -12,8 +12,7 @@ import typer
 from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
 from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key, parse_shard_size,
                      set_key)
-from .launch import guarded
-from .launch import launch as launch_ranks
+from .launch import guarded, launch as launch_ranks
 from .outdir import check_writable
 
 
@@ -78,11 +77,6 @@ def run_recipe(cfg: Config, task: str):
     return extension("recipes", f"finetune {task}").recipe(cfg, task) if has_extensions() else Recipe()
 
 
-def export_hooks() -> dict:
-    """export_hf's hooks (LoRA checkpoints, the check) where the extensions are installed."""
-    return extension("recipes", "export-hf").export_hooks() if has_extensions() else {}
-
-
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
 NNODES = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)")
 RDZV_ENDPOINT = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet (c10d rendezvous; "
@@ -111,26 +105,15 @@ def train_command(task: str):
             recipe = run_recipe(cfg, task)
             num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
             check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # each rank
-            lock, lk = Path(cfg.output_dir) / ".finetune.lock", recipe.export.get("locks")  # ext/locks: the run's
+            lock = Path(cfg.output_dir) / ".finetune.lock"  # the run's (ext/locks.py)
             if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
                 return cfg, recipe, None, None  # a rank our launcher started: it checked this and holds the lock
             check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-            # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
-            locks = lk and (nnodes == 1 or "RANK" in os.environ)
-            # at once if another run may own it (exit 2); no new dir before preflight
-            if locks and lock.parent.is_dir():
-                lk.hold_run_lock(lock, f"output dir {cfg.output_dir}")
-            try:
-                nothing_to_do = (checks := optional("preflight")) and checks.preflight(cfg, task)
-            except BaseException:
-                if lk:
-                    lk.release_lock(lock)
-                raise
-            if locks:
-                lk.hold_run_lock(lock, f"output dir {cfg.output_dir}")
-            return cfg, recipe, nothing_to_do, lock if lk else None
+            checks = optional("preflight")
+            nothing_to_do = checks and checks.preflight_locked(cfg, task, lock, nnodes)
+            return cfg, recipe, nothing_to_do, lock if checks else None
         cfg, recipe, nothing_to_do, lock = guarded(prepare, debug)
         try:  # the lock goes with the process anyway; released here for callers that run commands in-process
             if nothing_to_do:
@@ -202,9 +185,10 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
         parse_shard_size(max_shard_size)
         out = Path(output_dir).resolve()
         check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
-    guarded(check, debug)
+        # export_hf's hooks (LoRA checkpoints, the check, ...) where the extensions are installed
+        return extension("recipes", "export-hf").export_hooks() if has_extensions() else {}
+    hooks = guarded(check, debug)
     from .export import export_hf as export  # VerifyError: exit 1, nothing written
-    hooks = guarded(export_hooks, debug)
     launch(lambda *args: export(*args, **hooks), (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),
            nproc_per_node, debug)
 

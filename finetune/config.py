@@ -275,8 +275,7 @@ def export_dtype_name(name: str) -> str:
 
 
 def parse_shard_size(text: str) -> int:
-    """Bytes, as transformers' max_shard_size reads '5GB', '2GiB', '100KB' or a number (also '1.5GB', TB/TiB); a
-    lowercase b ('5Gb': bits to transformers) is refused."""
+    """Bytes, as transformers' max_shard_size reads '5GB', '2GiB', '1.5GB', '1TB' or a number; '5Gb' (bits): refused."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(([KMGT])(i?)([Bb]))?\s*", text, re.IGNORECASE)
     if m and m[5] == "b" and not m[4]:
         raise ConfigError(f"--max-shard-size {text!r}: a lowercase b means bits (transformers reads it as "

@@ -49,16 +49,16 @@ def set_threads(nproc: int) -> None:
 
 def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Callable[[], bool] | None = None,
            nnodes: int = 1, rdzv_endpoint: str = "", errors: Callable | None = None):
-    """entry(*args) here when one rank (or under torchrun); else `nproc` local ranks re-running this command line,
-    within the context `errors` (ext/rank_errors.py: the ranks' errors as one line, Ctrl-C passed on to them)."""
+    """entry(*args) here when one rank (or under torchrun); else `nproc` local ranks re-running this command line."""
     set_threads(nproc)  # nproc >= 1: checked with the rest of the input
     if (nproc <= 1 and nnodes <= 1) or "RANK" in os.environ:
         return rank_main(entry, args, debug)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them
-    with (errors or nullcontext)() as refused:  # its value is called when the ranks failed
+    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them (Ctrl-C:
+    # ext/console.forward_interrupts, from the `errors` context)
+    with (errors or nullcontext)() as refused:  # errors: a context whose value is called when the ranks failed
         try:
             elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",
                                                                                              *sys.argv[1:])
