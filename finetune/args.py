@@ -22,8 +22,9 @@ DEBUG = typer.Option(False, "--debug", help="show tracebacks")
 FLAGS = {"model.path": "--model", "data.path": "--dataset", "output_dir": "--output-dir"}  # what a command must have
 
 
-def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
-    """Preset + flags (by their config keys) + key=value overrides, validated, FLAGS set; with check, the paths."""
+def build_config(config: Optional[Path], overrides: Optional[List[str]], check=True, checks=None, **flags) -> Config:
+    """Preset + flags (by their config keys) + key=value overrides, validated (also by `checks.validate`: the
+    extensions' keys), FLAGS set; with check, the paths (and `checks.probe`: the hub)."""
     values = {key: value for key, value in flags.items() if value is not None}
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -31,14 +32,15 @@ def build_config(config: Optional[Path], overrides: Optional[List[str]], check: 
             raise ConfigError(f"override '{item}' must look like section.key=value")
         values[key.strip()] = parse_value(value.strip())
     cfg = load_config(config, values)
-    if cfg.data.path and cfg.data.sources:
-        raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
-                          "preset's path)")
+    if checks:
+        checks.validate(cfg)
     for key, flag in FLAGS.items():
         if not get_key(cfg, key) and not (key == "data.path" and cfg.data.sources):
             raise ConfigError(f"{key} is not set: pass {flag} or set {key} in the config")
     if check:
         check_paths(cfg)
+        if checks:
+            checks.probe(cfg)
     return cfg
 
 

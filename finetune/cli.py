@@ -12,8 +12,7 @@ import typer
 from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
 from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key, parse_shard_size,
                      set_key)
-from .launch import guarded
-from .launch import launch as launch_ranks
+from .launch import guarded, launch as launch_ranks
 from .outdir import check_writable
 
 
@@ -44,7 +43,7 @@ EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench",
                       "prepare-checkpoint": "prepare"}
 EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
                   "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
-                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac",
+                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac", "parallel.ep": "moe",
                   "data.streaming": "streaming", "log.wandb": "wandb", "checkpoint.async": "saving",
                   "train.tokens_per_step": "tokens_per_step"}
 REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
@@ -79,11 +78,6 @@ def run_recipe(cfg: Config, task: str):
     return extension("recipes", f"finetune {task}").recipe(cfg, task) if has_extensions() else Recipe()
 
 
-def export_hooks() -> dict:
-    """export_hf's hooks (LoRA checkpoints, the check) where the extensions are installed."""
-    return extension("recipes", "export-hf").export_hooks() if has_extensions() else {}
-
-
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
 NNODES = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)")
 RDZV_ENDPOINT = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet (c10d rendezvous; "
@@ -104,36 +98,23 @@ def train_command(task: str):
             check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
             check_flag("--rdzv-endpoint", nnodes == 1 or ":" in rdzv_endpoint, "host:port with --nnodes > 1",
                        repr(rdzv_endpoint))
-            cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides,
+            cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides, checks=optional("checks"),
                                **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
-                                  "checkpoint.resume_from": resume_from})
-            if hub := optional("hub"):  # before torch is imported
-                hub.probe(cfg)
+                                  "checkpoint.resume_from": resume_from})  # the hub's probe: before torch is imported
             if no_resume:
                 cfg.checkpoint.resume = False
             recipe = run_recipe(cfg, task)
             num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
             check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # each rank
-            lock, lk = Path(cfg.output_dir) / ".finetune.lock", recipe.export.get("locks")  # ext/locks: the run's
+            lock = Path(cfg.output_dir) / ".finetune.lock"  # the run's (ext/locks.py)
             if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
                 return cfg, recipe, None, None  # a rank our launcher started: it checked this and holds the lock
             check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-            # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
-            locks = lk and (nnodes == 1 or "RANK" in os.environ)
-            # at once if another run may own it (exit 2); no new dir before preflight
-            if locks and lock.parent.is_dir():
-                lk.hold_run_lock(lock, f"output dir {cfg.output_dir}")
-            try:
-                nothing_to_do = (checks := optional("preflight")) and checks.preflight(cfg, task)
-            except BaseException:
-                if lk:
-                    lk.release_lock(lock)
-                raise
-            if locks:
-                lk.hold_run_lock(lock, f"output dir {cfg.output_dir}")
-            return cfg, recipe, nothing_to_do, lock if lk else None
+            checks = optional("preflight")
+            nothing_to_do = checks and checks.preflight_locked(cfg, task, lock, nnodes)
+            return cfg, recipe, nothing_to_do, lock if checks else None
         cfg, recipe, nothing_to_do, lock = guarded(prepare, debug)
         try:  # the lock goes with the process anyway; released here for callers that run commands in-process
             if nothing_to_do:
@@ -187,12 +168,10 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
                                                        "dir to write (replaces an earlier export)"),
               dtype: str = typer.Option("bfloat16", "--dtype",
                                         help="dtype of the exported weights: bfloat16 | float32"),
-              max_shard_size: str = typer.Option("5GB", "--max-shard-size",
-                                                 help="largest safetensors file: 5GB, 500MiB, 1.5GB (as "
-                                                      "transformers' max_shard_size)"),
-              verify: bool = typer.Option(True, "--verify/--no-verify",
-                                          help="read every tensor back and compare logits streamed block by block "
-                                               "from the files (never holds the model)"),
+              max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors file: 5GB, "
+                                                 "500MiB, 1.5GB (as transformers' max_shard_size)"),
+              verify: bool = typer.Option(True, "--verify/--no-verify", help="read every tensor back and compare "
+                                          "logits streamed block by block from the files (never holds the model)"),
               adapter: bool = typer.Option(False, "--adapter", help="LoRA checkpoints: write the PEFT adapter dir "
                                            "(adapter_config.json + adapter_model.safetensors), not the merged model"),
               nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="processes, each writing and "
@@ -207,9 +186,10 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
         parse_shard_size(max_shard_size)
         out = Path(output_dir).resolve()
         check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
-    guarded(check, debug)
+        # export_hf's hooks (LoRA checkpoints, the check, ...) where the extensions are installed
+        return extension("recipes", "export-hf").export_hooks() if has_extensions() else {}
+    hooks = guarded(check, debug)
     from .export import export_hf as export  # VerifyError: exit 1, nothing written
-    hooks = guarded(export_hooks, debug)
     launch(lambda *args: export(*args, **hooks), (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),
            nproc_per_node, debug)
 

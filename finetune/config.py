@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -216,7 +215,7 @@ TEMPLATE_OWN_ARGS = ("messages tools documents add_generation_prompt conversatio
                      "return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs").split()
 RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key> must be <rule>"
     ("> 0", lambda v: v > 0, "train.max_steps train.micro_batch_size train.grad_accum_steps train.log_interval "
-                             "data.max_seq_len data.num_proc lora.alpha dpo.beta eval.max_new_tokens"),
+                             "data.max_seq_len data.num_proc lora.alpha eval.max_new_tokens"),
     (">= 0", lambda v: v >= 0, "train.lr train.warmup_steps train.weight_decay train.max_grad_norm"),
     (">= 0 (0 = no evaluation)", lambda v: v >= 0, "eval.num_samples"),
     (">= 0 (0 = off)", lambda v: v >= 0, "train.tokens_per_step lora.rank"),
@@ -226,32 +225,17 @@ RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key
     (">= 1", lambda v: v >= 1, "parallel.dp_replicate parallel.cp"),
     ("in [0, 1]", lambda v: 0 <= v <= 1, "train.min_lr_ratio ac.ratio"),
     ("in [0, 1)", lambda v: 0 <= v < 1, "train.beta1 train.beta2 lora.dropout"),
-    ("in [0, 0.5)", lambda v: 0 <= v < 0.5, "dpo.label_smoothing"),
     ('true, false or "auto"', lambda v: v in (True, False, "auto"), "model.liger model.compile"),
-    (">= 0 (or -1: the architecture's)", lambda v: v >= 0 or v == -1, "moe.aux_loss_coef"),
 ]
 
 
-MAX_EPOCHS = 1_000_000  # passes over one source in an epoch of a mixture (beyond it: an OverflowError, or no memory)
-
-
 def validate(cfg: Config) -> None:
-    """Range checks that types cannot express; each error names the key."""
+    """Range checks that types cannot express; each error names the key (the extensions' keys: ext/checks)."""
     for rule, holds, keys in RANGES:
         for key in keys.split():
             if not holds(get_key(cfg, key)):
                 raise ConfigError(f"{key} must be {rule}, got {get_key(cfg, key)!r}")
     tc, dc = cfg.train, cfg.data
-    if cfg.parallel.ep != 1:
-        raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not supported yet; leave it at 1 "
-                          f"(FSDP shards the experts like every other weight)")
-    if cfg.model.fp8 != "off" and cfg.lora.rank:  # needs no torchao (ext/float8.py checks the device and shards)
-        raise ConfigError(f"model.fp8={cfg.model.fp8} with LoRA (lora.rank={cfg.lora.rank}) is not supported yet "
-                          "(peft's adapters over torchao's Float8Linear, their merge and adapter export are untested); "
-                          "set model.fp8=off or lora.rank=0")
-    if cfg.model.fp8 != "off" and getattr(cfg.parallel, "tp", 1) > 1:  # once TP exists: NaNs (torchtitan#3109)
-        raise ConfigError(f"model.fp8={cfg.model.fp8} with tensor parallel (parallel.tp={cfg.parallel.tp}) is not "
-                          f"supported yet; set model.fp8=off")
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
     if tc.tokens_per_step:  # a step is a number of packed rows: see ext/tokens_per_step.py
@@ -262,20 +246,10 @@ def validate(cfg: Config) -> None:
                                                    f"at 1 (got {tc.grad_accum_steps})")):
             if not ok:
                 raise ConfigError(f"train.tokens_per_step={tc.tokens_per_step} {why}")
-    for j, src in enumerate(dc.sources):
-        how = [k for k in ("weight", "samples", "epochs") if getattr(src, k)]
-        for ok, why in ((src.path, ": path is not set"), (len(how) <= 1, f": sets {' and '.join(how)}; set one"),
-                        (min(src.weight, src.samples, src.epochs) >= 0, ": weight, samples and epochs must be >= 0"),
-                        (src.epochs <= MAX_EPOCHS, f".epochs must be <= {MAX_EPOCHS:,}, got {src.epochs!r}")):
-            if not ok:  # MAX_EPOCHS: an epoch's sample indices are held in memory
-                raise ConfigError(f"data.sources[{j}]{why}")
     for key in dc.chat_template_kwargs:
         if key in TEMPLATE_OWN_ARGS:
             raise ConfigError(f"data.chat_template_kwargs.{key}: apply_chat_template sets {key!r} itself (from each "
                               f"row and the labelling); remove the key")
-    if not math.isfinite(sum(src.weight for src in dc.sources)):  # only their ratios count (mixture_sizes)
-        raise ConfigError(f"data.sources: the weights sum past the largest number ({sum(s.weight for s in dc.sources)}"
-                          f"); only their ratios count: scale them down, e.g. to 1 and 3")
 
 
 def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1) -> int:
@@ -301,8 +275,7 @@ def export_dtype_name(name: str) -> str:
 
 
 def parse_shard_size(text: str) -> int:
-    """Bytes, as transformers' max_shard_size reads '5GB', '2GiB', '100KB' or a number (also '1.5GB', TB/TiB); a
-    lowercase b ('5Gb': bits to transformers) is refused."""
+    """Bytes, as transformers' max_shard_size reads '5GB', '2GiB', '1.5GB', '1TB' or a number; '5Gb' (bits): refused."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(([KMGT])(i?)([Bb]))?\s*", text, re.IGNORECASE)
     if m and m[5] == "b" and not m[4]:
         raise ConfigError(f"--max-shard-size {text!r}: a lowercase b means bits (transformers reads it as "

@@ -81,8 +81,7 @@ def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
             where = (prefix + ".".join(parts[:i])).rstrip(".") or "the top level"
             hint = _closest(part, names) if i else ""  # in its section first (train.lrr -> lr), then anywhere
             hint = hint or (closest_key(dotted, type(cfg)) if not prefix else "") or _closest(part, names)
-            raise ConfigError(f"unknown config key '{full}'{hint}; "
-                              f"keys in {where}: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown config key '{full}'{hint}; keys in {where}: {', '.join(sorted(names))}")
         name = names[part]
         typ = get_type_hints(type(target))[name]
         if typ is dict and i < len(parts) - 1:  # one entry of a table (nested tables: one level per part)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from contextlib import nullcontext
 from typing import Callable
@@ -57,24 +56,8 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them. SIGINT
-    # is ours: the ranks run in their own sessions, so a Ctrl-C reaches them only through this process, which passes
-    # the first one on (the ranks save and stop, as on SIGTERM) and kills them on the second. (Not by raising into
-    # the launcher as its own handler does: an except Exception there can swallow that, leaving the ranks paused.)
-    import psutil
-
-    def on_sigint(signum, frame):
-        ranks = psutil.Process().children()
-        if ranks and not getattr(on_sigint, "seen", False):
-            on_sigint.seen = True
-            for rank in ranks:
-                rank.send_signal(signal.SIGINT)
-            return
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-        print("finetune: interrupted again: ranks killed, nothing was saved", file=sys.stderr, flush=True)
-        os._exit(130)
-    signal.signal(signal.SIGINT, on_sigint)
+    # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them (Ctrl-C:
+    # ext/console.forward_interrupts, from the `errors` context)
     with (errors or nullcontext)() as refused:  # errors: a context whose value is called when the ranks failed
         try:
             elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",

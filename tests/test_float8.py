@@ -117,7 +117,8 @@ def test_checkpoints_and_exports_keep_the_model_dtypes_and_resume_with_fp8_on_or
 
 
 def test_config_refusals_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path):
-    from finetune.config import ConfigError, validate
+    from finetune.config import ConfigError
+    from finetune.ext.checks import validate
 
     from helpers import sft_config
     r = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "o", *BASE,

@@ -66,7 +66,7 @@ def test_the_run_config_of_a_mixture_reads_back(tmp_path):
 
 
 def test_mixture_weights_near_the_float_maximum():
-    from finetune.args import build_config
+    from finetune.ext.commands import build_config
     from finetune.config import ConfigError
     from finetune.data import DataError
     from finetune.ext.mixture import mixture_sizes

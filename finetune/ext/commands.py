@@ -3,6 +3,7 @@ before any model loads; each imports its module when it runs. cli.py's table add
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import List, Optional
 
@@ -10,18 +11,13 @@ import typer
 
 from .. import args
 from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, check_flag
-from ..config import Config, ConfigError
+from ..config import ConfigError
 from ..launch import guarded, launch, set_threads
 from ..outdir import check_writable
-from .hub import probe
+from . import checks
 
 
-def build_config(config: Optional[Path], overrides: Optional[List[str]], check: bool = True, **flags) -> Config:
-    """args.build_config; with check, the hub's reachability too (ext/hub.py)."""
-    cfg = args.build_config(config, overrides, check, **flags)
-    if check:
-        probe(cfg)
-    return cfg
+build_config = partial(args.build_config, checks=checks)  # with the extensions' checks and the hub probe
 
 
 def parse_list(text: str, flag: str, kind: type, ok, rule: str) -> list:

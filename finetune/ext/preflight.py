@@ -1,6 +1,8 @@
-"""`finetune sft`/`dpo` fail fast, before any rank starts: what the ranks would refuse only after loading."""
+"""`finetune sft`/`dpo` fail fast, before any rank starts: what the ranks would refuse only after loading (checked
+holding the run's lock: `preflight_locked`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -11,9 +13,27 @@ from ..checkpoint import CheckpointError, asked_export, check_arch, check_run, f
 from ..config import Config, ConfigError
 from ..data import open_sources, require_chat_template
 from .fingerprint import base_fingerprint
+from .locks import hold_run_lock, release_lock
 from ..model import load_hf_config
 from ..train import run_tokenizer
 from .recipes import samples
+
+
+def preflight_locked(cfg: Config, task: str, lock: Path, nnodes: int) -> str | None:
+    """preflight(cfg, task) with the run's lock (ext/locks.py): taken at once if the output dir exists
+    (another run may own it: exit 2; no new dir before the checks), else after them; released if they fail."""
+    # the node launchers of a multi-node run share the output dir: there global rank 0 takes the lock
+    takes = nnodes == 1 or "RANK" in os.environ
+    if takes and lock.parent.is_dir():
+        hold_run_lock(lock, f"output dir {cfg.output_dir}")
+    try:
+        nothing_to_do = preflight(cfg, task)
+    except BaseException:
+        release_lock(lock)
+        raise
+    if takes:
+        hold_run_lock(lock, f"output dir {cfg.output_dir}")
+    return nothing_to_do
 
 
 def preflight(cfg: Config, task: str = "sft") -> str | None:

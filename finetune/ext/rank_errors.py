@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from logging.handlers import MemoryHandler
 
 from ..launch import RANK_ERRORS
+from .console import forward_interrupts
 
 
 def print_rank_errors(where: str) -> bool:
@@ -25,7 +26,9 @@ def print_rank_errors(where: str) -> bool:
 
 @contextmanager
 def rank_errors():
-    """Around the ranks' launch: yields what to call when they failed (prints the ranks' line, print_rank_errors)."""
+    """Around the ranks' launch: yields what to call when they failed (prints the ranks' line, print_rank_errors);
+    a Ctrl-C meanwhile goes to the ranks (console.forward_interrupts)."""
+    forward_interrupts()
     # torch's own lines about the ranks (a rank "failed (exitcode: 2)", SIGTERM sent to the others) are held: shown
     # when a rank crashed, left out when the ranks refused the input (then one line says why: print_rank_errors)
     held, loggers = MemoryHandler(capacity=10**6, flushLevel=logging.CRITICAL + 1), [

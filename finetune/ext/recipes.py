@@ -28,6 +28,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
             t.note = "Liger fused loss only (compiled blocks)" if compile else "Liger on"
     t.kernels = partial(_kernels, experts=cfg.model.experts_implementation, liger=liger, compile=compile)
     if cfg.model.fp8 != "off":
+        from .checks import check_fp8
+        check_fp8(cfg)  # again: bench sets model.fp8 for each point after the command checked its config
         t.float8 = partial(_float8, cfg=cfg, device=device, shards=dims.mesh.shape[-1] if dims is not None else 1)
     if dims is not None and dims.cp > 1:
         from .context import apply_cp, cp_group
