@@ -126,7 +126,9 @@ def samples(cfg: Config, labellers: dict) -> dict:
 
 
 def recipe(cfg: Config, task: str = "sft") -> Recipe:
-    """What a run of `task` ("sft", "dpo") passes to train.train."""
+    """What a run of `task` ("sft", "dpo") passes to train.train (cfg checked again by ext/checks: API callers)."""
+    from .checks import validate
+    validate(cfg)
     labellers, setup = {}, sft_task
     if task == "dpo":
         from . import dpo
