@@ -45,7 +45,7 @@ EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "
                   "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
                   "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac", "parallel.ep": "moe",
                   "data.streaming": "streaming", "log.wandb": "wandb", "checkpoint.async": "saving",
-                  "train.tokens_per_step": "tokens_per_step"}
+                  "train.tokens_per_step": "tokens_per_step", "data.chat_template": "chat_template"}
 REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
 
 

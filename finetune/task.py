@@ -10,7 +10,7 @@ import torch
 from .checkpoint import Checkpointer
 from .loss import collate_labelled, token_loss_sum
 from .metrics import MetricsLogger
-from .model import Transforms
+from .model import Transforms, load_tokenizer
 
 
 class Run(NamedTuple):
@@ -52,6 +52,7 @@ class Recipe:
     transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
     export: dict = field(default_factory=dict)  # export_hf's hooks (adapters=, check=) for the final export
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
+    tokenizer: Callable = lambda cfg, resume_dir: (load_tokenizer(cfg.model.path, cfg.model.trust_remote_code), None)
     accum: Callable | None = None  # (cfg, data ranks) -> micro-batches per rank per step, for train.tokens_per_step
     mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
     logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)

@@ -11,13 +11,13 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, to_toml
-from .data import IGNORE_INDEX, build_samples, describe_counts, read_chat_template
+from .data import IGNORE_INDEX, build_samples, describe_counts
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
 from .export import export_hf
 from .loss import collate_labelled
 from .metrics import peak_mem_mb
-from .model import Transforms, build_model, load_tokenizer
+from .model import Transforms, build_model
 from .optim import build_optimizer, build_scheduler, by_mesh
 from .task import Recipe, Run, Task
 
@@ -88,18 +88,6 @@ def build_run_samples(cfg: Config, tokenizer, **kwargs):
                          chat_template_kwargs=dc.chat_template_kwargs, **kwargs)
 
 
-def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
-    """(the tokenizer with data.chat_template's template, that template or None); resuming: the checkpoint's."""
-    path, template = cfg.data.chat_template, None
-    if path:
-        template = ckpt.read_marker(resume_dir).get("chat_template") if resume_dir is not None else None
-        if template and Path(path).exists() and read_chat_template(path) != template:
-            print0(f"note: data.chat_template {cfg.data.chat_template} changed since {resume_dir}; resuming with the "
-                   f"template saved with it")
-        template = template or read_chat_template(path)
-    return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
-
-
 def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
     """(the model with `transforms`, its AdamW, its adapters' settings) as configured."""
     m, tc = cfg.model, cfg.train
@@ -120,7 +108,7 @@ def train(cfg: Config, recipe: Recipe | None = None) -> dict:
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
     ckpt.check_run(out, resume_dir, cfg.checkpoint.resume_from, recipe.name)  # a run of this task (the CLI: and model)
-    tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
+    tokenizer, chat_template = recipe.tokenizer(cfg, resume_dir)
     model, optimizer, lora = build_model_and_optimizer(cfg, device, dims, recipe.transforms(cfg, dims, device))
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)

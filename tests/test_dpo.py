@@ -118,7 +118,8 @@ def lora_reference(model_dir, data, *extra):
     from finetune.distributed import init_distributed
     from finetune.ext.dpo import adapters_off, collate_pairs, pair_logps
     from finetune.ext.recipes import transforms
-    from finetune.train import build_model_and_optimizer, build_run_samples, run_tokenizer
+    from finetune.ext.chat_template import run_tokenizer
+    from finetune.train import build_model_and_optimizer, build_run_samples
     device, dims = init_distributed(1, 0)
     results = []
     for rank in (4, 0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import weakref
-from pathlib import Path
 
 from ..compat import compile_jinja_template
 from ..errors import one_line
@@ -27,31 +26,6 @@ def require_chat_template(tokenizer, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: the tokenizer has no chat template; set data.chat_template to a Jinja file (or a "
                         f"tokenizer dir with one), or use a chat/instruct model's tokenizer")
-
-
-def read_chat_template(path: str) -> str | dict:
-    """data.chat_template's template (a Jinja file's text, or a tokenizer dir's), checked to be one that compiles."""
-    try:
-        if not Path(path).is_dir():
-            template = Path(path).expanduser().read_text(encoding="utf-8")
-            if not template.strip():
-                raise DataError(f"data.chat_template: {path} is empty; give a Jinja chat template (or unset the key "
-                                f"to use the model's own)")
-        else:
-            from transformers import AutoTokenizer
-            template = AutoTokenizer.from_pretrained(path).chat_template
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.chat_template: cannot read {path} ({one_line(e)})") from e
-    if not template:
-        raise DataError(f"data.chat_template: the tokenizer in {path} has no chat template")
-    from jinja2 import TemplateSyntaxError
-    for name, text in (template.items() if isinstance(template, dict) else [("", template)]):
-        try:
-            compile_jinja_template(text)
-        except TemplateSyntaxError as e:
-            raise DataError(f"data.chat_template: {path}{f' ({name!r} template)' if name else ''} line {e.lineno}: "
-                            f"Jinja syntax error ({one_line(e.message or e)})") from None
-    return template
 
 
 class Template:

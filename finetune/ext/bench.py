@@ -97,9 +97,9 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from ..distributed import init_distributed
     from ..metrics import peak_mem_mb
     from ..model import ac_layer_ids, resolve_compile
-    from ..train import (Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, run_tokenizer,
-                         train_step)
+    from ..train import Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, train_step
     from . import dpo
+    from .chat_template import run_tokenizer
     from .mfu import attention_length, flops_per_token, peak_flops
     from .recipes import recipe, samples
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)

@@ -15,7 +15,7 @@ from ..data import open_sources, require_chat_template
 from .fingerprint import base_fingerprint
 from .locks import hold_run_lock, release_lock
 from ..model import load_hf_config
-from ..train import run_tokenizer
+from .chat_template import run_tokenizer
 from .recipes import samples
 
 

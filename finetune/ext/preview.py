@@ -8,7 +8,8 @@ import sys
 
 from ..config import Config
 from ..data import IGNORE_INDEX
-from ..train import build_run_samples, run_tokenizer
+from ..train import build_run_samples
+from .chat_template import run_tokenizer
 
 SPLIT_WHY = {"history": "the full conversation renders this turn differently",
              "context": "the full conversation renders what precedes it differently"}

@@ -133,6 +133,7 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     if task == "dpo":
         from . import dpo
         labellers, setup = dpo.LABELLERS, dpo.dpo_task
+    from .chat_template import run_tokenizer
     from .mfu import meter
     from .report import Report
     from .resume_note import resume_note
@@ -141,4 +142,4 @@ def recipe(cfg: Config, task: str = "sft") -> Recipe:
     from .wandb import WandbLogger
     return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers), accum=run_accum,
                   mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg), report=Report,
-                  checkpointer=partial(Checkpointer, use_async=cfg.checkpoint.async_))
+                  checkpointer=partial(Checkpointer, use_async=cfg.checkpoint.async_), tokenizer=run_tokenizer)
