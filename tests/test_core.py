@@ -37,7 +37,11 @@ def test_the_core_alone_trains_resumes_and_exports_and_refuses_extensions_in_one
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [f"error: {names}, which this "
                                                                                    f"installation lacks"], refused
         assert not (tmp_path / "refused").exists()
-    refused = run_cli("sft", "ac.mode=op", *out, cwd=repo, env=env, check=False)  # after the preset's eval note
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
-        "error: ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
-    assert not (tmp_path / "refused").exists()
+    template = repo / "README.md"  # any existing file: the key is refused before it is read
+    for key, value, name in (("ac.mode", "op", "sac"), ("data.chat_template", str(template), "chat_template"),
+                             ("train.tokens_per_step", 2048, "tokens_per_step"), ("checkpoint.async", True, "saving")):
+        text = str(value).lower() if isinstance(value, bool) else value  # TOML's true
+        refused = run_cli("sft", f"{key}={text}", *out, cwd=repo, env=env, check=False)  # after the preset's eval note
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+            f"error: {key}={value!r} needs the extension finetune/ext/{name}.py, which this installation lacks")
+        assert not (tmp_path / "refused").exists()
