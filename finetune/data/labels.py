@@ -188,7 +188,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
     texts = ([(main_text, main, "")] if main else []) + alone
     samples, base = [], None
     for text, spans, why in texts:
-        shared = len(os.path.commonprefix([texts[0][0], text]))  # with the text whose tokens `base` holds
+        shared = len(os.path.commonprefix([texts[0][0], text])) if base else 0  # with the text `base` tokenized
         tokens = _tokens(tokenizer, t, text, where, base, shared)
         base = base or tokens  # the whole row's: the samples of turns split out share much of its text
         samples.append({**_encode(t, *tokens, spans, max_seq_len), "split": why})
