@@ -38,7 +38,6 @@ def read_chat_template(path: str) -> str | dict:
     return template
 
 
-
 def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
     """(the tokenizer with data.chat_template's template, that template or None); resuming: the checkpoint's."""
     path, template = cfg.data.chat_template, None

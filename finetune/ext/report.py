@@ -12,7 +12,7 @@ from ..distributed import is_main, print0, world_size
 
 
 def data_lines(samples) -> list[str]:
-    """A sample stream's start-up lines (its summary()): the files read and the counts."""
+    """A sample stream's start-up lines, the first of its summary() (Mixture, Streamed): the files read, the counts."""
     lines = []
     for src in samples.sources:
         path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
