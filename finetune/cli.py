@@ -71,10 +71,10 @@ def check_extensions(cfg: Config) -> None:
 
 def run_recipe(cfg: Config, task: str):
     """What a run of `task` passes to train.train: finetune.ext's recipe, or (without extensions) the core's sft."""
-    from .train import Recipe
     if task != "sft":
         extension(task, f"finetune {task}")
-    check_extensions(cfg)
+    check_extensions(cfg)  # before torch is imported: a missing extension is refused at once
+    from .train import Recipe
     return extension("recipes", f"finetune {task}").recipe(cfg, task) if has_extensions() else Recipe()
 
 
