@@ -1,16 +1,13 @@
 """`finetune dpo`: preference tuning on train.py's loop, with a loss over pairs instead of tokens.
 
 A pair is ONE sample, chosen then rejected (ext/pairs.py), so both sides are always in one micro-batch; packed rows
-hold whole pairs. loss.token_loss_sum's per-target log-probs sum per side by `label_seq` (collate_pairs). The loss
-is a sum over pairs: train_step divides by the global pair count (one all_reduce, as for tokens).
+hold whole pairs. The loss is a sum over pairs: train_step divides by the global pair count.
 
-The reference (dpo.reference): "adapters" (LoRA) runs the same model with its adapters off under no_grad: no memory
-beyond one more forward's transient activations. "precomputed" runs the initial model over the data once before
-training (sharded like training, ~1/3 of an epoch's compute), keeps 2 float64 per pair on every rank and in
-<output_dir>/checkpoints/ref_logps.pt (beside the checkpoints it belongs to, moved aside with them by --no-resume),
-reused on resume once each pair's tokens are checked against the digest saved with them. (A frozen sharded copy
-would cost the model's bf16 weights again, divided by the ranks, and a forward per step: not built.) SimPO needs no
-reference.
+The reference (dpo.reference): "adapters" (LoRA) runs the same model with its adapters off under no_grad.
+"precomputed" runs the initial model over the data once before training, keeps 2 float64 per pair on every rank and
+in <output_dir>/checkpoints/ref_logps.pt (moved aside with the checkpoints by --no-resume), reused on resume once each
+pair's tokens are checked against the digest saved with them (a frozen copy would cost the weights again and a forward
+per step). SimPO needs no reference.
 """
 from __future__ import annotations
 
@@ -225,10 +222,9 @@ def save_tables(tables: dict, root: Path, resume: bool) -> None:
 
 def reference_tables(model, train_samples, eval_samples, num_eval: int, micro_batch_size: int, collate, device,
                      out: Path, resume_dir, resume: bool = True) -> dict:
-    """{"train": ..., "eval": ..., "digests": ...} reference log-probs and the pairs' digests: read from beside
-    the checkpoint when resuming (the pairs checked to be those they were computed on), else one pass of the initial
-    model (the training data sharded as training; every rank all of the eval pairs); kept in
-    out/checkpoints/ref_logps.pt."""
+    """{"train": ..., "eval": ..., "digests": ...} reference log-probs and the pairs' digests: read from beside the
+    checkpoint when resuming (the pairs checked), else one pass of the initial model (training data sharded as
+    training, every rank all of the eval pairs); kept in out/checkpoints/ref_logps.pt."""
     root, ranks = out / "checkpoints", world_size()
     per_rank = math.ceil(train_samples.num_samples / ranks)  # the same number of forwards on every rank
     digests, held_out = {}, {}

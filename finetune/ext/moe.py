@@ -1,13 +1,12 @@
 """Mixture-of-experts models: the router's load-balancing loss over the global batch (RouterLoss), the experts
-implementation (grouped GEMM, batched or per-expert loop), and the settings refused for now (expert parallelism).
+implementation (grouped GEMM, batched or per-expert loop), and gradient clipping over the experts' own mesh.
 
 The load-balancing loss is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6, summed over the MoE
 layers): aux = E * sum_e f_e * P_e, f_e the share of top-k assignments to expert e, P_e its mean router probability,
-both over the real tokens of every layer. Here the sums run over the GLOBAL batch: counts are all-reduced, so the
-value is the same at any world size and micro-batch split. Its gradient flows through each rank's own P_e; f_e has
-none. Within a micro-batch f_e counts every rank's tokens (so 2 ranks == 1 process on their concatenation, exactly);
-across micro-batches of one step the gradient weighs each micro-batch's f_e by its share of the step's tokens (f of
-micro-batches not yet run is unknown when one runs backward); the reported value is the exact global one.
+over the real tokens of the GLOBAL batch (counts all-reduced: the same value at any world size and micro-batch split).
+The gradient flows through each rank's own P_e; f_e counts every rank's tokens of the micro-batch (2 ranks == 1
+process, exactly), and across the micro-batches of a step each one's f_e is weighed by its share of the step's tokens
+(the later ones have not run at its backward); the reported value is the exact global one.
 """
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ class RouterLoss:
         this = torch.cat([counts, rows[None]]).double()
         all_reduce(this)  # this micro-batch's counts over every rank
         share = (this[:-1] / this[-1].clamp(min=1)).float()
-        num_experts = counts.numel()
-        scale = (self.coef * num_experts * self.label_count / self.num_rows.clamp(min=1)).float()
+        scale = (self.coef * counts.numel() * self.label_count / self.num_rows.clamp(min=1)).float()
         self.parts = []
         return scale * (share * probs).sum()
 

@@ -1,10 +1,7 @@
 """`finetune plan`: the memory of one GPU of a run, on a CPU and without weights: the model built on fake tensors,
-sharded by our own apply_fsdp over a fake process group of the planned world size, runs fake forwards.
-
-Per GPU: the local shards of the parameters, gradients and AdamW state; the unsharded units in flight (FSDP2's
-prefetch: the current and next unit's compute-dtype parameters, the units never resharded after forward, one unit's
-unsharded gradients and reduce-scatter buffer); per micro-batch and AC ratio, the bytes saved for backward up to the
-last decoder block (bench's counter), the recompute of one checkpointed block and the logits/loss peak.
+sharded over a fake process group of the planned world size, runs fake forwards. Per GPU: the sharded parameters,
+gradients and AdamW state; FSDP's unsharded units in flight; per micro-batch and AC ratio, the bytes saved for backward
+(bench's counter), the recompute of one checkpointed block and the logits/loss peak.
 """
 from __future__ import annotations
 
@@ -160,8 +157,7 @@ def measure_state(model) -> dict:
 
 
 def sharded_bytes(params: list, world_size: int) -> int:
-    """fully_shard's chunks (model.shard_dim): rank 0 holds ceil(rows / world) rows of each parameter (and its
-    grad, state)."""
+    """Rank 0's bytes of `params` sharded over `world_size` (fully_shard's chunks: ceil(rows / world) rows each)."""
     from ..model import shard_dim
 
     def rows(shape):
@@ -171,8 +167,8 @@ def sharded_bytes(params: list, world_size: int) -> int:
 
 def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], shapes: list[tuple[int, int]],
                  liger: bool) -> tuple[dict, dict]:
-    """measure_micro_batch at every ratio (and 0, for the recompute) and (micro-batch, tokens per rank) shape, keyed
-    (ratio, shape); and measure_state of the model (the same at every ratio)."""
+    """{(ratio, shape): measure_micro_batch} at every ratio (and 0, for the recompute) and (micro-batch, tokens per
+    rank) shape, and the model's measure_state."""
     runs = {}
     for ratio in sorted({0.0, *ratios}):
         model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio, liger)
@@ -189,8 +185,7 @@ def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], s
 
 
 def point(runs: dict, ratio: float, shape: tuple[int, int], fixed: float, num_layers: int) -> dict:
-    """One (ratio, shape)'s bytes per GPU: the fixed part, its activations, the recompute of one checkpointed block
-    (1/L of the ratio-0 activations) and the logits/loss peak."""
+    """One (ratio, shape)'s bytes per GPU; the recompute of one checkpointed block is 1/L of the ratio-0 activations."""
     run = runs[ratio, shape]
     recompute = runs[0.0, shape]["activations"] / num_layers if ratio > 0 else 0
     return {**run, "recompute": recompute, "total": fixed + run["activations"] + recompute + run["logits_loss"]}
@@ -219,8 +214,7 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
                            "fits": p["total"] <= usable})
     fits = [p for p in points if p["fits"]]
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
-    smallest = None
-    replicas = cfg.parallel.dp_replicate
+    smallest, replicas = None, cfg.parallel.dp_replicate
     if not fits:  # more GPUs shrink only the sharded state: the shard groups grow (a set dp_shard with them)
         least = min(p["total"] - fixed for p in points) + in_flight
         smallest = next((w for w in range(world + nproc, 2**16, nproc)
