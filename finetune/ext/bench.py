@@ -202,8 +202,7 @@ def launch_point(job: dict, nproc: int) -> int:
 
 def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps: int, warmup: int,
               out_dir: Path, budget_mb: float | None, nproc: int = 1, fp8s: list[str] | None = None) -> list[dict]:
-    """Run every (model.fp8 of `fp8s`, accumulation, ratio) point in fresh processes (`nproc` ranks each); write
-    bench.json/md/png; print the table."""
+    """Run every (model.fp8 of `fp8s`, accumulation, ratio) point (`nproc` ranks each); write bench.json/md/png."""
     from ..config import check_parallel
     p = cfg.parallel
     data_ranks = p.dp_replicate * check_parallel(p.dp_replicate, p.dp_shard, nproc, p.cp)

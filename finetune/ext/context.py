@@ -127,6 +127,5 @@ def cp_width(width: int, n: int) -> int:
 
 
 def collate_split(items: list[dict], pad_id: int, width: int, *, rank: int, n: int) -> dict:
-    """(host) sft's micro-batch, collated and labelled on its full rows (padded to a width N divides), then cp rank
-    `rank`'s part of it (split_batch)."""
+    """(host) cp rank `rank`'s part (split_batch) of sft's micro-batch, collated and labelled on its full rows."""
     return split_batch(collate_labelled(items, pad_id, cp_width(width, n)), rank, n)

@@ -86,8 +86,7 @@ def pair_logps(model, batch: dict) -> torch.Tensor:
 
 @contextmanager
 def adapters_off(model):
-    """The base model: every peft layer's adapters disabled and every lora.modules_to_save module back to its frozen
-    original (a flag per layer; FSDP2 gathers the same parameters)."""
+    """The base model: peft's adapters and lora.modules_to_save copies switched off (a flag per layer)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
@@ -180,8 +179,7 @@ def gathered(local: tuple[dict, ...]) -> list[dict]:
 
 
 def read_tables(resume_dir: Path) -> tuple[dict, Path]:
-    """The reference tables of the checkpoint `resume_dir`: beside it (its checkpoints dir), or where an older
-    finetune kept them (its output dir)."""
+    """The reference tables of checkpoint `resume_dir`: in its checkpoints dir, or its output dir (older finetune)."""
     path, legacy = resume_dir.parent / REF_FILE, resume_dir.parent.parent / REF_FILE
     if not path.is_file() and legacy.is_file():
         path = legacy
@@ -278,8 +276,7 @@ def evaluate_pairs(model, loss_fn, batches, device, out: Path) -> dict:
 
 
 def dpo_task(cfg, run: Run) -> Task:
-    """`finetune dpo`'s task on train.py's loop: the pair loss (its reference computed first when "precomputed"),
-    the pair collate, the held-out pairs' evaluation after training."""
+    """`finetune dpo`'s task: the pair loss (its reference computed first), pair collate, held-out evaluation after."""
     reference, pad = reference_kind(cfg), run.tokenizer.pad_token_id
     held_out = None
     if cfg.eval.path and cfg.eval.num_samples:  # every rank all of the first eval.num_samples pairs, unpacked

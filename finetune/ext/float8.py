@@ -119,8 +119,7 @@ def apply_float8(model: nn.Module, recipe: str, *, shards: int, all_gather: bool
 
 
 def precompute_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """After each optimizer step, the fp8 scales of every all-gathered weight in one all-reduce (torchao's
-    precompute_float8_dynamic_scale_for_fsdp), so the next forward's all-gathers need none of their own."""
+    """After each optimizer step, the fp8 scales of every all-gathered weight in one all-reduce (torchao's)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     def precompute(*_):

@@ -76,8 +76,7 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
 
 
 class LoraSettings(dict):
-    """apply_lora's settings, as checkpoints record them; checkpoint.check_compatible has them `check` a LoRA
-    checkpoint's."""
+    """apply_lora's settings, as checkpoints record them; `check` compares a LoRA checkpoint's with them."""
 
     def check(self, path, saved: dict, hf_config) -> None:
         """The LoRA checkpoint `path` (its settings `saved`) has these settings and trained on this run's base."""

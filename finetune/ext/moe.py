@@ -27,8 +27,7 @@ EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 
 
 def router_recorder(model: nn.Module) -> tuple[type, int] | None:
-    """(the router module class, the index of the router logits in its output) as transformers records them for
-    output_router_logits; None for a model without routers."""
+    """(router module class, index of its logits in its output) as transformers records them; None without routers."""
     rec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
     if rec is None:
         return None
@@ -178,8 +177,7 @@ def build_router_loss(model: nn.Module, coef: float, task: str = "sft") -> Route
 
 
 def router_task(task: Task, router: RouterLoss) -> Task:
-    """`task` with the router's load-balancing term added to each micro-batch's loss (the reported loss stays the
-    task's), and the step's global value reported as aux_loss."""
+    """`task` plus the router's load-balancing term per micro-batch (the reported loss stays the task's), aux_loss."""
     def begin_step(micro_batches: list[dict], device) -> None:
         task.begin_step(micro_batches, device)
         router.begin_step(micro_batches, sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches),
@@ -196,8 +194,7 @@ def router_task(task: Task, router: RouterLoss) -> Task:
 
 
 def clip_grad_norm_by_mesh(model, max_norm: float) -> torch.Tensor:
-    """Task.clip for parameters on several device meshes (experts on a mesh of their own): the global norm over all
-    of them, each mesh's gradients clipped by it."""
+    """Task.clip over several device meshes (experts' own): the global norm, each mesh's gradients clipped by it."""
     from torch.distributed.tensor.experimental import implicit_replication
     groups = by_mesh(p for p in model.parameters() if p.grad is not None)
     if len(groups) <= 1:

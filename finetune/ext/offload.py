@@ -34,8 +34,7 @@ class _Block:
 
 
 class HostOffload:
-    """Saved-tensor hooks shared by the offloaded blocks of one model, and their copy stream (made at the first
-    CUDA tensor)."""
+    """Saved-tensor hooks shared by one model's offloaded blocks, and their copy stream (made at the first CUDA one)."""
 
     def __init__(self):
         self.stream, self.block = None, None

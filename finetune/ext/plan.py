@@ -32,8 +32,7 @@ def parse_gpu_memory(text: str) -> int:
 
 
 def load_arch(cfg: Config, model_dir: str | None):
-    """The HF config to plan: --model DIR, else model.path when local, else the preset's model.arch file (offline),
-    else model.path from the hub."""
+    """The HF config to plan: --model DIR, else a local model.path, else model.arch (offline), else the hub's."""
     from transformers import AutoConfig
 
     from ..model import load_hf_config
@@ -167,8 +166,7 @@ def sharded_bytes(params: list, world_size: int) -> int:
 
 def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], shapes: list[tuple[int, int]],
                  liger: bool) -> tuple[dict, dict]:
-    """{(ratio, shape): measure_micro_batch} at every ratio (and 0, for the recompute) and (micro-batch, tokens per
-    rank) shape, and the model's measure_state."""
+    """{(ratio, (micro-batch, tokens per rank)): measure_micro_batch} at every ratio and 0, and measure_state."""
     runs = {}
     for ratio in sorted({0.0, *ratios}):
         model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio, liger)

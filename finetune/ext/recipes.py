@@ -88,8 +88,7 @@ def _float8(model, layers, *, cfg: Config, device: torch.device, shards: int) ->
 
 
 def sft_task(cfg: Config, run: Run) -> Task:
-    """sft's task with its extensions: the row split of context parallelism, held-out evaluation before and after,
-    an MoE router's load-balancing loss."""
+    """sft's task with its extensions: cp's row split, held-out evaluation before and after, an MoE router's loss."""
     from .float8 import float8_scales
     from .moe import build_router_loss, router_task
     float8_scales(cfg, run)

@@ -89,8 +89,7 @@ def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dt
 
 
 def untrained_keys(skeleton: nn.Module) -> list[str]:
-    """The tensors a run never trains and a full export writes from its checkpoint: persistent buffers (a router's
-    bias). (A LoRA export reads its frozen base from the source itself: open_merged.)"""
+    """The tensors a run never trains: persistent buffers (a router's bias). A LoRA export reads its base as is."""
     return [n for n, _ in persistent_buffers(skeleton)]
 
 
@@ -192,8 +191,7 @@ def streamed_logits(model: nn.Module, fetch, input_ids: torch.Tensor) -> torch.T
 
 
 def check_adapter(out: Path, tensors: dict, hf_config, dtype: torch.dtype, trust_remote_code: bool) -> None:
-    """PeftModel.from_pretrained, on a base built from the config, loads exactly the adapter tensors of `out`, with
-    the checkpoint's values rounded to dtype."""
+    """peft loads exactly the adapter tensors of `out` on a base from the config, the checkpoint's rounded to dtype."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
