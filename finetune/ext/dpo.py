@@ -92,17 +92,17 @@ def adapters_off(model):
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     # the wrapper's own flag only: ModulesToSaveWrapper.enable_adapters also flips requires_grad of the trained copy
     wrappers = [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
-    for m in layers:
-        m.enable_adapters(False)
-    for m in wrappers:
-        AuxiliaryTrainingWrapper.enable_adapters(m, False)
+
+    def switch(on: bool) -> None:
+        for m in layers:
+            m.enable_adapters(on)
+        for m in wrappers:
+            AuxiliaryTrainingWrapper.enable_adapters(m, on)
+    switch(False)
     try:
         yield
     finally:
-        for m in layers:
-            m.enable_adapters(True)
-        for m in wrappers:
-            AuxiliaryTrainingWrapper.enable_adapters(m, True)
+        switch(True)
 
 
 def make_loss(dc, reference: str | None):
@@ -148,8 +148,7 @@ def reference_table(model, batches, device) -> dict:
 
 
 def pair_digests(item: dict) -> dict:
-    """{(source, row): digest} of each pair in a unit (a packed row holds several): its token ids and labels as
-    trained, both sides (which start where position_ids restart)."""
+    """{(source, row): digest} of each pair of a unit (packed rows hold several): both sides' ids and labels."""
     pos, ids, labels = item["position_ids"], item["input_ids"], item["labels"]
     cuts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
     digests = {}
@@ -208,8 +207,7 @@ def check_digests(tables: dict, now: dict, path: Path, names: dict) -> None:
 
 
 def save_tables(tables: dict, root: Path, resume: bool) -> None:
-    """(rank 0) `tables` into the checkpoints dir `root`, beside the checkpoints they belong to: an earlier run's
-    checkpoints (with their reference) are first moved aside, as checkpoint.resume=false does."""
+    """(rank 0) `tables` into the checkpoints dir `root`; an earlier run's checkpoints are moved aside first."""
     if not is_main():
         return
     ckpt.keep_earlier_run(root, resume)

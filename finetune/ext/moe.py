@@ -65,8 +65,7 @@ def find_experts(model: nn.Module) -> list[nn.Module]:
 
 
 def default_aux_coef(model: nn.Module) -> float:
-    """The architecture's router_aux_loss_coef (0 for a model without routers, or whose family balances its experts
-    with a routing bias instead, like DeepSeek-V3: its config has no coefficient)."""
+    """The architecture's router_aux_loss_coef; 0 without routers or one (DeepSeek-V3 balances with a bias)."""
     if router_recorder(model) is None:
         return 0.0
     return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)

@@ -47,8 +47,7 @@ def load_arch(cfg: Config, model_dir: str | None):
 
 @contextmanager
 def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1):
-    """A fake process group of world_size (no ranks, no communication), the run's ParallelDims over it, and the
-    fake tensor mode everything is measured in; this process is rank 0."""
+    """A fake process group of world_size (this process is rank 0), its ParallelDims and the fake tensor mode."""
     import torch.distributed as dist
 
     from ..distributed import build_parallel_dims

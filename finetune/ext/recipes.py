@@ -12,8 +12,7 @@ from ..train import Recipe, Run, Task
 
 
 def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    """The model transforms `cfg` asks for (the varlen attention kernel, the experts' implementation and Liger,
-    context parallelism, LoRA, op-level AC, activation offload), bound to their settings."""
+    """The model transforms `cfg` asks for (varlen, experts, Liger, fp8, cp, LoRA, op-level AC, offload), configured."""
     from ..distributed import print0
     from .sac import checkpoint_kwargs
     from . import loader
@@ -61,8 +60,7 @@ def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: st
 
 
 def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
-    """After the weights are loaded: the adapters initialised from `seed`, and the fingerprint of the base weights
-    they belong to recorded in `settings` (checkpoints record it to tie adapters to their base)."""
+    """After the load: the adapters initialised from `seed`, the base weights' fingerprint recorded in `settings`."""
     from .fingerprint import base_fingerprint
     from .lora import init_lora_weights
     init_lora_weights(model, seed)

@@ -19,8 +19,7 @@ NOT_COMPARED = ("output_dir", "model.arch", "checkpoint.resume", "checkpoint.res
 
 
 def resume_note(saved: dict, cfg: Config, samples_seen: int) -> str | None:
-    """The one line a resumed run prints about the keys whose value differs from `saved` (the config its checkpoint's
-    marker records); None when none does."""
+    """The line a resumed run prints about the keys whose value differs from `saved` (its marker's config), or None."""
     def value(key, v):  # the same local path, however written
         return str(Path(v).resolve()) if key in PATH_KEYS and v and Path(v).exists() else v
 
