@@ -76,9 +76,8 @@ class HostOffload:
 
 
 class Offloaded(ActivationWrapper):
-    """A checkpointed block (checkpoint_wrapper) whose saved inputs go through `offload`'s hooks; the hooks inside
-    are the checkpoint's own, so only what the checkpoint keeps for its recompute is offloaded: activations, never
-    the block's parameters (which a compiled block's autograd function saves too)."""
+    """A checkpointed block whose saved inputs go through `offload`'s hooks: only what the checkpoint keeps for its
+    recompute (activations, never the block's parameters, which a compiled block's autograd function saves too)."""
     compile_inside = True  # model.apply_compile compiles the checkpointed block inside; these hooks stay eager
 
     def __init__(self, module: nn.Module, offload: HostOffload):
