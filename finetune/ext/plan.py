@@ -236,9 +236,8 @@ MAX_LOCAL_TOKENS = 2**22  # tokens per rank where the --max-seq-len search stops
 
 def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float]) -> dict:
     """`plan --max-seq-len`: the longest data.max_seq_len that fits at micro-batch 1, for each ac.ratio and cp degree
-    (within a node, dividing the heads). A rank's bytes depend on its tokens S / cp only, and grow faster than a line
-    (eager attention, logits): each ratio's longest is measured, never extrapolated: fake forwards at 1024 tokens per
-    rank, doubled while they fit, then bisected to a multiple of 1024."""
+    (within a node, dividing the heads). A rank's bytes depend on its S / cp tokens only: measured, never extrapolated
+    (fake forwards from 1024 tokens per rank, doubled while they fit, then bisected to a multiple of 1024)."""
     from .liger import resolve_liger
     world, unit = nnodes * nproc, 1024
     heads = hf_config.get_text_config().num_attention_heads

@@ -47,9 +47,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
 
 def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: str = "bf16",
                     into: Transforms | None = None) -> Transforms:
-    """`into` (or empty transforms) with LoRA's slots filled: `settings` (rank, alpha, dropout, target_modules,
-    modules_to_save) on the frozen base in bf16 (fp32 when mixed_precision is fp32), adapters initialised from
-    `seed`, tied to the base weights at `path`."""
+    """`into` (or empty transforms) with LoRA's slots filled: apply_lora's `settings` on a frozen base in bf16 (fp32
+    when mixed_precision is fp32), adapters initialised from `seed`, tied to the base weights at `path`."""
     from . import loader
     from .lora import apply_lora
     t = into or Transforms(loader=loader)
@@ -106,9 +105,8 @@ def sft_task(cfg: Config, run: Run) -> Task:
 
 
 def export_hooks() -> dict:
-    """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, the streamed
-    check of what was written, the locks (also the run's and its retention's: cli.py, train.open_outputs), the chat
-    template's defaults."""
+    """export.export_hf's hooks: LoRA checkpoints merged or written as adapter dirs, the streamed check, the locks (also
+    the run's and its retention's: cli.py, train.open_outputs), the chat template's defaults, the live gather."""
     from . import live, locks, lora_export, template_defaults, verify
     return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults,
             "gather": live.open_live}

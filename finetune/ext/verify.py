@@ -41,9 +41,8 @@ def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Te
                   disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
                   trust_remote_code: bool = False, source: str | None = None) -> float:
     """`out` holds, bit for bit, what `kept`/`disk`/`shards` planned from `load` (a collective if `live`) and
-    config.json from hf_config, and reads back as the same model; says so and returns the max abs logit diff (0.0 off
-    rank 0).
-    `source`: the model the run started from: the tensors it never trains (untrained_keys) equal its own."""
+    config.json from hf_config, and reads back as the same model; says so and returns the max abs logit diff (0.0
+    off rank 0). `source`: the run's starting model; the tensors a run never trains (untrained_keys) equal its."""
     entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
