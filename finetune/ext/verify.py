@@ -42,7 +42,7 @@ def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Te
                   trust_remote_code: bool = False, source: str | None = None) -> float:
     """`out` holds, bit for bit, what `kept`/`disk`/`shards` planned from `load` (a collective if `live`) and
     config.json from hf_config, and reads back as the same model; says so and returns the max abs logit diff (0.0
-    off rank 0). `source`: the run's starting model; the tensors a run never trains (untrained_keys) equal its."""
+    off rank 0). `source`: the starting model, which the tensors a run never trains (untrained_keys) must match."""
     entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
