@@ -1,11 +1,8 @@
-"""`finetune bench`: sweep the activation-checkpointing ratio (and optionally the micro-batch / accumulation split),
-fresh processes per point so peak memory is clean (with --nproc-per-node N, N ranks launched by torch's elastic
-launcher: context parallelism, FSDP); writes bench.json, bench.md and bench.png.
+"""`finetune bench`: sweep the activation-checkpointing ratio (and optionally the micro-batch / accumulation split and
+model.fp8), a fresh process (or N launched ranks) per point; writes bench.json, bench.md and bench.png.
 
-Each point builds the real model (kernels -> AC -> compile -> FSDP), runs warm-up + timed optimizer steps on the
-same fixed-shape batches (data.pad_to_max) and reports the median step time, tokens/s (padding included: the
-shapes are fixed), MFU where the device's peak FLOP/s is known, peak memory, and the bytes one forward keeps
-for backward (unique storages, parameters excluded), which is what activation checkpointing trades for time.
+Each point builds the real model, times optimizer steps on fixed-shape batches (data.pad_to_max) and reports the
+median step time, tokens/s (padding included), MFU, peak memory and the bytes one forward keeps for backward.
 """
 from __future__ import annotations
 
@@ -49,10 +46,9 @@ def default_budget_mb() -> float:
 
 @contextmanager
 def count_saved(model):
-    """Inside: the storages the forward keeps for backward, in the yielded dict: tensors autograd saves (and
-    op-level AC caches) outside checkpointed regions, plus the inputs a checkpointed block holds for its recompute.
-    Unique storages (by identity: fake tensors have no addresses); parameters are excluded (resident anyway); what
-    ac.offload sends to host memory is not counted (its hooks are inside these)."""
+    """Inside: the storages the forward keeps for backward, in the yielded dict: what autograd saves outside
+    checkpointed regions plus the inputs a checkpointed block holds for its recompute; parameters and what ac.offload
+    sends to host memory are not counted."""
     storages = {}
 
     def keep(t):
@@ -81,8 +77,7 @@ def count_saved(model):
 
 
 def saved_for_backward_mb(model, batch: dict, loss_fn=None) -> float:
-    """MB that one forward keeps for backward (count_saved), the loss as train_step computes it (a task's loss;
-    default: sft's)."""
+    """MB that one forward keeps for backward (count_saved), through `loss_fn` (default: sft's loss)."""
     from ..task import sft_loss
     with count_saved(model) as storages:
         loss = (loss_fn or sft_loss)(model, batch)[0]
@@ -146,16 +141,14 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
               "losses": [float(r["loss"]) for r in results]}
     # torch's compiler (2.11 seen on an H100) cannot trace these counting hooks inside a compiled checkpointed
     # block: there the forward is counted uncompiled, an upper bound (compiled blocks save less), marked "(eager)"
-    result["saved_eager"] = resolve_compile(cfg.model.compile, device.type == "cuda") and bool(
-        result["ac_blocks"])
+    result["saved_eager"] = resolve_compile(cfg.model.compile, device.type == "cuda") and bool(result["ac_blocks"])
     with torch.compiler.set_stance("force_eager" if result["saved_eager"] else "default"):
         result["saved_mb"] = saved_for_backward_mb(model, steps_data[0][0][0], task.loss)
     return result
 
 
 def run_worker(job: dict) -> None:
-    """One sweep point in a child process (each rank's); rank 0's result (or a one-line error) goes to
-    job["result"]."""
+    """One sweep point in a child process (each rank's); rank 0's result (or a one-line error) to job["result"]."""
     import os
     from ..distributed import teardown
     try:
@@ -209,8 +202,7 @@ def launch_point(job: dict, nproc: int) -> int:
 
 def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps: int, warmup: int,
               out_dir: Path, budget_mb: float | None, nproc: int = 1, fp8s: list[str] | None = None) -> list[dict]:
-    """Run every (model.fp8 of `fp8s`, accumulation, ratio) point in fresh processes (`nproc` ranks each); write
-    bench.json/md/png; print the table."""
+    """Run every (model.fp8 of `fp8s`, accumulation, ratio) point (`nproc` ranks each); write bench.json/md/png."""
     from ..config import check_parallel
     p = cfg.parallel
     data_ranks = p.dp_replicate * check_parallel(p.dp_replicate, p.dp_shard, nproc, p.cp)
@@ -305,10 +297,9 @@ def format_table(rows: list[dict], meta: dict) -> str:
         peak = f"{r['peak_mem_mb']:,.0f}" + (f" / {r['peak_reserved_mb']:,.0f}" if meta["cuda"] else "")
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
         lines.append(f"| {r['ac_ratio']:g} | {r['fp8']} | {len(r['ac_blocks'])}/{r['num_layers']} | "
-                     f"{r['micro_batch_size']} x "
-                     f"{r['grad_accum_steps']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} "
-                     f"| {r['saved_mb']:,.1f}{' (eager)' if r.get('saved_eager') else ''} "
-                     f"| {r.get('overhead', 0):+.1%} |")
+                     f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['step_time_s']:.3f} | "
+                     f"{r['tokens_per_s']:,.0f} | {mfu} | {peak} | {r['saved_mb']:,.1f}"
+                     f"{' (eager)' if r.get('saved_eager') else ''} | {r.get('overhead', 0):+.1%} |")
     return "\n".join(lines)
 
 

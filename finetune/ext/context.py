@@ -2,15 +2,12 @@
 of every row; around attention an all-to-all trades that split for a split of the heads (each rank attends over the
 whole row for H/N heads, with the row's packed-sample boundaries), and a second one trades back.
 
-Why Ulysses, not ring attention: it wraps any per-sample kernel unchanged (torch's varlen on CUDA, one sdpa call per
-sample on CPU), packed rows need no per-shard masks, and its collectives (all_to_all) run on gloo, so it is tested
-on CPU. Its limit: N divides the attention heads. Grouped-query models with fewer KV heads than N (or a count N does
-not divide) have each KV head repeated up to lcm(KV heads, N) before the exchange: more bytes moved, same result.
+Why Ulysses, not ring attention: it wraps any per-sample kernel unchanged, packed rows need no per-shard masks, and
+all_to_all runs on gloo (tested on CPU). N divides the attention heads; KV heads that N does not divide are repeated
+up to lcm(KV heads, N) before the exchange (more bytes moved, same result).
 
-Contract. The batch of a data rank is collated and labelled on its FULL rows, padded to a multiple of N
-(split_batch): label targets are the next token's, so the target of a shard's last token (which lives on the next
-rank) is kept; position_ids (RoPE) are each token's real position in its sample, split with the tokens; the
-sample boundaries (cu_seq_lens_*) stay those of the full rows, for the attention after the exchange.
+Contract: a data rank's batch is collated and labelled on its FULL rows, padded to a multiple of N, then split
+(split_batch); position_ids (RoPE) are split with the tokens, the sample boundaries (cu_seq_lens_*) stay the full rows'.
 """
 from __future__ import annotations
 
@@ -130,6 +127,5 @@ def cp_width(width: int, n: int) -> int:
 
 
 def collate_split(items: list[dict], pad_id: int, width: int, *, rank: int, n: int) -> dict:
-    """(host) sft's micro-batch, collated and labelled on its full rows (padded to a width N divides), then cp rank
-    `rank`'s part of it (split_batch)."""
+    """(host) cp rank `rank`'s part (split_batch) of sft's micro-batch, collated and labelled on its full rows."""
     return split_batch(collate_labelled(items, pad_id, cp_width(width, n)), rank, n)

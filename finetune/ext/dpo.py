@@ -1,16 +1,13 @@
 """`finetune dpo`: preference tuning on train.py's loop, with a loss over pairs instead of tokens.
 
 A pair is ONE sample, chosen then rejected (ext/pairs.py), so both sides are always in one micro-batch; packed rows
-hold whole pairs. loss.token_loss_sum's per-target log-probs sum per side by `label_seq` (collate_pairs). The loss
-is a sum over pairs: train_step divides by the global pair count (one all_reduce, as for tokens).
+hold whole pairs. The loss is a sum over pairs: train_step divides by the global pair count.
 
-The reference (dpo.reference): "adapters" (LoRA) runs the same model with its adapters off under no_grad: no memory
-beyond one more forward's transient activations. "precomputed" runs the initial model over the data once before
-training (sharded like training, ~1/3 of an epoch's compute), keeps 2 float64 per pair on every rank and in
-<output_dir>/checkpoints/ref_logps.pt (beside the checkpoints it belongs to, moved aside with them by --no-resume),
-reused on resume once each pair's tokens are checked against the digest saved with them. (A frozen sharded copy
-would cost the model's bf16 weights again, divided by the ranks, and a forward per step: not built.) SimPO needs no
-reference.
+The reference (dpo.reference): "adapters" (LoRA) runs the same model with its adapters off under no_grad.
+"precomputed" runs the initial model over the data once before training, keeps 2 float64 per pair on every rank and
+in <output_dir>/checkpoints/ref_logps.pt (moved aside with the checkpoints by --no-resume), reused on resume once each
+pair's tokens are checked against the digest saved with them (a frozen copy would cost the weights again and a forward
+per step). SimPO needs no reference.
 """
 from __future__ import annotations
 
@@ -89,24 +86,23 @@ def pair_logps(model, batch: dict) -> torch.Tensor:
 
 @contextmanager
 def adapters_off(model):
-    """The base model: every peft layer's adapters disabled and every lora.modules_to_save module back to its frozen
-    original (a flag per layer; FSDP2 gathers the same parameters)."""
+    """The base model: peft's adapters and lora.modules_to_save copies switched off (a flag per layer)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     # the wrapper's own flag only: ModulesToSaveWrapper.enable_adapters also flips requires_grad of the trained copy
     wrappers = [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
-    for m in layers:
-        m.enable_adapters(False)
-    for m in wrappers:
-        AuxiliaryTrainingWrapper.enable_adapters(m, False)
+
+    def switch(on: bool) -> None:
+        for m in layers:
+            m.enable_adapters(on)
+        for m in wrappers:
+            AuxiliaryTrainingWrapper.enable_adapters(m, on)
+    switch(False)
     try:
         yield
     finally:
-        for m in layers:
-            m.enable_adapters(True)
-        for m in wrappers:
-            AuxiliaryTrainingWrapper.enable_adapters(m, True)
+        switch(True)
 
 
 def make_loss(dc, reference: str | None):
@@ -152,8 +148,7 @@ def reference_table(model, batches, device) -> dict:
 
 
 def pair_digests(item: dict) -> dict:
-    """{(source, row): digest} of each pair in a unit (a packed row holds several): its token ids and labels as
-    trained, both sides (which start where position_ids restart)."""
+    """{(source, row): digest} of each pair of a unit (packed rows hold several): both sides' ids and labels."""
     pos, ids, labels = item["position_ids"], item["input_ids"], item["labels"]
     cuts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
     digests = {}
@@ -183,8 +178,7 @@ def gathered(local: tuple[dict, ...]) -> list[dict]:
 
 
 def read_tables(resume_dir: Path) -> tuple[dict, Path]:
-    """The reference tables of the checkpoint `resume_dir`: beside it (its checkpoints dir), or where an older
-    finetune kept them (its output dir)."""
+    """The reference tables of checkpoint `resume_dir`: in its checkpoints dir, or its output dir (older finetune)."""
     path, legacy = resume_dir.parent / REF_FILE, resume_dir.parent.parent / REF_FILE
     if not path.is_file() and legacy.is_file():
         path = legacy
@@ -213,8 +207,7 @@ def check_digests(tables: dict, now: dict, path: Path, names: dict) -> None:
 
 
 def save_tables(tables: dict, root: Path, resume: bool) -> None:
-    """(rank 0) `tables` into the checkpoints dir `root`, beside the checkpoints they belong to: an earlier run's
-    checkpoints (with their reference) are first moved aside, as checkpoint.resume=false does."""
+    """(rank 0) `tables` into the checkpoints dir `root`; an earlier run's checkpoints are moved aside first."""
     if not is_main():
         return
     ckpt.keep_earlier_run(root, resume)
@@ -225,10 +218,9 @@ def save_tables(tables: dict, root: Path, resume: bool) -> None:
 
 def reference_tables(model, train_samples, eval_samples, num_eval: int, micro_batch_size: int, collate, device,
                      out: Path, resume_dir, resume: bool = True) -> dict:
-    """{"train": ..., "eval": ..., "digests": ...} reference log-probs and the pairs' digests: read from beside
-    the checkpoint when resuming (the pairs checked to be those they were computed on), else one pass of the initial
-    model (the training data sharded as training; every rank all of the eval pairs); kept in
-    out/checkpoints/ref_logps.pt."""
+    """{"train": ..., "eval": ..., "digests": ...} reference log-probs and the pairs' digests: read from beside the
+    checkpoint when resuming (the pairs checked), else one pass of the initial model (training data sharded as
+    training, every rank all of the eval pairs); kept in out/checkpoints/ref_logps.pt."""
     root, ranks = out / "checkpoints", world_size()
     per_rank = math.ceil(train_samples.num_samples / ranks)  # the same number of forwards on every rank
     digests, held_out = {}, {}
@@ -282,8 +274,7 @@ def evaluate_pairs(model, loss_fn, batches, device, out: Path) -> dict:
 
 
 def dpo_task(cfg, run: Run) -> Task:
-    """`finetune dpo`'s task on train.py's loop: the pair loss (its reference computed first when "precomputed"),
-    the pair collate, the held-out pairs' evaluation after training."""
+    """`finetune dpo`'s task: the pair loss (its reference computed first), pair collate, held-out evaluation after."""
     reference, pad = reference_kind(cfg), run.tokenizer.pad_token_id
     held_out = None
     if cfg.eval.path and cfg.eval.num_samples:  # every rank all of the first eval.num_samples pairs, unpacked

@@ -25,11 +25,10 @@ def prompt_text(tokenizer, messages: list[dict], tools=None, template_kwargs: di
 
 def evaluate(model, tokenizer, path: str, num_samples: int, max_new_tokens: int, device: torch.device,
              template_kwargs: dict | None = None, max_seq_len: int = MAX_EVAL_TOKENS) -> dict:
-    """Loss and exact match on the first `num_samples` conversations of `path`, each truncated to max_seq_len tokens.
-    Every rank runs them all (FSDP needs every rank in every forward); fine for small sets. The exact-match target
-    is the last assistant turn's trained text (reasoning and tool calls included, so a turn with null content is
-    scored too), without special tokens. Compiled blocks run eagerly here: generate's KV-cache shapes would
-    otherwise spend dynamo's recompile limit before training starts, and training would then run uncompiled."""
+    """Loss and exact match on the first `num_samples` conversations of `path`, each truncated to max_seq_len tokens,
+    all on every rank (FSDP needs every rank in every forward). The exact-match target is the last assistant turn's
+    trained text (reasoning and tool calls included) without special tokens. Compiled blocks run eagerly here:
+    generate's KV-cache shapes would spend dynamo's recompile limit before training (which would then run eager)."""
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # torch 2.6+ (2.11, 2.15)
         return _evaluate(model, tokenizer, path, num_samples, max_new_tokens, device, template_kwargs, max_seq_len)
 

@@ -1,17 +1,11 @@
 """FP8 training (model.fp8) through torchao's float8 Linear: the float8 slot of model.parallelize, after the kernels
 and before adapters, activation checkpointing, compile and FSDP.
 
-`apply_float8` swaps the decoder's nn.Linear layers for torchao's Float8Linear in place, on the meta skeleton: the
-parameters keep their names, shapes and dtypes (fp32 masters, bf16 under FSDP's mixed precision), and only the
-matmuls run in fp8 with scales computed dynamically from each operand (per tensor, or per row for "rowwise"). So
-checkpoints and exports hold the model's own dtypes and a run resumes with fp8 on or off. lm_head, MoE routers,
-embeddings (not Linear) and any Linear whose dims are not multiples of 16 (the fp8 GEMM's constraint) stay bf16.
-
-Tensorwise with fp8 all-gather (model.fp8_all_gather, the default) casts each weight shard to fp8 before FSDP's
-all-gather, halving its bytes; the scale of each weight is the amax over all shards, computed for all of them in one
-all-reduce after each optimizer step (`precompute_scales_after_step`, torchao's
-precompute_float8_dynamic_scale_for_fsdp). Rowwise scales cannot be all-gathered, so it gathers bf16 as usual.
-On CPU the fp8 matmuls are emulated (for tests: slower than bf16); on CUDA they need sm >= 8.9.
+The decoder's Linear layers become Float8Linear in place, on the meta skeleton: parameters keep their names, shapes
+and dtypes, only the matmuls run in fp8 (scales computed dynamically per tensor, or per row for "rowwise"), so
+checkpoints and exports hold the model's own dtypes and a run resumes with fp8 on or off. Tensorwise with fp8
+all-gather (model.fp8_all_gather, the default) casts each weight shard to fp8 before FSDP's all-gather; rowwise
+gathers bf16. On CPU the fp8 matmuls are emulated (for tests); on CUDA they need sm >= 8.9.
 """
 from __future__ import annotations
 
@@ -125,8 +119,7 @@ def apply_float8(model: nn.Module, recipe: str, *, shards: int, all_gather: bool
 
 
 def precompute_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """After each optimizer step, the fp8 scales of every all-gathered weight in one all-reduce (torchao's
-    precompute_float8_dynamic_scale_for_fsdp), so the next forward's all-gathers need none of their own."""
+    """After each optimizer step, the fp8 scales of every all-gathered weight in one all-reduce (torchao's)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     def precompute(*_):
@@ -143,12 +136,10 @@ def precompute_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimi
 
 
 def plan_float8_bytes(model: nn.Module, recipe: str, *, all_gather: bool, param_bytes: int) -> int:
-    """What fp8 changes in the bytes per GPU of `finetune plan`'s units in flight (FSDP's current and next block),
-    `model` the planned (unconverted) sharded model: gathering tensorwise weights in fp8 saves param_bytes - 1 bytes
-    per converted weight element of those two blocks (negative); otherwise the fp8 copies cast from the gathered
-    weights add one byte per element of one block (an upper bound: they live one Linear at a time). Plus the scales
-    in fp32: 3 per Linear tensorwise, one per weight row and column rowwise (the activations' per-token scales, a
-    few bytes per token, are not counted)."""
+    """What fp8 changes in the bytes per GPU of `finetune plan`'s units in flight (FSDP's current and next block) of
+    the planned, unconverted `model`: tensorwise fp8 all-gather saves param_bytes - 1 per converted weight element of
+    those two blocks (negative); otherwise the fp8 copies add one byte per element of one block (an upper bound).
+    Plus the fp32 scales: 3 per Linear tensorwise, one per weight row and column rowwise (activations' not counted)."""
     if recipe == "off":
         return 0
     convert, _ = float8_filter(model)

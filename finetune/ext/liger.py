@@ -19,11 +19,10 @@ def resolve_liger(liger: bool | str, cuda: bool) -> bool:
 
 
 def apply_kernels(model: nn.Module, compile: bool = False) -> None:
-    """Swap in Liger's fused kernels. CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1, for tests) only
-    RoPE and the fused linear cross-entropy: the interpreter cannot run the others. With regional compile only the
-    fused linear cross-entropy (outside the blocks): Liger dispatches RoPE through a torch.compiler.disable'd
-    function, which splits every compiled block's graph (3 breaks a Llama block), and inductor fuses norms, SwiGLU
-    and RoPE itself."""
+    """Swap in Liger's fused kernels. On CPU under Triton's interpreter (TRITON_INTERPRET=1, for tests) only RoPE and
+    the fused linear cross-entropy. With regional compile only the fused linear cross-entropy (outside the blocks):
+    Liger's RoPE goes through a torch.compiler.disable'd function, which splits every compiled block's graph (3 breaks
+    a Llama block), and inductor fuses norms, SwiGLU and RoPE itself."""
     interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
     if not torch.cuda.is_available() and not interpret:
         raise ModelError("model.liger=true needs a CUDA device (Liger kernels are Triton GPU kernels; on CPU only "

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import is_main
+from ..distributed import broadcast, is_main, world_size
 from ..errors import ModelError, one_line
 from ..load import hf_buffers, hf_params, lacks_buffer
 
@@ -20,7 +20,6 @@ def local_dir(path: str) -> Path:
     """The local directory of `path`: a dir, or a hub id downloaded once per node (safetensors and json files)."""
     if Path(path).is_dir():
         return Path(path)
-    import torch.distributed as dist
     from huggingface_hub import snapshot_download
     patterns = ["*.safetensors", "*.json"]
     error = None
@@ -29,8 +28,8 @@ def local_dir(path: str) -> Path:
             snapshot_download(path, allow_patterns=patterns)
         except Exception as e:  # noqa: BLE001 - any failure is reported by every rank below
             error = one_line(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
+    if world_size() > 1:
+        errors = [None] * world_size()
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e), None)
     if error:
@@ -42,7 +41,7 @@ def local_dir(path: str) -> Path:
 def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
     """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards."""
     from torch.distributed.tensor import DTensor, distribute_tensor
-    full, problem = None, [None]
+    full, problem = None, None
     params, buffers = hf_params(model), hf_buffers(model)
     uses = Counter(key for key, _ in params)  # a module to save and its trained copy load the same tensor
     if is_main():
@@ -58,16 +57,14 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
         lost = [key for key, _ in buffers if key in absent]
         unexpected = sorted(info["unexpected_keys"])
         if missing:
-            problem[0] = f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}"
+            problem = f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}"
         elif lost:
-            problem[0] = lacks_buffer(path, arch, lost[0])
+            problem = lacks_buffer(path, arch, lost[0])
         elif unexpected:
-            problem[0] = (f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place for, "
-                          f"e.g. {unexpected[0]}")
-    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank stops, not rank 0 alone
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise ModelError(problem[0])
+            problem = (f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place for, "
+                       f"e.g. {unexpected[0]}")
+    if problem := broadcast(problem):  # every rank stops, not rank 0 alone
+        raise ModelError(problem)
     for key, param in params:
         uses[key] -= 1
         if is_main():
@@ -81,7 +78,7 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
     for key, buf in buffers:  # whole on every rank
         if is_main():
             buf.copy_(full.pop(key))
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if world_size() > 1:
             dist.broadcast(buf, src=0)
 
 

@@ -24,8 +24,7 @@ class LockError(FinetuneError):
 
 
 def hold_lock(path: Path, what: str) -> None:
-    """Take the lock at `path` (creating it) for the rest of this process, or raise LockError naming the holder
-    (the pid, host and command its file holds)."""
+    """Take the lock at `path` for the rest of this process, or raise LockError naming its holder (pid, host, argv)."""
     path = Path(path).resolve()
     if str(path) in _held:
         return

@@ -76,8 +76,7 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
 
 
 class LoraSettings(dict):
-    """apply_lora's settings, as checkpoints record them; checkpoint.check_compatible has them `check` a LoRA
-    checkpoint's."""
+    """apply_lora's settings, as checkpoints record them; `check` compares a LoRA checkpoint's with them."""
 
     def check(self, path, saved: dict, hf_config) -> None:
         """The LoRA checkpoint `path` (its settings `saved`) has these settings and trained on this run's base."""
@@ -109,8 +108,7 @@ def peft_config(lora: dict, **kwargs):
 
 @torch.no_grad()
 def init_lora_weights(model: nn.Module, seed: int) -> None:
-    """As peft does (A kaiming-uniform, B zeros: training starts at the base model), from `seed`: every rank draws
-    the same full tensors in the same order, so any world size starts identically."""
+    """As peft does (A kaiming-uniform, B zeros), from `seed`: every rank draws the same full tensors (any world)."""
     from torch.distributed.tensor import distribute_tensor
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():

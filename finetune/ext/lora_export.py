@@ -27,8 +27,7 @@ def embedding_names(skeleton) -> tuple[str, str | None]:
 
 
 def check_base(source: Source, hf_config, adapter: bool) -> None:
-    """The base model a LoRA checkpoint is merged onto has the architecture and weights it trained on; `adapter`
-    (--adapter) runs in one process."""
+    """The base a LoRA checkpoint is merged onto is the one it trained on; `adapter` (--adapter) runs in one process."""
     diffs = arch_diffs(read_marker(source.weights).get("arch", {}), hf_config, "checkpoint", "base model")
     if diffs:
         raise ModelError(f"the LoRA base model '{source.model_path}' is not the one {source.label} trained: "
@@ -73,8 +72,7 @@ def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tupl
 
 
 def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dtype: torch.dtype, verify: bool) -> dict:
-    """A LoRA checkpoint's PEFT adapter dir as PeftModel.save_pretrained lays it out, checked by loading it with
-    peft; returns what the marker records."""
+    """A LoRA checkpoint's PEFT adapter dir as save_pretrained lays it out, checked by peft; returns the marker's."""
     from safetensors.torch import save_file
     from .verify import check_adapter
     tensors = {k: load(k) for k in adapters}

@@ -16,10 +16,9 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(model, seq_len: float) -> float:
-    """Training FLOPs per token as torchtitan counts them (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the
-    parameters without the input embedding (a lookup; a tied lm_head still counts once: its matmul runs), L layers,
-    H attention heads of Q dims, T = seq_len: the length each token attends over (causal attention counted in full,
-    as torchtitan does); for packed rows attention_length(), not the row length."""
+    """Training FLOPs per token (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the parameters without the input embedding
+    (a tied lm_head still counts once: its matmul runs), L layers, H attention heads of Q dims, T = seq_len, the length
+    each token attends over (causal attention counted in full, as torchtitan does; packed rows: attention_length())."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
     num_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())
@@ -35,10 +34,9 @@ MFU_CONVENTION = ("MFU: torchtitan's convention, 6N + 12*L*H*Q*T FLOPs per token
 
 
 def attention_length(batches: list[dict]) -> float:
-    """(host) T of MFU_CONVENTION for these micro-batches: sum(s^2) / sum(s) over their real samples s, read from
-    each batch's segments (cu_seq_lens_q: every row's samples, then its padding as one segment, whose position_ids
-    are all 0) so that 12*L*H*Q*T per token sums to 12*L*H*Q*s^2 per sample. A batch without segments counts its
-    rows whole (an unpacked row is one sample, padded to the longest)."""
+    """(host) T of MFU_CONVENTION for these micro-batches: sum(s^2) / sum(s) over their real samples s, read from each
+    batch's segments (cu_seq_lens_q; a row's padding is one segment whose position_ids are all 0). A batch without
+    segments counts its rows whole (an unpacked row is one sample, padded to the longest)."""
     squares, tokens = 0, 0
     for b in batches:
         if "cu_seq_lens_q" not in b:

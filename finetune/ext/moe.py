@@ -1,13 +1,12 @@
 """Mixture-of-experts models: the router's load-balancing loss over the global batch (RouterLoss), the experts
-implementation (grouped GEMM, batched or per-expert loop), and the settings refused for now (expert parallelism).
+implementation (grouped GEMM, batched or per-expert loop), and gradient clipping over the experts' own mesh.
 
 The load-balancing loss is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6, summed over the MoE
 layers): aux = E * sum_e f_e * P_e, f_e the share of top-k assignments to expert e, P_e its mean router probability,
-both over the real tokens of every layer. Here the sums run over the GLOBAL batch: counts are all-reduced, so the
-value is the same at any world size and micro-batch split. Its gradient flows through each rank's own P_e; f_e has
-none. Within a micro-batch f_e counts every rank's tokens (so 2 ranks == 1 process on their concatenation, exactly);
-across micro-batches of one step the gradient weighs each micro-batch's f_e by its share of the step's tokens (f of
-micro-batches not yet run is unknown when one runs backward); the reported value is the exact global one.
+over the real tokens of the GLOBAL batch (counts all-reduced: the same value at any world size and micro-batch split).
+The gradient flows through each rank's own P_e; f_e counts every rank's tokens of the micro-batch (2 ranks == 1
+process, exactly), and across the micro-batches of a step each one's f_e is weighed by its share of the step's tokens
+(the later ones have not run at its backward); the reported value is the exact global one.
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 
 
 def router_recorder(model: nn.Module) -> tuple[type, int] | None:
-    """(the router module class, the index of the router logits in its output) as transformers records them for
-    output_router_logits; None for a model without routers."""
+    """(router module class, index of its logits in its output) as transformers records them; None without routers."""
     rec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
     if rec is None:
         return None
@@ -67,8 +65,7 @@ def find_experts(model: nn.Module) -> list[nn.Module]:
 
 
 def default_aux_coef(model: nn.Module) -> float:
-    """The architecture's router_aux_loss_coef (0 for a model without routers, or whose family balances its experts
-    with a routing bias instead, like DeepSeek-V3: its config has no coefficient)."""
+    """The architecture's router_aux_loss_coef; 0 without routers or one (DeepSeek-V3 balances with a bias)."""
     if router_recorder(model) is None:
         return 0.0
     return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -149,8 +146,7 @@ class RouterLoss:
         this = torch.cat([counts, rows[None]]).double()
         all_reduce(this)  # this micro-batch's counts over every rank
         share = (this[:-1] / this[-1].clamp(min=1)).float()
-        num_experts = counts.numel()
-        scale = (self.coef * num_experts * self.label_count / self.num_rows.clamp(min=1)).float()
+        scale = (self.coef * counts.numel() * self.label_count / self.num_rows.clamp(min=1)).float()
         self.parts = []
         return scale * (share * probs).sum()
 
@@ -180,8 +176,7 @@ def build_router_loss(model: nn.Module, coef: float, task: str = "sft") -> Route
 
 
 def router_task(task: Task, router: RouterLoss) -> Task:
-    """`task` with the router's load-balancing term added to each micro-batch's loss (the reported loss stays the
-    task's), and the step's global value reported as aux_loss."""
+    """`task` plus the router's load-balancing term per micro-batch (the reported loss stays the task's), aux_loss."""
     def begin_step(micro_batches: list[dict], device) -> None:
         task.begin_step(micro_batches, device)
         router.begin_step(micro_batches, sum(int((b["label_targets"] != IGNORE_INDEX).sum()) for b in micro_batches),
@@ -198,8 +193,7 @@ def router_task(task: Task, router: RouterLoss) -> Task:
 
 
 def clip_grad_norm_by_mesh(model, max_norm: float) -> torch.Tensor:
-    """Task.clip for parameters on several device meshes (experts on a mesh of their own): the global norm over all
-    of them, each mesh's gradients clipped by it."""
+    """Task.clip over several device meshes (experts' own): the global norm, each mesh's gradients clipped by it."""
     from torch.distributed.tensor.experimental import implicit_replication
     groups = by_mesh(p for p in model.parameters() if p.grad is not None)
     if len(groups) <= 1:

@@ -34,8 +34,7 @@ class _Block:
 
 
 class HostOffload:
-    """Saved-tensor hooks shared by the offloaded blocks of one model, and their copy stream (made at the first
-    CUDA tensor)."""
+    """Saved-tensor hooks shared by one model's offloaded blocks, and their copy stream (made at the first CUDA one)."""
 
     def __init__(self):
         self.stream, self.block = None, None
@@ -77,9 +76,8 @@ class HostOffload:
 
 
 class Offloaded(ActivationWrapper):
-    """A checkpointed block (checkpoint_wrapper) whose saved inputs go through `offload`'s hooks; the hooks inside
-    are the checkpoint's own, so only what the checkpoint keeps for its recompute is offloaded: activations, never
-    the block's parameters (which a compiled block's autograd function saves too)."""
+    """A checkpointed block whose saved inputs go through `offload`'s hooks: only what the checkpoint keeps for its
+    recompute (activations, never the block's parameters, which a compiled block's autograd function saves too)."""
     compile_inside = True  # model.apply_compile compiles the checkpointed block inside; these hooks stay eager
 
     def __init__(self, module: nn.Module, offload: HostOffload):

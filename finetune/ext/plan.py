@@ -1,10 +1,7 @@
 """`finetune plan`: the memory of one GPU of a run, on a CPU and without weights: the model built on fake tensors,
-sharded by our own apply_fsdp over a fake process group of the planned world size, runs fake forwards.
-
-Per GPU: the local shards of the parameters, gradients and AdamW state; the unsharded units in flight (FSDP2's
-prefetch: the current and next unit's compute-dtype parameters, the units never resharded after forward, one unit's
-unsharded gradients and reduce-scatter buffer); per micro-batch and AC ratio, the bytes saved for backward up to the
-last decoder block (bench's counter), the recompute of one checkpointed block and the logits/loss peak.
+sharded over a fake process group of the planned world size, runs fake forwards. Per GPU: the sharded parameters,
+gradients and AdamW state; FSDP's unsharded units in flight; per micro-batch and AC ratio, the bytes saved for backward
+(bench's counter), the recompute of one checkpointed block and the logits/loss peak.
 """
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ def parse_gpu_memory(text: str) -> int:
 
 
 def load_arch(cfg: Config, model_dir: str | None):
-    """The HF config to plan: --model DIR, else model.path when local, else the preset's model.arch file (offline),
-    else model.path from the hub."""
+    """The HF config to plan: --model DIR, else a local model.path, else model.arch (offline), else the hub's."""
     from transformers import AutoConfig
 
     from ..model import load_hf_config
@@ -51,8 +47,7 @@ def load_arch(cfg: Config, model_dir: str | None):
 
 @contextmanager
 def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1):
-    """A fake process group of world_size (no ranks, no communication), the run's ParallelDims over it, and the
-    fake tensor mode everything is measured in; this process is rank 0."""
+    """A fake process group of world_size (this process is rank 0), its ParallelDims and the fake tensor mode."""
     import torch.distributed as dist
 
     from ..distributed import build_parallel_dims
@@ -160,8 +155,7 @@ def measure_state(model) -> dict:
 
 
 def sharded_bytes(params: list, world_size: int) -> int:
-    """fully_shard's chunks (model.shard_dim): rank 0 holds ceil(rows / world) rows of each parameter (and its
-    grad, state)."""
+    """Rank 0's bytes of `params` sharded over `world_size` (fully_shard's chunks: ceil(rows / world) rows each)."""
     from ..model import shard_dim
 
     def rows(shape):
@@ -171,8 +165,7 @@ def sharded_bytes(params: list, world_size: int) -> int:
 
 def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], shapes: list[tuple[int, int]],
                  liger: bool) -> tuple[dict, dict]:
-    """measure_micro_batch at every ratio (and 0, for the recompute) and (micro-batch, tokens per rank) shape, keyed
-    (ratio, shape); and measure_state of the model (the same at every ratio)."""
+    """{(ratio, (micro-batch, tokens per rank)): measure_micro_batch} at every ratio and 0, and measure_state."""
     runs = {}
     for ratio in sorted({0.0, *ratios}):
         model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio, liger)
@@ -189,8 +182,7 @@ def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], s
 
 
 def point(runs: dict, ratio: float, shape: tuple[int, int], fixed: float, num_layers: int) -> dict:
-    """One (ratio, shape)'s bytes per GPU: the fixed part, its activations, the recompute of one checkpointed block
-    (1/L of the ratio-0 activations) and the logits/loss peak."""
+    """One (ratio, shape)'s bytes per GPU; the recompute of one checkpointed block is 1/L of the ratio-0 activations."""
     run = runs[ratio, shape]
     recompute = runs[0.0, shape]["activations"] / num_layers if ratio > 0 else 0
     return {**run, "recompute": recompute, "total": fixed + run["activations"] + recompute + run["logits_loss"]}
@@ -219,8 +211,7 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
                            "fits": p["total"] <= usable})
     fits = [p for p in points if p["fits"]]
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
-    smallest = None
-    replicas = cfg.parallel.dp_replicate
+    smallest, replicas = None, cfg.parallel.dp_replicate
     if not fits:  # more GPUs shrink only the sharded state: the shard groups grow (a set dp_shard with them)
         least = min(p["total"] - fixed for p in points) + in_flight
         smallest = next((w for w in range(world + nproc, 2**16, nproc)
@@ -245,9 +236,8 @@ MAX_LOCAL_TOKENS = 2**22  # tokens per rank where the --max-seq-len search stops
 
 def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ratios: list[float]) -> dict:
     """`plan --max-seq-len`: the longest data.max_seq_len that fits at micro-batch 1, for each ac.ratio and cp degree
-    (within a node, dividing the heads). A rank's bytes depend on its tokens S / cp only, and grow faster than a line
-    (eager attention, logits): each ratio's longest is measured, never extrapolated: fake forwards at 1024 tokens per
-    rank, doubled while they fit, then bisected to a multiple of 1024."""
+    (within a node, dividing the heads). A rank's bytes depend on its S / cp tokens only: measured, never extrapolated
+    (fake forwards from 1024 tokens per rank, doubled while they fit, then bisected to a multiple of 1024)."""
     from .liger import resolve_liger
     world, unit = nnodes * nproc, 1024
     heads = hf_config.get_text_config().num_attention_heads

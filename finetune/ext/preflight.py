@@ -72,8 +72,7 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
 
 
 def check_model(output_dir: Path, resume_dir: Path | None, resume_from: str, model_path: str, fingerprint) -> None:
-    """The run continues only a run of its own model (`fingerprint`s of local dirs, else names); else a
-    CheckpointError."""
+    """A run continues only a run of its own model (`fingerprint`s of local dirs, else names), else CheckpointError."""
     asked, export = asked_export(output_dir, resume_dir, resume_from)
     if resume_dir is None or read_marker(resume_dir).get("lora"):
         return

@@ -1,9 +1,8 @@
-"""prepare-checkpoint: load a HF model once through the training load path (fp32, sharded) and save it as DCP
-(ext/loader.py, the core's model.Transforms.loader slot, loads prepared dirs).
+"""prepare-checkpoint: load a HF model once through the training load path (fp32, sharded) and save it as DCP.
 
 A prepared dir P holds P/weights/ (DCP, {"model": <HF-named fp32 tensors>}), config.json, generation_config.json,
 tokenizer files and, written last, P/finetune_manifest.json, which marks it. It is published whole (outdir.staging);
-`build_model(P, ...)` loads it straight into the shards at any world size (DCP reshards).
+ext/loader.py loads it straight into the shards at any world size (DCP reshards).
 """
 from __future__ import annotations
 

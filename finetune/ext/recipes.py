@@ -12,8 +12,7 @@ from ..train import Recipe, Run, Task
 
 
 def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    """The model transforms `cfg` asks for (the varlen attention kernel, the experts' implementation and Liger,
-    context parallelism, LoRA, op-level AC, activation offload), bound to their settings."""
+    """The model transforms `cfg` asks for (varlen, experts, Liger, fp8, cp, LoRA, op-level AC, offload), configured."""
     from ..distributed import print0
     from .sac import checkpoint_kwargs
     from . import loader
@@ -48,9 +47,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
 
 def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: str = "bf16",
                     into: Transforms | None = None) -> Transforms:
-    """`into` (or empty transforms) with LoRA's slots filled: `settings` (rank, alpha, dropout, target_modules,
-    modules_to_save) on the frozen base in bf16 (fp32 when mixed_precision is fp32), adapters initialised from
-    `seed`, tied to the base weights at `path`."""
+    """`into` (or empty transforms) with LoRA's slots filled: apply_lora's `settings` on a frozen base in bf16 (fp32
+    when mixed_precision is fp32), adapters initialised from `seed`, tied to the base weights at `path`."""
     from . import loader
     from .lora import apply_lora
     t = into or Transforms(loader=loader)
@@ -61,8 +59,7 @@ def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: st
 
 
 def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
-    """After the weights are loaded: the adapters initialised from `seed`, and the fingerprint of the base weights
-    they belong to recorded in `settings` (checkpoints record it to tie adapters to their base)."""
+    """After the load: the adapters initialised from `seed`, the base weights' fingerprint recorded in `settings`."""
     from .fingerprint import base_fingerprint
     from .lora import init_lora_weights
     init_lora_weights(model, seed)
@@ -88,8 +85,7 @@ def _float8(model, layers, *, cfg: Config, device: torch.device, shards: int) ->
 
 
 def sft_task(cfg: Config, run: Run) -> Task:
-    """sft's task with its extensions: the row split of context parallelism, held-out evaluation before and after,
-    an MoE router's load-balancing loss."""
+    """sft's task with its extensions: cp's row split, held-out evaluation before and after, an MoE router's loss."""
     from .float8 import float8_scales
     from .moe import build_router_loss, router_task
     float8_scales(cfg, run)
@@ -109,9 +105,8 @@ def sft_task(cfg: Config, run: Run) -> Task:
 
 
 def export_hooks() -> dict:
-    """export.export_hf's hooks: LoRA checkpoints merged onto their base or written as adapter dirs, the streamed
-    check of what was written, the locks (also the run's and its retention's: cli.py, train.open_outputs), the chat
-    template's defaults."""
+    """export.export_hf's hooks: LoRA checkpoints merged or written as adapter dirs, the streamed check, the locks (also
+    the run's and its retention's: cli.py, train.open_outputs), the chat template's defaults, the live gather."""
     from . import live, locks, lora_export, template_defaults, verify
     return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults,
             "gather": live.open_live}

@@ -19,8 +19,7 @@ NOT_COMPARED = ("output_dir", "model.arch", "checkpoint.resume", "checkpoint.res
 
 
 def resume_note(saved: dict, cfg: Config, samples_seen: int) -> str | None:
-    """The one line a resumed run prints about the keys whose value differs from `saved` (the config its checkpoint's
-    marker records); None when none does."""
+    """The line a resumed run prints about the keys whose value differs from `saved` (its marker's config), or None."""
     def value(key, v):  # the same local path, however written
         return str(Path(v).resolve()) if key in PATH_KEYS and v and Path(v).exists() else v
 
@@ -42,9 +41,8 @@ def resume_note(saved: dict, cfg: Config, samples_seen: int) -> str | None:
         entries = sorted({k for k in (*before, *now) if k.startswith(kwargs)})
         if moved := [k for k in entries if shown(before, k) != shown(now, k)]:
             notes.append(", ".join(f"{k} {shown(before, k)} -> {shown(now, k)}" for k in moved)
-                         + f" (a change of the data: the chat template renders other text "
-                         f"to train from here, and the data position, {samples_seen} samples, was counted under the "
-                         f"checkpoint's values)")
+                         + f" (a change of the data: the chat template renders other text to train from here, and the "
+                         f"data position, {samples_seen} samples, was counted under the checkpoint's values)")
         if sources := changed_sources(before.get("data.sources") or [], now["data.sources"], value):
             notes.append(f"{sources} (a change of the mixture: the data position, {samples_seen} samples, now "
                          f"indexes the new mixture's order: the run skips its first {samples_seen} samples, not the "

@@ -47,7 +47,5 @@ def op_sac_policy():
 
 
 def checkpoint_kwargs() -> dict:
-    """apply_ac's checkpoint() arguments for op-level AC. respect_saved_tensors_hooks: the outputs it keeps go
-    through the caller's saved_tensors_hooks (save_on_cpu, the bench's saved-bytes count) like any saved tensor;
-    torch's legacy default bypasses them ({} on torch 2.11)."""
+    """apply_ac's checkpoint() arguments for op-level AC: op_sac_policy's contexts and sac_hooks_kwargs()."""
     return {"context_fn": op_sac_policy(), **sac_hooks_kwargs()}

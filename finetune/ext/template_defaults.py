@@ -1,7 +1,6 @@
-"""The run's data.chat_template_kwargs as defaults of the exported chat template (export_hf's `templates` hook), so
-that transformers, vLLM, SGLang and llama.cpp, which all render the saved template, render it as training did when a
-request passes none of them, and a request's own value still wins. (Servers otherwise take template variables per
-request or per server flag only; no file of the model holds them.)"""
+"""The run's data.chat_template_kwargs as defaults of the exported chat template (export_hf's `templates` hook): what
+renders the saved template (transformers, vLLM, SGLang, llama.cpp) renders it as training did when a request passes
+none of them, and a request's own value still wins (servers take them per request or flag; no model file holds them)."""
 from __future__ import annotations
 
 import json

@@ -20,11 +20,9 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      sliding_window: int | None = None, softcap: float | None = None, s_aux=None,
                      cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs):
     """transformers' attention-function signature ((batch, heads, seq, dim) in, (batch, seq, heads, dim) out): causal
-    attention within each segment of cu_seq_lens_q through torch's varlen kernel on CUDA (Flash, or cuDNN where
-    torch prefers it), segment_attention elsewhere. Without boundaries (evaluation, generate: one unpadded sample
-    per row) it is sdpa's causal attention, with the layer's sliding window (transformers builds no mask for an
-    attention name it does not know: window_mask). The CUDA kernel takes fp16/bf16 only: fp32 q/k/v (train.
-    mixed_precision=fp32, or autocast) are cast to bf16 and the output back, as transformers' flash path does."""
+    attention within each segment of cu_seq_lens_q (varlen_kernel). Without boundaries (evaluation, generate) it is
+    sdpa's causal attention with the layer's sliding window (window_mask: transformers builds no mask for an attention
+    name it does not know). The CUDA kernel takes fp16/bf16 only: fp32 q/k/v are cast to bf16 and the output back."""
     if cu_seq_lens_q is None:
         if attention_mask is None and sliding_window:
             attention_mask = window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
@@ -50,9 +48,8 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def window_mask(q_len: int, kv_len: int, sliding_window: int, device) -> torch.Tensor:
-    """(1, 1, q_len, kv_len) bool: query i (the last q_len of kv_len positions: a KV cache holds the keys before it)
-    sees key j when j <= i's position and fewer than sliding_window positions back, as transformers'
-    sliding_window_causal mask."""
+    """(1, 1, q_len, kv_len) bool: query i (the last q_len of kv_len positions) sees key j <= i fewer than
+    sliding_window positions back, as transformers' sliding_window_causal mask."""
     i = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)
     return ((j <= i) & (i - j < sliding_window))[None, None]
@@ -85,9 +82,8 @@ def varlen_kernel():
 
 
 def register() -> None:
-    """Register `varlen` in transformers' attention interface, with what this torch's kernel takes (2.10: is_causal;
-    later: a window, (-1, 0) being causal; 2.12+: enable_gqa; CUDA: fp16/bf16 only), found once, outside any
-    compiled region."""
+    """Register `varlen` in transformers' attention interface with what this torch's kernel takes (2.10: is_causal;
+    later: a window, (-1, 0) being causal; 2.12+: enable_gqa; CUDA: fp16/bf16 only), found once, outside compile."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     kernel = varlen_kernel()

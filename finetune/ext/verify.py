@@ -41,9 +41,8 @@ def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Te
                   disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
                   trust_remote_code: bool = False, source: str | None = None) -> float:
     """`out` holds, bit for bit, what `kept`/`disk`/`shards` planned from `load` (a collective if `live`) and
-    config.json from hf_config, and reads back as the same model; says so and returns the max abs logit diff (0.0 off
-    rank 0).
-    `source`: the model the run started from: the tensors it never trains (untrained_keys) equal its own."""
+    config.json from hf_config, and reads back as the same model; says so and returns the max abs logit diff (0.0
+    off rank 0). `source`: the starting model, which the tensors a run never trains (untrained_keys) must match."""
     entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
@@ -89,8 +88,7 @@ def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dt
 
 
 def untrained_keys(skeleton: nn.Module) -> list[str]:
-    """The tensors a run never trains and a full export writes from its checkpoint: persistent buffers (a router's
-    bias). (A LoRA export reads its frozen base from the source itself: open_merged.)"""
+    """The tensors a run never trains: persistent buffers (a router's bias). A LoRA export reads its base as is."""
     return [n for n, _ in persistent_buffers(skeleton)]
 
 
@@ -192,8 +190,7 @@ def streamed_logits(model: nn.Module, fetch, input_ids: torch.Tensor) -> torch.T
 
 
 def check_adapter(out: Path, tensors: dict, hf_config, dtype: torch.dtype, trust_remote_code: bool) -> None:
-    """PeftModel.from_pretrained, on a base built from the config, loads exactly the adapter tensors of `out`, with
-    the checkpoint's values rounded to dtype."""
+    """peft loads exactly the adapter tensors of `out` on a base from the config, the checkpoint's rounded to dtype."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
