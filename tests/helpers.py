@@ -207,13 +207,18 @@ def sft_cli(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None =
 
 def invoke(*args):
     """`finetune *args` in this process through the typer app (typer's CliRunner: result.exit_code, .stdout,
-    .stderr), for commands that stop before any rank starts or run no ranks. What a command leaves in the process
-    (environment variables such as FINETUNE_LOCK, signal handlers) is undone after it."""
+    .stderr), for commands that stop before any rank starts or run no ranks (or run bench's points, children of this
+    process's fork server: started here with PRELOAD first). What a command leaves in the process (environment
+    variables such as FINETUNE_LOCK, signal handlers) is undone after it."""
     import signal
 
     from typer.testing import CliRunner
 
     from finetune.cli import app
+    if args and args[0] == "bench":  # its points share this process's fork server: the ranks' one (PRELOAD), not
+        from multiprocessing import forkserver  # one bench would start with its own list for the rest of the session
+        _context()
+        forkserver.ensure_running()
     env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         return CliRunner().invoke(app, list(map(str, args)))

@@ -29,17 +29,16 @@ def test_cp_2_and_fsdp_2_x_cp_2_equal_one_process_and_resume_cp_2_1_4(llama_dir,
     at cp 1 (one process, step 3) and cp 4 (4 ranks, steps 4-5): the same steps."""
     one = sft(llama_dir, chat_file, tmp_path / "one", *RUN, "train.micro_batch_size=2")
     cp2 = sft(llama_dir, chat_file, tmp_path / "cp2", *RUN, "train.micro_batch_size=2", "parallel.cp=2",
-              "checkpoint.interval=1", "checkpoint.keep=0", nproc=2)
+              "checkpoint.interval=2", "checkpoint.keep=0", nproc=2)
     fsdp_cp = sft(llama_dir, chat_file, tmp_path / "2x2", *RUN, "train.micro_batch_size=1", "parallel.cp=2", nproc=4)
     assert one[-1]["loss"] < one[0]["loss"]
     close(cp2, one)  # and its rows are one process's, padded by at most one token for the split:
     assert [r["padding_fraction"] for r in cp2] == pytest.approx([r["padding_fraction"] for r in one], abs=0.01)
     close(fsdp_cp, one)
     moved, start = tmp_path / "moved", tmp_path / "cp2" / "checkpoints" / "step-2"
-    for steps, cp in ((3, 1), (5, 4)):
+    for steps, cp in ((3, 1), (5, 4)):  # each saves at its end
         sft(llama_dir, chat_file, moved, *RUN, f"train.max_steps={steps}", "train.micro_batch_size=2",
-            f"parallel.cp={cp}", "checkpoint.interval=1", "checkpoint.keep=0", f"checkpoint.resume_from={start}",
-            nproc=cp)
+            f"parallel.cp={cp}", "checkpoint.keep=0", f"checkpoint.resume_from={start}", nproc=cp)
         start = moved / "checkpoints" / f"step-{steps}"
     recs = read_metrics(moved)
     assert [r["step"] for r in recs] == [3, 4, 5]

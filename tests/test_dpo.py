@@ -4,6 +4,7 @@ dropped and counted."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -96,15 +97,18 @@ def test_two_ranks_equal_one_process_and_resume_is_exact(llama_dir, pairs_file, 
     """Packed pairs, precomputed reference log-probs (the 2-rank pass sharded and gathered); the resumed run reads
     ref_logps.pt instead of recomputing from the trained model."""
     one = dpo(llama_dir, pairs_file, tmp_path / "one", "train.max_steps=4", "train.micro_batch_size=2",
-              "data.max_seq_len=512")
+              "data.max_seq_len=512", "checkpoint.interval=2")
     two = dpo(llama_dir, pairs_file, tmp_path / "two", "train.max_steps=4", "train.micro_batch_size=1",
               "data.max_seq_len=512", nproc=2)
     assert one[0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and one[0]["accuracy"] == 0  # policy == reference
     assert one[-1]["loss"] < one[0]["loss"] and one[-1]["accuracy"] > 0.5
     for key in ("loss", "rewards_chosen", "rewards_rejected", "accuracy", "grad_norm"):
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
-    out = tmp_path / "resumed"
-    dpo(llama_dir, pairs_file, out, "train.max_steps=2", "train.micro_batch_size=2", "data.max_seq_len=512")
+    out = tmp_path / "resumed"  # the one-process run as it stood after step 2 (constant lr: a 2-step run)
+    shutil.copytree(tmp_path / "one", out)
+    shutil.rmtree(out / "checkpoints" / "step-4")
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (out / "metrics.jsonl").read_text()
+                                               .splitlines()[:2]))
     table = (out / "checkpoints" / "ref_logps.pt").stat().st_mtime_ns
     dpo(llama_dir, pairs_file, out, "train.max_steps=4", "train.micro_batch_size=2", "data.max_seq_len=512")
     assert (out / "checkpoints" / "ref_logps.pt").stat().st_mtime_ns == table  # reused, not recomputed

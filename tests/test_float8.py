@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from helpers import BASE, invoke, losses, sft
+from helpers import BASE, invoke, losses, read_metrics, sft
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (the fp8 extra)")
@@ -60,16 +60,42 @@ def test_the_filter_keeps_lm_head_embeddings_routers_and_odd_dims_in_bf16(capsys
 
 
 @pytest.fixture(scope="module")
-def bf16_two_ranks(llama_dir, chat_file, reference):
-    return losses(reference(llama_dir, chat_file, *STEPS, nproc=2))
+def bf16_run(llama_dir, chat_file, reference):
+    """The 2-rank bf16 run of STEPS, with a checkpoint at step 3 (constant lr: a 3-step run's own step 3)."""
+    return reference(llama_dir, chat_file, *STEPS, "checkpoint.interval=3", nproc=2)
+
+
+@pytest.fixture(scope="module")
+def bf16_two_ranks(bf16_run):
+    return losses(bf16_run)
+
+
+@pytest.fixture(scope="module")
+def fp8_two_ranks(llama_dir, chat_file, tmp_path_factory):
+    """fp8_two_ranks(recipe) -> (output dir, what it printed) of the 2-rank fp8 run of STEPS, run once per module;
+    the tensorwise_all_gather run also exports from the live model at its end (the checkpoints test reads it)."""
+    import contextlib
+    import io
+    runs = {}
+
+    def run(recipe):
+        if recipe not in runs:
+            out, printed = tmp_path_factory.mktemp(recipe) / "two", io.StringIO()
+            export = ("checkpoint.export_hf=true",) if recipe == "tensorwise_all_gather" else ()
+            with contextlib.redirect_stdout(printed):
+                sft(llama_dir, chat_file, out, *STEPS, *RECIPES[recipe], *export, nproc=2)
+            runs[recipe] = out, printed.getvalue()
+        return runs[recipe]
+    return run
 
 
 @needs_torchao
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_two_ranks_train_like_one_process_and_within_2_percent_of_bf16(recipe, llama_dir, chat_file, tmp_path,
-                                                                       bf16_two_ranks, capsys):
-    two = sft(llama_dir, chat_file, tmp_path / "two", *STEPS, *RECIPES[recipe], nproc=2)
-    assert "Linear layers in fp8" in capsys.readouterr().out
+                                                                       bf16_two_ranks, fp8_two_ranks):
+    out, printed = fp8_two_ranks(recipe)
+    two = read_metrics(out)
+    assert "Linear layers in fp8" in printed
     one = sft(llama_dir, chat_file, tmp_path / "one", *STEPS, "train.grad_accum_steps=4", *RECIPES[recipe])
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["loss"] for r in two] == pytest.approx(bf16_two_ranks, rel=0.02)
@@ -79,17 +105,15 @@ def test_two_ranks_train_like_one_process_and_within_2_percent_of_bf16(recipe, l
 
 @needs_torchao
 def test_checkpoints_and_exports_keep_the_model_dtypes_and_resume_with_fp8_on_or_off(llama_dir, chat_file, tmp_path,
-                                                                                      capsys):
+                                                                                      capsys, fp8_two_ranks, bf16_run):
     import torch.distributed.checkpoint as dcp
 
     from test_export import export, read_weights
     fp8, three = RECIPES["tensorwise_all_gather"], ("train.max_steps=3", *STEPS[1:], "checkpoint.interval=3")
-    straight = [r["loss"] for r in sft(llama_dir, chat_file, tmp_path / "straight", *STEPS, *fp8,
-                                       "checkpoint.export_hf=true", nproc=2)]  # and an export from the live model
-    out, plain = tmp_path / "run", tmp_path / "plain"
+    straight_dir = fp8_two_ranks("tensorwise_all_gather")[0]  # STEPS with fp8, and an export from the live model
+    straight, out = losses(straight_dir), tmp_path / "run"
     sft(llama_dir, chat_file, out, *three, *fp8, nproc=2)
-    sft(llama_dir, chat_file, plain, *three, nproc=2)
-    step3, plain3 = out / "checkpoints" / "step-3", plain / "checkpoints" / "step-3"
+    step3, plain3 = out / "checkpoints" / "step-3", bf16_run / "checkpoints" / "step-3"  # plain3: without fp8
     def dtypes(step_dir):  # every stored tensor's dtype by name (non-tensor entries: None)
         meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
         return {k: getattr(getattr(m, "properties", None), "dtype", None) for k, m in meta.items()}
@@ -112,7 +136,7 @@ def test_checkpoints_and_exports_keep_the_model_dtypes_and_resume_with_fp8_on_or
     weights, plain_weights = read_weights(tmp_path / "hf"), read_weights(tmp_path / "hf_plain")
     assert {n: t.dtype for n, t in weights.items()} == {n: t.dtype for n, t in plain_weights.items()}
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
-    live = read_weights(tmp_path / "straight" / "hf")
+    live = read_weights(straight_dir / "hf")
     assert {n: t.dtype for n, t in live.items()} == {n: t.dtype for n, t in plain_weights.items()}
 
 

@@ -59,9 +59,11 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: in
         dist.destroy_process_group()
 
 
-def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, liger: bool):
-    """build_model's parallelize (the run's transforms but for the kernels, which cannot run on fake tensors, and
-    compile; with Liger's FSDP layout) on the meta device (fully_shard is slow on fake tensors), then fake storage."""
+def build_fake_models(hf_config, cfg: Config, mesh, fake_mode, ratios: set[float], liger: bool) -> dict:
+    """{ac.ratio: model} for each of `ratios`: build_model's parallelize (the run's transforms but for the kernels,
+    which cannot run on fake tensors, and compile; with Liger's FSDP layout) of a copy of one meta skeleton built once
+    (fully_shard is slow on fake tensors), then fake storage."""
+    import copy
     from dataclasses import replace
 
     from ..model import build_skeleton, parallelize
@@ -69,13 +71,15 @@ def build_fake_model(hf_config, cfg: Config, mesh, fake_mode, ac_ratio: float, l
     # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
-    model = build_skeleton(hf_config, attn, cfg.model.trust_remote_code)
+    skeleton, models = build_skeleton(hf_config, attn, cfg.model.trust_remote_code), {}
     t = replace(transforms(cfg, None, torch.device("cuda")), kernels=None, float8=None,  # fp8: plan_float8_bytes
                 lm_head_in_root=liger)
-    parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ac_ratio, ac_mode=cfg.ac.mode)
-    with fake_mode:
-        model.to_empty(device="cpu")
-    return model
+    for ratio in sorted(ratios):
+        models[ratio] = model = copy.deepcopy(skeleton)
+        parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ratio, ac_mode=cfg.ac.mode)
+        with fake_mode:
+            model.to_empty(device="cpu")
+    return models
 
 
 class LivePeak(TorchDispatchMode):
@@ -166,14 +170,10 @@ def sharded_bytes(params: list, world_size: int) -> int:
 def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], shapes: list[tuple[int, int]],
                  liger: bool) -> tuple[dict, dict]:
     """{(ratio, (micro-batch, tokens per rank)): measure_micro_batch} at every ratio and 0, and measure_state."""
-    runs = {}
-    for ratio in sorted({0.0, *ratios}):
-        model = build_fake_model(hf_config, cfg, dims.mesh, fake_mode, ratio, liger)
-        with fake_mode:
-            for mbs, seq in shapes:
-                runs[ratio, (mbs, seq)] = measure_micro_batch(model, mbs, seq)
+    models = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0, *ratios}, liger)
     with fake_mode:
-        measured = measure_state(model)
+        runs = {(r, (mbs, seq)): measure_micro_batch(m, mbs, seq) for r, m in models.items() for mbs, seq in shapes}
+        measured = measure_state(model := models[max(models)])
     if cfg.model.fp8 != "off":  # fp8's weight copies in flight and scales (the fake model itself stays unconverted)
         from .float8 import plan_float8_bytes
         measured["in_flight"]["fp8"] = plan_float8_bytes(model, cfg.model.fp8, all_gather=cfg.model.fp8_all_gather,
@@ -245,7 +245,7 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
     liger = resolve_liger(cfg.model.liger, cuda=True)
     usable, num_layers = gpu_bytes * (1 - SAFETY), hf_config.num_hidden_layers
     with fake_world(world, cfg.parallel.dp_replicate) as (dims, fake_mode):
-        models = {r: build_fake_model(hf_config, cfg, dims.mesh, fake_mode, r, liger) for r in sorted({0.0, *ratios})}
+        models = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0, *ratios}, liger)
         runs, sizes = {}, {r: {} for r in ratios}  # sizes: what each ratio measured, {tokens per rank: bytes}
 
         def total(ratio: float, tokens: int) -> float:  # measured bytes per GPU, `tokens` per rank
