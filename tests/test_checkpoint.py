@@ -1,6 +1,6 @@
 """Checkpoints: exact resume (same and other world size), kill -9 while saving and while training, SIGTERM,
 non-finite loss. CPU, gloo, fp32, constant lr (helpers.BASE) so a 4-step run and an 8-step run share a schedule.
-In-process ranks (run_ranks) except where the launcher, a signal or an exit code is the point."""
+In-process ranks (run_ranks) except where the launcher or a signal is the point (exit codes: launch.rank_main)."""
 from __future__ import annotations
 
 import json
