@@ -195,9 +195,8 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
 
 
 def main():
-    if console := optional("console"):  # quiet libraries, Ctrl-C as one line
-        console.setup()
-    app()
+    console = optional("console")  # quiet libraries, Ctrl-C as one line, an exit without the interpreter's teardown
+    console.run(app) if console else app()
 
 
 if __name__ == "__main__":

@@ -167,6 +167,14 @@ def _is_symptom(exc: BaseException) -> bool:
     return isinstance(exc, RankError) or "Connection closed by peer" in text or "Connection reset" in text
 
 
+def start(fn, *args):
+    """`fn(*args)` in a process forked from run_ranks' warm fork server (no process group, no output captured),
+    started and returned (a multiprocessing Process): for a test that kills it midway."""
+    process = _context().Process(target=fn, args=args)
+    process.start()
+    return process
+
+
 # The one override list every sft run in the tests starts from: fp32 and a constant lr (so an 8-step run and a
 # 4-step run share a schedule and resumes can be compared with a straight run), no eval, no progress bar.
 BASE = ["train.mixed_precision=fp32", "train.lr=3e-3", "train.warmup_steps=0", "train.min_lr_ratio=1.0", "eval.path=",

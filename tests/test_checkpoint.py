@@ -1,6 +1,6 @@
 """Checkpoints: exact resume (same and other world size), kill -9 while saving and while training, SIGTERM,
 non-finite loss. CPU, gloo, fp32, constant lr (helpers.BASE) so a 4-step run and an 8-step run share a schedule.
-In-process ranks (run_ranks) except where the launcher, a signal or an exit code is the point."""
+In-process ranks (run_ranks) except where the launcher or a signal is the point (exit codes: launch.rank_main)."""
 from __future__ import annotations
 
 import json
@@ -151,14 +151,26 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(llama_dir
     assert len(read_metrics(out)) == 5
 
 
-def test_a_diverging_run_exits_1_naming_the_step(llama_dir, chat_file, tmp_path):
-    """Through the CLI: a non-finite loss is a failure (exit 1), not bad input. An absurd lr makes step 2's loss
-    non-finite."""
-    proc = sft_cli(llama_dir, chat_file, tmp_path / "run", "train.max_steps=3", "train.micro_batch_size=4",
-                   "train.lr=1e30", check=False)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: non-finite "), proc.stderr[-3000:]
-    assert "at step 2" in proc.stderr and len(read_metrics(tmp_path / "run")) == 1
+def exit_of_rank(cfg):
+    """The exit code of a rank as the CLI runs it (launch.rank_main: train(cfg), an error as one line on stderr)."""
+    from finetune.ext.recipes import recipe
+    from finetune.launch import rank_main
+    from finetune.train import train
+    try:
+        rank_main(train, (cfg, recipe(cfg)), False)
+    except SystemExit as e:
+        return e.code
+
+
+def test_a_diverging_run_exits_1_naming_the_step(llama_dir, chat_file, tmp_path, capsys):
+    """As the CLI runs a rank (launch.rank_main): a non-finite loss is a failure (exit 1), not bad input. An absurd lr
+    makes step 2's loss non-finite."""
+    cfg = sft_config(llama_dir, chat_file, tmp_path / "run", "train.max_steps=3", "train.micro_batch_size=4",
+                     "train.lr=1e30")
+    assert run_ranks(exit_of_rank, 1, cfg) == [1]
+    stderr = capsys.readouterr().err
+    assert stderr.strip().splitlines()[-1].startswith("error: non-finite "), stderr[-3000:]
+    assert "at step 2" in stderr and len(read_metrics(tmp_path / "run")) == 1
 
 
 def test_nan_skip_policy_counts_skips(llama_dir, chat_file, tmp_path, capsys):

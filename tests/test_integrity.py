@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import BASE, REPO, export_hf, losses, read_metrics, run_ranks, sft, sft_cli
+from helpers import BASE, REPO, export_hf, invoke, losses, read_metrics, run_ranks, sft, start
 
 from finetune import checkpoint as ckpt
 from finetune.data import DataError, load_rows
@@ -34,10 +34,14 @@ def popen(*args, env=None) -> subprocess.Popen:
                             env={**os.environ, **ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def sft_args(model_dir, data, out, *extra, nproc=1) -> list:
+    return ["sft", "--model", model_dir, "--dataset", data, "-o", out, "--nproc-per-node", nproc, *BASE, *ARGS, *extra]
+
+
 def sft_popen(model_dir, data, out, *extra, nproc=1, pause_at_step=2) -> subprocess.Popen:
     """A CLI run that pauses at the start of step `pause_at_step` until a signal arrives (fault pause_at_step)."""
-    return popen("sft", "--model", model_dir, "--dataset", data, "-o", out, "--nproc-per-node", nproc, *BASE, *ARGS,
-                 *extra, env={"FINETUNE_TEST_FAULTS": f"pause_at_step={pause_at_step}"})
+    return popen(*sft_args(model_dir, data, out, *extra, nproc=nproc),
+                 env={"FINETUNE_TEST_FAULTS": f"pause_at_step={pause_at_step}"})
 
 
 def wait_paused(proc: subprocess.Popen, nproc: int) -> None:
@@ -229,17 +233,19 @@ def test_two_runs_into_one_output_dir_one_exits_2_naming_the_other(llama_dir, ch
 
 def test_refused_run_keeps_config_and_export_reads_the_checkpoint(run_dir, llama_dir, qwen_tied_dir, chat_file,
                                                                   tmp_path):
+    """The CLI in-process (helpers.invoke): the refusal and "nothing to do" come before any rank starts."""
     out = copy_run(run_dir, tmp_path)
     config_before = (out / "config.toml").read_bytes()
-    proc = sft_cli(qwen_tied_dir, chat_file, out, *ARGS, "train.max_steps=10", check=False)
-    assert proc.returncode == 2 and "does not match the model" in proc.stderr
+    refused = invoke(*sft_args(qwen_tied_dir, chat_file, out, "train.max_steps=10"))
+    assert refused.exit_code == 2 and "does not match the model" in refused.stderr, refused.output
     assert (out / "config.toml").read_bytes() == config_before
     (out / "config.toml").write_text(f'[model]\npath = "{qwen_tied_dir}"\n')  # even a config.toml that lies
     export_hf(str(out), str(tmp_path / "hf"), verify=True)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (Path(llama_dir) / "tokenizer.json").read_bytes()
-    again = sft_cli(llama_dir, chat_file, out, *ARGS)  # a resume with nothing to do says so
-    assert f"nothing to do: checkpoint {out / 'checkpoints' / 'step-8'} is at step 8" in again.stdout
+    again = invoke(*sft_args(llama_dir, chat_file, out))  # a resume with nothing to do says so
+    assert again.exit_code == 0 and f"nothing to do: checkpoint {out / 'checkpoints' / 'step-8'} is at step 8" in \
+        again.stdout, again.output
 
 
 # 4. metrics.jsonl repair
@@ -277,10 +283,11 @@ def test_export_of_a_truncated_shard_names_the_file(run_dir, tmp_path):
 # 7. kill -9 during export-hf, then export again
 
 def test_partial_export_of_a_killed_run_is_removed_by_the_next(run_dir, tmp_path, capsys):
-    proc = popen("export-hf", "--checkpoint", run_dir, "-o", tmp_path / "hf")
-    wait_for(lambda: any(tmp_path.glob(".hf.partial-*/model.safetensors")) or proc.poll() is not None)
+    """The first export runs in a process of its own (forked warm: helpers.start), killed once it wrote the weights."""
+    proc = start(export_hf, str(run_dir), str(tmp_path / "hf"))
+    wait_for(lambda: any(tmp_path.glob(".hf.partial-*/model.safetensors")) or not proc.is_alive())
     proc.kill()
-    proc.wait()
+    proc.join()
     [partial] = tmp_path.glob(".hf.partial-*")
     export_hf(str(run_dir), str(tmp_path / "hf"), verify=False)
     assert "removed 1 partial export(s) left by interrupted runs" in capsys.readouterr().out
