@@ -195,8 +195,9 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
 
 
 def main():
-    console = optional("console")  # quiet libraries, Ctrl-C as one line, an exit without the interpreter's teardown
-    console.run(app) if console else app()
+    if console := optional("console"):  # quiet libraries, Ctrl-C as one line
+        console.setup()
+    app()
 
 
 if __name__ == "__main__":
