@@ -48,9 +48,11 @@ def lacks_buffer(path: str, arch: str, key: str) -> str:
 def locate_slices(model: nn.Module, skeleton: nn.Module, path: str, local_dir=Path) -> dict[str, Entry] | str:
     """{HF key: Entry} for each parameter of the sharded `model` (`skeleton`: the same model unwrapped, on meta),
     checked strictly; or why to take the rank-0 path. `local_dir`: ext/loader's for a hub id."""
+    if is_prepared(path):  # reaches here only without a loader (and without a skeleton: build_model builds none)
+        return f"'{path}' is a prepared checkpoint"
     entries = open_dir(local_dir(path))
-    if entries is None:  # a prepared dir reaches here only without a loader
-        return f"'{path}' is a prepared checkpoint" if is_prepared(path) else f"'{path}' has no safetensors files"
+    if entries is None:
+        return f"'{path}' has no safetensors files"
     mapping = disk_to_memory(skeleton, entries)
     converted = next((d for d, k in mapping.items() if k is None), None)
     if converted:

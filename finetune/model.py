@@ -238,9 +238,9 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
                            ac_mode=ac_mode, compile=compile)
     _materialize(model, device)
-    # the name map comes from a clean skeleton: the model's own is wrapped by now
-    load_hf_weights(model, build_skeleton(hf_config, None, trust_remote_code), path, trust_remote_code,
-                    transforms.loader)
+    # the name map comes from a clean skeleton (the model's own is wrapped by now); a prepared dir's load needs none
+    skeleton = None if is_prepared(path) else build_skeleton(hf_config, None, trust_remote_code)
+    load_hf_weights(model, skeleton, path, trust_remote_code, transforms.loader)
     transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
