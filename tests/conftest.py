@@ -19,6 +19,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).pare
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():  # Triton runs on CPU only in its interpreter (Liger's kernels): every process the
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # suite starts, its ranks' fork server first, before any @triton.jit
+
 from _tokenizers import build_tokenizer  # noqa: E402
 
 

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,17 @@ PRELOAD = ["pytest", "torch", "torch.distributed.checkpoint", "torch.distributed
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
            "transformers.models.qwen2.modeling_qwen2", "finetune.train", "finetune.ext.bench", "finetune.ext.prepare",
            "finetune.export", "finetune.ext.verify", "helpers"]
+
+
+def _warm() -> None:
+    """What every process builds on its first model load, built once here (in each process that imports this module,
+    the fork server among them): transformers' table of checkpoint conversions, ~1,000 compiled regexes and ~0.5 s
+    of CPU per rank. A pure table, deep-copied on every read, the same in every rank."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    get_checkpoint_conversion_mapping("llama")
+
+
+_warm()
 
 
 class RankError(RuntimeError):
@@ -218,8 +230,6 @@ def invoke(*args):
     .stderr), for commands that stop before any rank starts or run no ranks (or run bench's points, children of this
     process's fork server: started here with PRELOAD first). What a command leaves in the process (environment
     variables such as FINETUNE_LOCK, signal handlers) is undone after it."""
-    import signal
-
     from typer.testing import CliRunner
 
     from finetune.cli import app
@@ -237,12 +247,105 @@ def invoke(*args):
             signal.signal(s, handler)
 
 
-def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True,
-            cwd: Path = REPO) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+CLI_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+
+
+def _cli_main(args: list, env: dict, cwd: str, out, err, new_session: bool) -> None:
+    """`finetune *args` in a child of the fork server, as `python -m finetune` would run it there."""
+    if new_session:
+        os.setsid()
+    for fd, conn in ((1, out), (2, err)):
+        os.dup2(conn.fileno(), fd)
+        conn.close()
+    sys.stdout.reconfigure(write_through=True)  # as PYTHONUNBUFFERED does for a fresh interpreter
+    sys.stderr.reconfigure(write_through=True)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["finetune", *args]
+    from finetune.cli import main
+    main()  # its SystemExit is the process's exit code, as in a fresh interpreter
+
+
+class CliProcess:
+    """`finetune *args` started like `subprocess.Popen([python, "-m", "finetune", *args], text=True, stdout=PIPE,
+    stderr=PIPE)` (the same interface: pid, stdout, stderr, poll, wait, communicate, send_signal, kill, returncode),
+    but forked from run_ranks' warm fork server: the command, its launcher and signal handling are the real ones;
+    only the ~5 s of CPU a fresh interpreter spends importing torch and transformers is skipped. The ranks a launcher
+    starts are fresh interpreters as always. `env` is the whole environment of the command (the server's own is the
+    one this process had when it started)."""
+
+    def __init__(self, args, env: dict, cwd: Path = REPO, start_new_session: bool = False):
+        self.args, ctx = [*map(str, args)], _context()
+        (out, out_w), (err, err_w) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)  # raw pipes, passed by fd
+        self._process = ctx.Process(target=_cli_main, args=(self.args, env, str(cwd), out_w, err_w, start_new_session),
+                                    name="finetune")
+        self._process.start()
+        out_w.close()
+        err_w.close()
+        self.pid, self.returncode = self._process.pid, None
+        self.stdout, self.stderr = (open(os.dup(c.fileno()), errors="replace") for c in (out, err))
+        out.close()
+        err.close()
+
+    def poll(self):
+        if self.returncode is None and self._process.exitcode is not None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(["finetune", *self.args], timeout)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        """(stdout, stderr) read to the end while the command runs, then its exit code in returncode."""
+        import threading
+        texts = {}
+        readers = [threading.Thread(target=lambda s=s: texts.__setitem__(s, s.read()), daemon=True)
+                   for s in (self.stdout, self.stderr)]
+        for r in readers:
+            r.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for r in readers:
+            r.join(None if deadline is None else max(0, deadline - time.monotonic()))
+        if any(r.is_alive() for r in readers):
+            raise subprocess.TimeoutExpired(["finetune", *self.args], timeout)
+        self.wait(None if deadline is None else max(1, deadline - time.monotonic()))
+        self.stdout.close()
+        self.stderr.close()
+        return texts[self.stdout], texts[self.stderr]
+
+    def send_signal(self, sig) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def cli_process(*args, env: dict | None = None, cwd: Path = REPO, start_new_session: bool = False) -> CliProcess:
+    """`finetune *args` running (a CliProcess), with this process's environment, CLI_ENV and `env`."""
+    return CliProcess(args, {**os.environ, **CLI_ENV, **(env or {})}, cwd, start_new_session)
+
+
+def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True, cwd: Path = REPO,
+            fresh: bool = False) -> subprocess.CompletedProcess:
+    """`finetune *args` to its end: (args, returncode, stdout, stderr); an AssertionError with its output if it
+    failed and `check`. In a warm CliProcess, or with `fresh`, a fresh `python -m finetune` (its own imports, from
+    `cwd`: what a user's shell runs)."""
+    if fresh:
+        proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=cwd, text=True, timeout=timeout,
+                              env={**os.environ, **CLI_ENV, **(env or {})}, capture_output=True)
+    else:
+        cli = cli_process(*args, env=env, cwd=cwd)
+        try:
+            stdout, stderr = cli.communicate(timeout=timeout)
+        finally:
+            cli.kill()
+        proc = subprocess.CompletedProcess(cli.args, cli.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"finetune {' '.join(map(str, args))} exited {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")

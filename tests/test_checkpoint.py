@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -18,7 +16,7 @@ from finetune import checkpoint as ckpt
 from finetune.checkpoint import CheckpointError, is_complete, step_dirs
 from finetune.errors import FinetuneError
 from finetune.train import NonFiniteError
-from helpers import BASE, REPO, RankError, losses, read_metrics, run_ranks, sft, sft_cli, sft_config
+from helpers import BASE, RankError, cli_process, losses, read_metrics, run_ranks, sft, sft_cli, sft_config
 
 TWO_RANKS = ("train.max_steps=8", "train.micro_batch_size=2")  # the reference run, shared with test_train
 
@@ -110,11 +108,10 @@ def test_sigterm_saves_and_exits_zero_then_resume_is_exact(llama_dir, chat_file,
     """Through the CLI on 1 rank (the signal hits the rank) and on 2 (the launcher forwards it), both runs at once.
     Each pauses at the start of step 3 (fault pause_at_step) until the signal arrives, so it saves exactly step 3."""
     accum = {1: ["train.grad_accum_steps=2"], 2: []}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_TEST_FAULTS": "pause_at_step=3"}
-    procs = {nproc: subprocess.Popen(list(map(str, [
-        sys.executable, "-m", "finetune", "sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir",
-        tmp_path / f"run{nproc}", "--nproc-per-node", str(nproc), *BASE, *TWO_RANKS, *accum[nproc]])), cwd=REPO,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) for nproc in (1, 2)}
+    procs = {nproc: cli_process("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir",
+                                tmp_path / f"run{nproc}", "--nproc-per-node", nproc, *BASE, *TWO_RANKS, *accum[nproc],
+                                env={"FINETUNE_TEST_FAULTS": "pause_at_step=3"}, start_new_session=True)
+             for nproc in (1, 2)}
     try:
         for nproc, proc in procs.items():
             seen, paused = [], 0

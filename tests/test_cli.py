@@ -42,7 +42,7 @@ def test_config_errors_are_one_clean_line(args, expect, tmp_path, llama_dir):
 
 def test_a_config_error_from_the_real_command_is_one_line_and_exit_2(tmp_path, llama_dir):
     args, expect = CONFIG_ERRORS[0]
-    proc = run_cli("sft", "--output-dir", tmp_path, "--model", llama_dir, *args, check=False)
+    proc = run_cli("sft", "--output-dir", tmp_path, "--model", llama_dir, *args, check=False, fresh=True)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {expect}"), proc.stderr

@@ -3,6 +3,7 @@ resumes and exports; a command or key of a missing extension stops in one line (
 from __future__ import annotations
 
 import shutil
+from functools import partial
 
 from helpers import REPO, read_metrics, run_cli
 
@@ -18,13 +19,14 @@ def core_copy(root):
 def test_the_core_alone_trains_resumes_and_exports_and_refuses_extensions_in_one_line(tmp_path):
     repo = core_copy(tmp_path / "repo")
     env = {"PYTHONPATH": str(repo)}
-    run = run_cli("sft", "train.max_steps=2", "-o", tmp_path / "run", cwd=repo, env=env, timeout=900)
+    cli = partial(run_cli, cwd=repo, env=env, fresh=True)  # fresh interpreters: this copy's finetune, not the repo's
+    run = cli("sft", "train.max_steps=2", "-o", tmp_path / "run", timeout=900)
     assert "needs the extension finetune/ext/evaluate.py" in run.stderr  # the preset's eval.path: skipped
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
-    resumed = run_cli("sft", "train.max_steps=3", "-o", tmp_path / "run", cwd=repo, env=env)
+    resumed = cli("sft", "train.max_steps=3", "-o", tmp_path / "run")
     assert "resumed from" in resumed.stdout and (tmp_path / "run" / "checkpoints" / "step-3").is_dir()
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
-    export = run_cli("export-hf", "--checkpoint", tmp_path / "run", "--output-dir", tmp_path / "hf", cwd=repo, env=env)
+    export = cli("export-hf", "--checkpoint", tmp_path / "run", "--output-dir", tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()
     assert "the export is not checked" in export.stdout + export.stderr
     out = ["-o", tmp_path / "refused"]
@@ -33,7 +35,7 @@ def test_the_core_alone_trains_resumes_and_exports_and_refuses_extensions_in_one
                         (["bench", *out], "finetune bench needs the extension finetune/ext/bench.py"),
                         (["plan"], "finetune plan needs the extension finetune/ext/plan.py"),
                         (["preview-data"], "finetune preview-data needs the extension finetune/ext/preview.py")):
-        refused = run_cli(*args, cwd=repo, env=env, check=False)
+        refused = cli(*args, check=False)
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [f"error: {names}, which this "
                                                                                    f"installation lacks"], refused
         assert not (tmp_path / "refused").exists()
@@ -41,7 +43,7 @@ def test_the_core_alone_trains_resumes_and_exports_and_refuses_extensions_in_one
     for key, value, name in (("ac.mode", "op", "sac"), ("data.chat_template", str(template), "chat_template"),
                              ("train.tokens_per_step", 2048, "tokens_per_step"), ("checkpoint.async", True, "saving")):
         text = str(value).lower() if isinstance(value, bool) else value  # TOML's true
-        refused = run_cli("sft", f"{key}={text}", *out, cwd=repo, env=env, check=False)  # after the preset's eval note
+        refused = cli("sft", f"{key}={text}", *out, check=False)  # after the preset's eval note
         assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
             f"error: {key}={value!r} needs the extension finetune/ext/{name}.py, which this installation lacks")
         assert not (tmp_path / "refused").exists()

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from finetune.config import ConfigError
 from finetune.distributed import free_port
 from finetune.errors import ModelError
-from helpers import BASE, REPO, invoke, losses, read_metrics, run_ranks, sft, sft_cli, sft_config, train_rank
+from helpers import BASE, cli_process, invoke, losses, read_metrics, run_ranks, sft, sft_cli, sft_config, train_rank
 
 MESHES = {"2x2": ("parallel.dp_replicate=2",), "1x4": (), "4x1": ("parallel.dp_replicate=4",)}
 FOUR_RANKS = ("train.micro_batch_size=1",)  # global batch 4 at every layout
@@ -106,18 +104,17 @@ def test_a_layout_that_does_not_fit_the_ranks_is_one_line_and_exit_2(llama_dir, 
 def test_liger_fused_cross_entropy_and_rope_train_as_the_plain_path_on_two_ranks(llama_dir, chat_file, tmp_path):
     """Triton's interpreter runs Liger's fused linear cross-entropy and RoPE kernels on CPU tensors. The fused loss
     reads lm_head.weight in the model's forward, so lm_head stays in the root unit (all-gathered there): the losses
-    and grad norms are the plain path's. Through the CLI: triton must start in interpreter mode, and the test ranks'
-    fork server imported it without."""
+    and grad norms are the plain path's. (conftest starts every test process in Triton's interpreter when there is
+    no CUDA.)"""
     run = ("train.max_steps=2", "train.micro_batch_size=1", "data.max_seq_len=40")
     plain = sft(llama_dir, chat_file, tmp_path / "plain", *run, nproc=2)
-    sft_cli(llama_dir, chat_file, tmp_path / "liger", *run, "model.liger=true", nproc=2, env={"TRITON_INTERPRET": "1"})
-    liger = read_metrics(tmp_path / "liger")
+    liger = sft(llama_dir, chat_file, tmp_path / "liger", *run, "model.liger=true", nproc=2)
     assert close(liger, plain, "loss") and close(liger, plain, "grad_norm")
 
 
 def test_liger_on_cpu_is_refused_outside_the_triton_interpreter(llama_dir, chat_file, tmp_path):
     with pytest.raises(ModelError, match="model.liger=true needs a CUDA device .* TRITON_INTERPRET=1"):
-        sft(llama_dir, chat_file, tmp_path / "run", "train.max_steps=1", "model.liger=true")
+        sft(llama_dir, chat_file, tmp_path / "run", "train.max_steps=1", "model.liger=true", env={"TRITON_INTERPRET": "0"})
 
 
 def test_two_nodes_save_on_sigusr1_exit_zero_and_resume(llama_dir, chat_file, tmp_path, reference):
@@ -126,11 +123,10 @@ def test_two_nodes_save_on_sigusr1_exit_zero_and_resume(llama_dir, chat_file, tm
     SIGUSR1 reaches their launcher, which forwards it: one checkpoint (step 3), both launchers exit 0. The
     resubmitted run (here in-process, the same 2 ranks) resumes and ends as the uninterrupted run."""
     out, two_ranks = tmp_path / "run", ("train.max_steps=8", "train.micro_batch_size=2")
-    cmd = [sys.executable, "-m", "finetune", "sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", out,
-           "--nnodes", 2, "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *BASE, *two_ranks]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_TEST_FAULTS": "pause_at_step=3"}
-    nodes = [subprocess.Popen(list(map(str, cmd)), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for _ in range(2)]
+    args = ["sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", out, "--nnodes", 2,
+            "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *BASE, *two_ranks]
+    nodes = [cli_process(*args, env={"FINETUNE_TEST_FAULTS": "pause_at_step=3"}, start_new_session=True)
+             for _ in range(2)]
     try:
         for node in nodes:
             seen = []

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import BASE, REPO, export_hf, invoke, losses, read_metrics, run_ranks, sft, start
+from helpers import BASE, REPO, CliProcess, cli_process, export_hf, invoke, losses, read_metrics, run_ranks, sft, start
 
 from finetune import checkpoint as ckpt
 from finetune.data import DataError, load_rows
@@ -29,22 +29,21 @@ ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"
        "PYTHONUNBUFFERED": "1"}
 
 
-def popen(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "finetune", *map(str, args)], cwd=REPO, text=True,
-                            env={**os.environ, **ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def popen(*args, env=None) -> CliProcess:
+    return cli_process(*args, env=env)
 
 
 def sft_args(model_dir, data, out, *extra, nproc=1) -> list:
     return ["sft", "--model", model_dir, "--dataset", data, "-o", out, "--nproc-per-node", nproc, *BASE, *ARGS, *extra]
 
 
-def sft_popen(model_dir, data, out, *extra, nproc=1, pause_at_step=2) -> subprocess.Popen:
+def sft_popen(model_dir, data, out, *extra, nproc=1, pause_at_step=2) -> CliProcess:
     """A CLI run that pauses at the start of step `pause_at_step` until a signal arrives (fault pause_at_step)."""
     return popen(*sft_args(model_dir, data, out, *extra, nproc=nproc),
                  env={"FINETUNE_TEST_FAULTS": f"pause_at_step={pause_at_step}"})
 
 
-def wait_paused(proc: subprocess.Popen, nproc: int) -> None:
+def wait_paused(proc: CliProcess, nproc: int) -> None:
     seen, paused = [], 0
     while paused < nproc and (line := proc.stderr.readline()):
         seen.append(line)
@@ -52,7 +51,7 @@ def wait_paused(proc: subprocess.Popen, nproc: int) -> None:
     assert paused == nproc, "".join(seen)
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: CliProcess) -> None:
     """Kill a CLI run and the ranks it launched (they run in sessions of their own)."""
     import psutil
     with contextlib.suppress(psutil.NoSuchProcess):
