@@ -11,7 +11,7 @@ import pytest
 from finetune.config import ConfigError
 from finetune.distributed import free_port
 from finetune.errors import ModelError
-from helpers import BASE, cli_process, invoke, losses, read_metrics, run_ranks, sft, sft_cli, sft_config, train_rank
+from helpers import BASE, cli_process, invoke, losses, read_metrics, run_ranks, sft, sft_config, train_rank
 
 MESHES = {"2x2": ("parallel.dp_replicate=2",), "1x4": (), "4x1": ("parallel.dp_replicate=4",)}
 FOUR_RANKS = ("train.micro_batch_size=1",)  # global batch 4 at every layout
@@ -114,7 +114,8 @@ def test_liger_fused_cross_entropy_and_rope_train_as_the_plain_path_on_two_ranks
 
 def test_liger_on_cpu_is_refused_outside_the_triton_interpreter(llama_dir, chat_file, tmp_path):
     with pytest.raises(ModelError, match="model.liger=true needs a CUDA device .* TRITON_INTERPRET=1"):
-        sft(llama_dir, chat_file, tmp_path / "run", "train.max_steps=1", "model.liger=true", env={"TRITON_INTERPRET": "0"})
+        sft(llama_dir, chat_file, tmp_path / "run", "train.max_steps=1", "model.liger=true",
+            env={"TRITON_INTERPRET": "0"})
 
 
 def test_two_nodes_save_on_sigusr1_exit_zero_and_resume(llama_dir, chat_file, tmp_path, reference):
