@@ -219,10 +219,10 @@ def sft(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None = Non
     return read_metrics(out)
 
 
-def sft_cli(model_dir, data, out, *overrides, nproc: int = 1, env: dict | None = None, check: bool = True):
-    """The same run through the real CLI (`python -m finetune sft`, the elastic launcher for nproc > 1)."""
+def sft_cli(model_dir, data, out, *overrides, nproc: int = 1, **kwargs):
+    """The same run through the CLI (`finetune sft`, the elastic launcher for nproc > 1; run_cli's kwargs)."""
     return run_cli("sft", "--model", model_dir, "--dataset", data, "--output-dir", out, "--nproc-per-node", nproc,
-                   *BASE, *overrides, env=env, check=check)
+                   *BASE, *overrides, **kwargs)
 
 
 def invoke(*args):

@@ -20,7 +20,7 @@ PLAIN = ["model.attn_implementation=sdpa", "model.liger=false", "model.compile=f
 
 
 def run(model_dir, data, out, *extra):
-    proc = sft_cli(model_dir, data, out, *GPU, *extra)
+    proc = sft_cli(model_dir, data, out, *GPU, *extra, fresh=True)  # CUDA starts in a fresh interpreter
     return losses(out), proc.stdout
 
 
@@ -80,7 +80,7 @@ def test_kernels_and_compile_match_the_plain_path(llama_dir, chat_file, tmp_path
 
 def test_bench_sweeps_a_compiled_checkpointed_model(llama_dir, chat_file, tmp_path):
     run_cli("bench", "--model", llama_dir, "--dataset", chat_file, "--sac-ratios", "0,1", "--steps", "2",
-            "--warmup", "1", "-o", tmp_path, "model.compile=true", "train.mixed_precision=bf16")
+            "--warmup", "1", "-o", tmp_path, "model.compile=true", "train.mixed_precision=bf16", fresh=True)
     rows = json.loads((tmp_path / "bench.json").read_text())["points"]
     assert [r["ac_ratio"] for r in rows] == [0, 1] and all("error" not in r for r in rows), rows
     assert rows[1]["saved_mb"] < rows[0]["saved_mb"] and rows[1]["saved_eager"], rows
