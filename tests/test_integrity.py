@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import BASE, REPO, CliProcess, cli_process, export_hf, invoke, losses, read_metrics, run_ranks, sft, start
+from helpers import (BASE, CLI_ENV, REPO, CliProcess, cli_process, export_hf, invoke, losses, read_metrics, run_ranks,
+                     sft, start)
 
 from finetune import checkpoint as ckpt
 from finetune.data import DataError, load_rows
@@ -25,12 +26,6 @@ from finetune.ext.locks import LockError, hold_lock, release_lock
 from finetune.metrics import MetricsLogger
 
 ARGS = ["train.micro_batch_size=2", "train.max_steps=8"]
-ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "PYTHONUNBUFFERED": "1"}
-
-
-def popen(*args, env=None) -> CliProcess:
-    return cli_process(*args, env=env)
 
 
 def sft_args(model_dir, data, out, *extra, nproc=1) -> list:
@@ -39,8 +34,8 @@ def sft_args(model_dir, data, out, *extra, nproc=1) -> list:
 
 def sft_popen(model_dir, data, out, *extra, nproc=1, pause_at_step=2) -> CliProcess:
     """A CLI run that pauses at the start of step `pause_at_step` until a signal arrives (fault pause_at_step)."""
-    return popen(*sft_args(model_dir, data, out, *extra, nproc=nproc),
-                 env={"FINETUNE_TEST_FAULTS": f"pause_at_step={pause_at_step}"})
+    return cli_process(*sft_args(model_dir, data, out, *extra, nproc=nproc),
+                       env={"FINETUNE_TEST_FAULTS": f"pause_at_step={pause_at_step}"})
 
 
 def wait_paused(proc: CliProcess, nproc: int) -> None:
@@ -313,7 +308,7 @@ def test_startup_errors_are_one_line_before_torch(tmp_path, args, env, message):
     code = ("import sys; from finetune.cli import main; sys.argv = ['finetune', *sys.argv[1:]]\n"
             "try:\n    main()\nexcept SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **ENV, **env})
+                          env={**os.environ, **CLI_ENV, **env})
     if message is None:
         assert proc.stdout.splitlines() == ["finetune 0.1.0", "exit 0 False"]
         return
