@@ -1,5 +1,5 @@
-"""Test helpers: run a function on N gloo ranks in fresh processes (`run_ranks`), run the real CLI in a subprocess
-(`run_cli`), read what a run wrote."""
+"""Test helpers: run a function on N gloo ranks in fresh processes (`run_ranks`), run the real CLI in a process of
+its own (`cli_process`, `run_cli`), read what a run wrote."""
 from __future__ import annotations
 
 import json
