@@ -279,9 +279,7 @@ class CliProcess:
     def __init__(self, args, env: dict, cwd: Path = REPO, start_new_session: bool = False):
         self.args, ctx = [*map(str, args)], _context()
         (out, out_w), (err, err_w) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)  # raw pipes, passed by fd
-        self._process = ctx.Process(target=_cli_main, args=(self.args, env, str(cwd), out_w, err_w, start_new_session),
-                                    name="finetune")
-        self._process.start()
+        self._process = start(_cli_main, self.args, env, str(cwd), out_w, err_w, start_new_session)
         out_w.close()
         err_w.close()
         self.pid, self.returncode = self._process.pid, None
@@ -336,11 +334,12 @@ def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = Tr
     """`finetune *args` to its end: (args, returncode, stdout, stderr); an AssertionError with its output if it
     failed and `check`. In a warm CliProcess, or with `fresh`, a fresh `python -m finetune` (its own imports, from
     `cwd`: what a user's shell runs)."""
+    env = {**os.environ, **CLI_ENV, **(env or {})}
     if fresh:
         proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=cwd, text=True, timeout=timeout,
-                              env={**os.environ, **CLI_ENV, **(env or {})}, capture_output=True)
+                              env=env, capture_output=True)
     else:
-        cli = cli_process(*args, env=env, cwd=cwd)
+        cli = CliProcess(args, env, cwd)
         try:
             stdout, stderr = cli.communicate(timeout=timeout)
         finally:
