@@ -16,6 +16,11 @@ sys.dont_write_bytecode, sys.pycache_prefix = False, PYCACHE
 # the processes the tests start (the CLI, the ranks it launches) import tests/faults.py from here (FINETUNE_TEST_FAULTS)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
+# under pytest-xdist two workers share the cores with the ranks and CLI runs the tests start (each of those on one
+# thread): one compute thread per worker too, not OpenMP threads that spin waiting for a core another process holds
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
