@@ -251,6 +251,11 @@ CLI_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLEL
            "HF_DATASETS_OFFLINE": "1"}
 
 
+def cli_env(env: dict | None = None) -> dict:
+    """The whole environment of a CLI run the tests start: this process's, CLI_ENV, then `env`."""
+    return {**os.environ, **CLI_ENV, **(env or {})}
+
+
 def _cli_main(args: list, env: dict, cwd: str, out, err, new_session: bool) -> None:
     """`finetune *args` in a child of the fork server, as `python -m finetune` would run it there."""
     if new_session:
@@ -325,8 +330,8 @@ class CliProcess:
 
 
 def cli_process(*args, env: dict | None = None, cwd: Path = REPO, start_new_session: bool = False) -> CliProcess:
-    """`finetune *args` running (a CliProcess), with this process's environment, CLI_ENV and `env`."""
-    return CliProcess(args, {**os.environ, **CLI_ENV, **(env or {})}, cwd, start_new_session)
+    """`finetune *args` running (a CliProcess), in cli_env(env)."""
+    return CliProcess(args, cli_env(env), cwd, start_new_session)
 
 
 def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = True, cwd: Path = REPO,
@@ -334,7 +339,7 @@ def run_cli(*args, env: dict | None = None, timeout: int = 300, check: bool = Tr
     """`finetune *args` to its end: (args, returncode, stdout, stderr); an AssertionError with its output if it
     failed and `check`. In a warm CliProcess, or with `fresh`, a fresh `python -m finetune` (its own imports, from
     `cwd`: what a user's shell runs)."""
-    env = {**os.environ, **CLI_ENV, **(env or {})}
+    env = cli_env(env)
     if fresh:
         proc = subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], cwd=cwd, text=True, timeout=timeout,
                               env=env, capture_output=True)

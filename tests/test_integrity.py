@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from helpers import (BASE, CLI_ENV, REPO, CliProcess, cli_process, export_hf, invoke, losses, read_metrics, run_ranks,
+from helpers import (BASE, REPO, CliProcess, cli_env, cli_process, export_hf, invoke, losses, read_metrics, run_ranks,
                      sft, start)
 
 from finetune import checkpoint as ckpt
@@ -308,7 +308,7 @@ def test_startup_errors_are_one_line_before_torch(tmp_path, args, env, message):
     code = ("import sys; from finetune.cli import main; sys.argv = ['finetune', *sys.argv[1:]]\n"
             "try:\n    main()\nexcept SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **CLI_ENV, **env})
+                          env=cli_env(env))
     if message is None:
         assert proc.stdout.splitlines() == ["finetune 0.1.0", "exit 0 False"]
         return
