@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from finetune.ext.bench import recommend, run_bench, run_point
+from finetune.ext.bench import count_saved, recommend, run_bench, run_point
 from finetune.ext.commands import parse_list
 from finetune.config import ConfigError, load_config
 from helpers import invoke, run_ranks, sft, sft_config
@@ -48,6 +48,43 @@ def test_bench_and_sft_give_the_same_loss_for_the_same_step(llama_dir, chat_file
     assert points[0]["losses"] == points[-1]["losses"]
     sft_losses = [r["loss"] for r in sft(llama_dir, chat_file, tmp_path / "sft", *overrides, nproc=nproc)]
     assert points[0]["losses"] == sft_losses
+
+
+def test_offload_sweeps_from_ratio_0(llama_dir, chat_file, tmp_path, monkeypatch):
+    """ac.offload with --sac-ratios 0,1: the config takes the sweep's largest ratio (with the default ac.ratio=0 the
+    command refused offload before any point ran: seen on an H200); the ratio-0 point offloads nothing. Each point's
+    config is loaded as its process loads it; the points are not run."""
+    import finetune.ext.bench as bench
+    points = []
+    monkeypatch.setattr(bench, "start_workers", lambda model_type: "ctx")
+    monkeypatch.setattr(bench, "run_process", lambda ctx, job, tag: points.append(
+        load_config(job["config"], job["overrides"]).ac) or 1)
+    result = invoke("bench", "--model", llama_dir, "--dataset", chat_file, "--sac-ratios", "0,1", "--output-dir",
+                    tmp_path, "ac.offload=true")
+    assert "every bench point failed" in result.output, result.output  # (the stand-in points write no result)
+    assert [(a.ratio, a.offload) for a in points] == [(0, False), (1, True)], points
+
+
+def test_saved_bytes_are_counted_through_compiled_blocks_with_graph_breaks():
+    """Dynamo traced count_saved's hook into a compiled block's graph, where a view's base is None: with an MoE's
+    eager experts (a loop over the experts hit, graph breaks) every compiled point failed on an H200."""
+    import torch
+    import transformers as T
+    cfg = T.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    ids = torch.randint(0, 128, (1, 16))
+
+    def saved_bytes():
+        with count_saved(model) as storages:
+            model(input_ids=ids, use_cache=False).logits.sum()
+        return sum(s.nbytes() for s in storages.values())
+    eager = saved_bytes()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    assert 0 < saved_bytes() < eager  # compiled blocks save less
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -51,12 +51,11 @@ def count_saved(model):
     sends to host memory are not counted."""
     storages = {}
 
+    @torch.compiler.disable  # traced into a compiled block's graph, a view's base is None there
     def keep(t):
-        if isinstance(t, torch.Tensor):
-            base = t._base if t._base is not None else t
-            if not (base.is_leaf and base.requires_grad):
-                s = t.untyped_storage()
-                storages[storage_key(s)] = s
+        if isinstance(t, torch.Tensor) and not ((b := t if t._base is None else t._base).is_leaf and b.requires_grad):
+            s = t.untyped_storage()
+            storages[storage_key(s)] = s
         return t
 
     def hold_inputs(module, args, kwargs):
@@ -224,8 +223,9 @@ def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps:
     rows = []
     for fp8, accum, ratio in [(f, a, r) for f in fp8s or [cfg.model.fp8] for a in accums for r in ratios]:
         tag = f"ac.ratio={ratio:g} grad_accum={accum}" + (f" model.fp8={fp8}" if fp8s else "")
-        overrides = {"ac.ratio": ratio, "train.grad_accum_steps": accum, "data.pad_to_max": True,
-                     "train.micro_batch_size": rank_batch // accum, "output_dir": str(out_dir), "model.fp8": fp8}
+        overrides = {"ac.ratio": ratio, "ac.offload": cfg.ac.offload and ratio > 0, "train.grad_accum_steps": accum,
+                     "data.pad_to_max": True, "train.micro_batch_size": rank_batch // accum,
+                     "output_dir": str(out_dir), "model.fp8": fp8}
         result_file = out_dir / f"point_r{ratio:g}_a{accum}_{fp8}.json"
         result_file.unlink(missing_ok=True)
         job = {"config": str(out_dir / "config.toml"), "overrides": overrides, "steps": steps,

@@ -69,7 +69,7 @@ def bench(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = C
         check_flag("--warmup", warmup >= 0, ">= 0", warmup)
         check_flag("--memory-budget", memory_budget is None or memory_budget > 0, "> 0 (MB)", memory_budget)
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
-        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset})
+        cfg = build_config(config, overrides, **{"model.path": model, "data.path": dataset, "ac.ratio": max(ratios)})
         load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # a bad model path fails here, not per point
         set_threads(nproc_per_node)
         run_bench(cfg, ratios, accums, steps, warmup, Path(output_dir), memory_budget, nproc_per_node, fp8s)
