@@ -107,8 +107,7 @@ def adapters_off(model):
 
 def make_loss(dc, reference: str | None):
     """loss_fn(model, batch) -> (sum of the pair losses, {"count": pairs, and the sums of MEANS: chosen and rejected
-    rewards, pairs whose chosen reward is higher, margins}); rewards are beta x (log-prob - reference) (SimPO: beta
-    x mean log-prob)."""
+    rewards, pairs whose chosen reward is higher, margins}); a reward: beta x (log-prob - reference) (SimPO: mean)."""
     def loss_fn(model, batch):
         logps = pair_logps(model, batch)
         if reference == "adapters":

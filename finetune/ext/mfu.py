@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .moe import find_experts
+
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
 
@@ -16,13 +18,15 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(model, seq_len: float) -> float:
-    """Training FLOPs per token (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the parameters without the input embedding
-    (a tied lm_head still counts once: its matmul runs), L layers, H attention heads of Q dims, T = seq_len, the length
-    each token attends over (causal attention counted in full, as torchtitan does; packed rows: attention_length())."""
+    """Training FLOPs per token (MFU_CONVENTION): 6N + 12 * L * H * Q * T, N the parameters a token runs (not the input
+    embedding, an MoE layer's k of E experts; a tied lm_head once), L layers, H attention heads of Q dims, T = seq_len,
+    the length each token attends over (causal attention in full, as torchtitan does; packed: attention_length())."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}
     num_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())
     config = model.config.get_text_config()
+    num_params -= sum(p.numel() * (1 - getattr(config, "num_experts_per_tok", m.num_experts) / m.num_experts)
+                      for m in find_experts(model) for p in m.parameters())  # a token runs k of a layer's E experts
     head_dims = config.num_attention_heads * (getattr(config, "head_dim", None) or
                                               config.hidden_size // config.num_attention_heads)
     return 6 * num_params + 12 * config.num_hidden_layers * head_dims * seq_len

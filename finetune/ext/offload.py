@@ -1,8 +1,7 @@
 """ac.offload: the inputs a checkpointed block keeps for its recompute go to pinned host memory and come back for
 the backward, both on a side CUDA stream so the copies overlap compute: each block's inputs leave while the next
 blocks run forward, and come back one block ahead of the backward that needs them. (torch's save_on_cpu copies on
-the compute stream, where copies and kernels take turns.) Off CUDA (plan's fake tensors, tests) it copies in place
-of streaming."""
+the compute stream, where copies and kernels take turns.) Off CUDA (plan's fake tensors, tests) it just copies."""
 from __future__ import annotations
 
 import weakref
