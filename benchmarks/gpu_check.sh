@@ -4,9 +4,9 @@
 #   bash benchmarks/gpu_check.sh --list            the stages and their expected time on one H100
 #   bash benchmarks/gpu_check.sh [stage...]        on the GPU machine; logs and results under ${OUT:-/tmp/gpu}, each
 #                                                  written as it comes (a call cut off at its limit keeps what it had)
-# Each stage fits one 10-minute call on an H100 (estimates: nothing here has run on a GPU yet). Without CUDA a stage
-# stops, in one line, where CUDA is first needed (a dry run). The first GPU run, in order (one call each):
-#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | peers | peers | lora8b | full
+# Each stage fits one 10-minute call on an H100 (estimates; what ran, and its figures: benchmarks/RESULTS.md). Without
+# CUDA a stage stops, in one line, where CUDA is first needed (a dry run). The whole check, in order:
+#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | moe | peers | lora8b | full
 set -uo pipefail
 STAGES=(
   "env          1 min  versions, the GPU, torch's varlen_attn signature"
@@ -20,6 +20,7 @@ STAGES=(
   "tests-c      4 min  tests/test_gpu.py: bench sweeps a compiled checkpointed model; offload on streams = without"
   "sft          3 min  the embedded default config in bf16"
   "bench        6 min  finetune bench, 886M Llama, 8 packed rows x 2048: VARIANTS (default: auto and sdpa; +fp8: model.fp8=tensorwise)"
+  "moe          3 min  finetune bench, a random 892M Qwen3-MoE (8 layers, 64 experts of 512, 8 a token): grouped_mm vs eager"
   "peers        8 min  compare_peers.py: one round of finetune defaults, TRL (packing, its best), HF Trainer"
   "lora8b       6 min  gpu_points.py lora8b: 8B + LoRA r16 at plan's point (bench, no checkpoint) vs plan's memory"
   "full         8 min  gpu_points.py full: the largest full fine-tune plan says fits (bench, no checkpoint) vs plan"
@@ -83,6 +84,28 @@ bench)
     $FT bench $common --sac-ratios ${RATIOS:-0} -o /tmp/bench-$name model.attn_implementation=$attn \
       model.liger=$liger model.compile=$comp model.fp8=$fp8 2>&1 | tee -a $OUT/bench.log | tail -8
     cp /tmp/bench-$name/bench.md $OUT/bench-${name//+/_}.md 2>/dev/null
+  done;;
+moe)
+  cuda $s || continue
+  [ -d /tmp/moe ] || python3 - <<'PY'
+import sys; sys.path.insert(0, "tests")
+import torch
+from _tokenizers import build_tokenizer
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+tok = build_tokenizer("llama3")
+cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=512,
+                     num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=16,
+                     num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+model.save_pretrained("/tmp/moe"); tok.save_pretrained("/tmp/moe")
+print("params", sum(p.numel() for p in model.parameters()))
+PY
+  for impl in grouped_mm eager; do
+    $FT bench --model /tmp/moe --dataset examples/data/tiny_chat.jsonl --steps 6 --warmup 2 --sac-ratios 0 \
+      data.packing=true data.max_seq_len=2048 train.micro_batch_size=8 train.mixed_precision=bf16 \
+      model.experts_implementation=$impl -o /tmp/moe-$impl 2>&1 | tee -a $OUT/moe.log | tail -4
   done;;
 peers)
   cuda $s || continue
