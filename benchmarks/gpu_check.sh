@@ -88,19 +88,12 @@ bench)
 moe)
   cuda $s || continue
   [ -d /tmp/moe ] || python3 - <<'PY'
-import sys; sys.path.insert(0, "tests")
-import torch
-from _tokenizers import build_tokenizer
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-tok = build_tokenizer("llama3")
-cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=512,
-                     num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=16,
-                     num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-model.save_pretrained("/tmp/moe"); tok.save_pretrained("/tmp/moe")
-print("params", sum(p.numel() for p in model.parameters()))
+import sys; sys.path.insert(0, "benchmarks")
+from load_and_export import make_model_dir
+from pathlib import Path
+print("params", make_model_dir(Path("/tmp/moe"), 8, 1024, 4096, 32000, arch="qwen3_moe", num_key_value_heads=4,
+                               head_dim=64, max_position_embeddings=4096, moe_intermediate_size=512, num_experts=64,
+                               num_experts_per_tok=8))
 PY
   for impl in grouped_mm eager; do
     $FT bench --model /tmp/moe --dataset examples/data/tiny_chat.jsonl --steps 6 --warmup 2 --sac-ratios 0 \

@@ -37,16 +37,19 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZ
        "PYTHONUNBUFFERED": "1"}
 
 
-def make_model_dir(path: Path, layers: int, hidden: int, intermediate: int, vocab: int) -> int:
-    """A random bf16 Llama with the tests' offline Llama-3 style tokenizer; returns its parameter count."""
+def make_model_dir(path: Path, layers: int, hidden: int, intermediate: int, vocab: int, arch: str = "llama",
+                   **fields) -> int:
+    """A random bf16 model of `arch` (a Llama by default; `fields` over its config's sizes) with the tests' offline
+    Llama-3 style tokenizer; returns its parameter count."""
     sys.path.insert(0, str(REPO / "tests"))
     from _tokenizers import build_tokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     tok = build_tokenizer("llama3")
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = AutoConfig.for_model(arch, **{
+        **dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+               num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, max_position_embeddings=2048,
+               tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id), **fields})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
