@@ -45,6 +45,7 @@ def apply_experts_implementation(model: nn.Module, name: str) -> None:
                           f", got {name!r}")
     if router_recorder(model) is None:
         return
+    model.config.output_router_logits = False  # RouterLoss records them: transformers' capture recompiles per layer
     if not type(model)._can_set_experts_implementation():
         print0(f"note: the experts of {type(model).__name__} cannot use model.experts_implementation={name}: they run "
                f"the model's own per-expert loop (eager)")
@@ -94,15 +95,16 @@ class RouterLoss:
         self.gates = [m for m in model.modules() if isinstance(m, cls)]
         if not self.gates:
             raise ModelError(f"{type(model).__name__} records router logits from {cls.__name__}, but has none")
-        self.active, self.mask, self.parts = False, None, []
+        self.active, self.mask = False, None
         for gate in self.gates:
             gate.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output) -> None:
         # no op here, only a reference: under activation checkpointing the block re-runs in backward and must save
-        # the same tensors as in forward, so the loss's ops run after the forward (micro_batch_loss)
+        # the same tensors as in forward, so the loss's ops run after the forward (micro_batch_loss). Kept on the
+        # router itself: a shared list's length would be a guard of the compiled block, a recompile per layer
         if self.active:
-            self.parts.append((type(module).__name__, output[self.index] if isinstance(output, tuple) else output))
+            module.routed_logits = output[self.index] if isinstance(output, tuple) else output
 
     def _sums(self, name: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k assignment counts per expert, detached; router probability sums per expert) over the real tokens."""
@@ -127,7 +129,7 @@ class RouterLoss:
 
     @contextmanager
     def collect(self, batch: dict):
-        self.mask, self.parts, self.active = real_token_mask(batch), [], True
+        self.mask, self.active = real_token_mask(batch), True
         try:
             yield
         finally:
@@ -135,19 +137,19 @@ class RouterLoss:
 
     def micro_batch_loss(self) -> torch.Tensor:
         """The differentiable term of this micro-batch (scaled by the global label count: see begin_step)."""
-        if not self.parts:
+        parts = [(type(g).__name__, vars(g).pop("routed_logits")) for g in self.gates if "routed_logits" in vars(g)]
+        if not parts:
             raise ModelError("moe.aux_loss_coef: no router ran in this micro-batch")
-        sums = [self._sums(name, logits) for name, logits in self.parts]
+        sums = [self._sums(name, logits) for name, logits in parts]
         counts = torch.stack([c for c, _ in sums]).sum(dim=0)
         probs = torch.stack([p for _, p in sums]).sum(dim=0)
-        rows = self.mask.sum() * len(self.parts)
+        rows = self.mask.sum() * len(parts)
         local = torch.cat([counts, probs.detach(), rows[None]]).double()
         self.step_sums = local if self.step_sums is None else self.step_sums + local
         this = torch.cat([counts, rows[None]]).double()
         all_reduce(this)  # this micro-batch's counts over every rank
         share = (this[:-1] / this[-1].clamp(min=1)).float()
         scale = (self.coef * counts.numel() * self.label_count / self.num_rows.clamp(min=1)).float()
-        self.parts = []
         return scale * (share * probs).sum()
 
     def end_step(self) -> torch.Tensor:
