@@ -6,7 +6,7 @@
 #                                                  written as it comes (a call cut off at its limit keeps what it had)
 # Each stage fits one 10-minute call on an H100 (estimates; what ran, and its figures: benchmarks/RESULTS.md). Without
 # CUDA a stage stops, in one line, where CUDA is first needed (a dry run). The whole check, in order:
-#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | moe | peers | lora8b | full
+#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | moe | moesft | peers | lora8b | full
 set -uo pipefail
 STAGES=(
   "env          1 min  versions, the GPU, torch's varlen_attn signature"
@@ -21,6 +21,7 @@ STAGES=(
   "sft          3 min  the embedded default config in bf16"
   "bench        6 min  finetune bench, 886M Llama, 8 packed rows x 2048: VARIANTS (default: auto and sdpa; +fp8: model.fp8=tensorwise)"
   "moe          3 min  finetune bench, a random 892M Qwen3-MoE (8 layers, 64 experts of 512, 8 a token): grouped_mm vs eager"
+  "moesft       2 min  finetune sft, a random 193M Qwen3-MoE of 12 layers (> dynamo's recompile limit), compiled blocks: recompiles"
   "peers        8 min  compare_peers.py: one round of finetune defaults, TRL (packing, its best), HF Trainer"
   "lora8b       6 min  gpu_points.py lora8b: 8B + LoRA r16 at plan's point (bench, no checkpoint) vs plan's memory"
   "full         8 min  gpu_points.py full: the largest full fine-tune plan says fits (bench, no checkpoint) vs plan"
@@ -100,6 +101,20 @@ PY
       data.packing=true data.max_seq_len=2048 train.micro_batch_size=8 train.mixed_precision=bf16 \
       model.experts_implementation=$impl -o /tmp/moe-$impl 2>&1 | tee -a $OUT/moe.log | tail -4
   done;;
+moesft)
+  cuda $s || continue
+  [ -d /tmp/moe12 ] || python3 - <<'PY'
+import sys; sys.path.insert(0, "benchmarks")
+from load_and_export import make_model_dir
+from pathlib import Path
+print("params", make_model_dir(Path("/tmp/moe12"), 12, 512, 2048, 32000, arch="qwen3_moe", num_key_value_heads=4,
+      head_dim=64, max_position_embeddings=4096, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
+      output_router_logits=True))
+PY
+  TORCH_LOGS=recompiles $FT sft --model /tmp/moe12 --dataset examples/data/tiny_chat.jsonl -o /tmp/sft-moe12 \
+    train.max_steps=10 data.packing=true data.max_seq_len=2048 train.micro_batch_size=4 train.mixed_precision=bf16 \
+    model.compile=true eval.path= 2>&1 | tee $OUT/moesft.log | grep -E "step  |Recompiling|guard failure|    - |recompile_limit"
+  echo "recompiles: $(grep -c 'Recompiling function' $OUT/moesft.log) (one for the packed rows' dynamic shapes is expected; one a layer is the bug of bcfc2cc)";;
 peers)
   cuda $s || continue
   mkdir -p /tmp/peers && cp outputs/peers/compare_peers.json /tmp/peers/ 2>/dev/null
