@@ -154,3 +154,21 @@ def test_varlen_casts_fp32_for_the_cuda_kernel_and_hands_torch_2_11_gqa_unrepeat
     assert seen == [(torch.bfloat16, torch.bfloat16, torch.bfloat16, 2)]
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference, atol=3e-2, rtol=3e-2)  # bf16 inputs
+
+
+def test_cpu_segments_run_the_flash_kernel_and_save_no_probabilities():
+    """Each segment goes to sdpa in 4-D: torch 2.11's CPU sdpa runs 3-D inputs in its math path, which saves every
+    sample's heads x seq x seq probabilities for backward (11x the bytes here, and slower); its flash kernel saves the
+    output and the log-sum-exp, O(seq)."""
+    from finetune.ext.varlen import segment_attention
+    q, k, v = (torch.randn(512, heads, 16, requires_grad=True) for heads in (4, 2, 2))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = segment_attention(q, k, v, torch.tensor([0, 256, 512]), None, 256, 256, enable_gqa=True,
+                                window_size=(-1, 0))
+    probabilities = 2 * 4 * 256 * 256 * 4  # two samples' fp32 heads x seq x seq
+    assert out.shape == (512, 4, 16) and 0 < sum(saved) < probabilities / 4

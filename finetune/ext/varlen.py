@@ -67,8 +67,8 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if 0 <= window_size[0] < q.shape[1] - 1:  # sliding window: the last window_size[0] + 1 positions
             i = torch.arange(q.shape[1], device=query.device)
             mask = (i[:, None] >= i) & (i[:, None] - i <= window_size[0])
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(  # 4-D: torch < 2.15 runs 3-D in its math path
+            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa)[0])
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
