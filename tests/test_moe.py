@@ -248,14 +248,15 @@ def test_aux_loss_over_the_global_batch_equals_transformers_at_any_split_and_wit
                                            atol=1e-7)
 
 
-def test_compiled_blocks_compile_once_with_the_router_loss(tmp_path):
-    """Regional compile of a 3-layer MoE whose config asks transformers for its router logits: one graph serves every
+def test_compiled_blocks_compile_once_with_the_router_loss(qwen3_moe_dir):
+    """Regional compile of a 2-layer MoE whose config asks transformers for its router logits: one graph serves every
     block while RouterLoss records them (a list of them, growing by layer, was a guard: a recompile per layer, and
     eager blocks past dynamo's limit of 8), with the uncompiled value."""
     from transformers import AutoModelForCausalLM
 
     from finetune.ext.moe import RouterLoss, apply_experts_implementation
-    model = AutoModelForCausalLM.from_pretrained(make_moe_dir(tmp_path, "qwen3_moe", num_layers=3), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(qwen3_moe_dir, dtype=torch.float32)
+    assert len(model.model.layers) == 2
     assert model.config.output_router_logits
     apply_experts_implementation(model, "grouped_mm")
     router, batch = RouterLoss(model, COEF), aux_batches(1, 2)
