@@ -41,13 +41,12 @@ if [ -z "${NO_WHL:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 FT="python3 -m finetune"
-m1b() {  # the 886M Llama-shaped model (random weights) of the bench stages
-  [ -d /tmp/m1b ] || python3 - <<'PY'
-import sys; sys.path.insert(0, "benchmarks")
-from load_and_export import make_model_dir
-from pathlib import Path
-print("params", make_model_dir(Path("/tmp/m1b"), layers=16, hidden=2048, intermediate=5632, vocab=32000))
-PY
+model_dir() {  # model_dir PATH 'ARGS': a random model at PATH (once), load_and_export.make_model_dir(PATH, ARGS)
+  [ -d "$1" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+from load_and_export import make_model_dir; print('params', make_model_dir(Path('$1'), $2))"
+}
+m1b() {  # the 886M Llama-shaped model of the bench stages
+  model_dir /tmp/m1b "layers=16, hidden=2048, intermediate=5632, vocab=32000"
 }
 cuda() {  # the dry-run stop: without CUDA a stage ends here, in one line
   python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && return 0
@@ -88,14 +87,8 @@ bench)
   done;;
 moe)
   cuda $s || continue
-  [ -d /tmp/moe ] || python3 - <<'PY'
-import sys; sys.path.insert(0, "benchmarks")
-from load_and_export import make_model_dir
-from pathlib import Path
-print("params", make_model_dir(Path("/tmp/moe"), 8, 1024, 4096, 32000, arch="qwen3_moe", num_key_value_heads=4,
-                               head_dim=64, max_position_embeddings=4096, moe_intermediate_size=512, num_experts=64,
-                               num_experts_per_tok=8))
-PY
+  model_dir /tmp/moe "8, 1024, 4096, 32000, arch='qwen3_moe', num_key_value_heads=4, head_dim=64,
+    max_position_embeddings=4096, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8"
   for impl in grouped_mm eager; do
     $FT bench --model /tmp/moe --dataset examples/data/tiny_chat.jsonl --steps 6 --warmup 2 --sac-ratios 0 \
       data.packing=true data.max_seq_len=2048 train.micro_batch_size=8 train.mixed_precision=bf16 \
@@ -103,14 +96,9 @@ PY
   done;;
 moesft)
   cuda $s || continue
-  [ -d /tmp/moe12 ] || python3 - <<'PY'
-import sys; sys.path.insert(0, "benchmarks")
-from load_and_export import make_model_dir
-from pathlib import Path
-print("params", make_model_dir(Path("/tmp/moe12"), 12, 512, 2048, 32000, arch="qwen3_moe", num_key_value_heads=4,
-      head_dim=64, max_position_embeddings=4096, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
-      output_router_logits=True))
-PY
+  model_dir /tmp/moe12 "12, 512, 2048, 32000, arch='qwen3_moe', num_key_value_heads=4, head_dim=64,
+    max_position_embeddings=4096, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
+    output_router_logits=True"
   TORCH_LOGS=recompiles $FT sft --model /tmp/moe12 --dataset examples/data/tiny_chat.jsonl -o /tmp/sft-moe12 \
     train.max_steps=10 data.packing=true data.max_seq_len=2048 train.micro_batch_size=4 train.mixed_precision=bf16 \
     model.compile=true eval.path= 2>&1 | tee $OUT/moesft.log | grep -E "step  |Recompiling|guard failure|    - |recompile_limit"
