@@ -182,3 +182,18 @@ def test_plan_with_cp_and_offload_matches_the_real_split_and_the_longest_row_fit
     assert abs(line["2"] - 2 * line["1"]) <= 1024  # the same tokens per rank
     plan = planned(llama_dir, "bf16", [1.0], 1, best["max_seq_len"], gpu_bytes=160 * 2**20, **{"parallel.cp": 2})
     assert plan["points"][0]["fits"]
+
+
+def test_a_plan_that_more_gpus_cannot_fit_does_not_search_every_world_size(llama_dir, monkeypatch):
+    """The activations alone exceed the GPU: no world size fits, said at once (the search tried every world size up
+    to 2**16: 20 s of CPU for this 4-layer model on 1 rank, minutes for a 70B one). Where the sharded state is what
+    does not fit, the search still names the first world that fits."""
+    from finetune.ext import plan as planner
+    tried, sharded_bytes = [], planner.sharded_bytes
+    monkeypatch.setattr(planner, "sharded_bytes", lambda params, world: tried.append(world) or sharded_bytes(params,
+                                                                                                          world))
+    alone = planned(llama_dir, "fp32", [0.0], 1, 256, nproc=1, gpu_bytes=2**20)
+    assert alone["points"][0]["activations"] > 2**20  # more than the whole GPU
+    assert alone["best"] is None and alone["smallest_world_size"] is None and tried == []
+    state = planned(llama_dir, "fp32", [0.0], 1, 256, nproc=1, gpu_bytes=12 * 2**20)  # 4 MB of state on 1 rank
+    assert state["best"] is None and tried == list(range(2, state["smallest_world_size"] + 1))
