@@ -42,8 +42,9 @@ def test_adamw_is_fused_on_cpu_and_steps_as_the_reference_adamw():
     reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
     start = [p.detach().clone() for p in reference]
     ours = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    groups = [{"params": [reference[i] for i, p in enumerate(model.parameters()) if any(p is q for q in g["params"])],
-               "weight_decay": g["weight_decay"]} for g in ours.param_groups]
+    twin = {id(p): r for p, r in zip(model.parameters(), reference)}
+    groups = [{"params": [twin[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
+              for g in ours.param_groups]
     adamw = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     assert ours.defaults["fused"] and sum(len(g["params"]) for g in groups) == len(reference)
     generator = torch.Generator().manual_seed(1)

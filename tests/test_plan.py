@@ -190,8 +190,11 @@ def test_a_plan_that_more_gpus_cannot_fit_does_not_search_every_world_size(llama
     does not fit, the search still names the first world that fits."""
     from finetune.ext import plan as planner
     tried, sharded_bytes = [], planner.sharded_bytes
-    monkeypatch.setattr(planner, "sharded_bytes", lambda params, world: tried.append(world) or sharded_bytes(params,
-                                                                                                          world))
+
+    def counted(params, world):
+        tried.append(world)
+        return sharded_bytes(params, world)
+    monkeypatch.setattr(planner, "sharded_bytes", counted)
     alone = planned(llama_dir, "fp32", [0.0], 1, 256, nproc=1, gpu_bytes=2**20)
     assert alone["points"][0]["activations"] > 2**20  # more than the whole GPU
     assert alone["best"] is None and alone["smallest_world_size"] is None and tried == []
