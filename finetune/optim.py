@@ -29,10 +29,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA (one kernel for all params), foreach elsewhere."""
-    fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
-                             fused=fused, foreach=None if fused else True)
+    """AdamW, fused on every device (one kernel a group: on CPU 3-6x faster a step than foreach, and a DTensor
+    run's first step propagates one op's sharding instead of a dozen)."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=True)
 
 
 def lr_at(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
