@@ -211,11 +211,13 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
                            "fits": p["total"] <= usable})
     fits = [p for p in points if p["fits"]]
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
-    least, replicas = min(p["total"] - fixed for p in points) + in_flight, cfg.parallel.dp_replicate
-    floor = least + sum(numel // max(s, default=1) * nbytes for s, numel, nbytes in measured["params"])  # 1 row a GPU
-    smallest = None if fits or floor > usable else next(  # more GPUs shrink only the sharded state (a set dp_shard
-        (w for w in range(world + nproc, 2**16, nproc)  # grows with them), down to that floor at most
-         if w % replicas == 0 and sharded_bytes(measured["params"], w // replicas) + least <= usable), None)
+    smallest, replicas = None, cfg.parallel.dp_replicate
+    if not fits:  # more GPUs shrink only the sharded state (a set dp_shard grows with them), to one row a GPU at most
+        least = min(p["total"] - fixed for p in points) + in_flight
+        floor = least + sum(numel // max(s, default=1) * nbytes for s, numel, nbytes in measured["params"])
+        smallest = None if floor > usable else next((w for w in range(world + nproc, 2**16, nproc) if w % replicas == 0
+                                                     and sharded_bytes(measured["params"], w // replicas) + least
+                                                     <= usable), None)
     return {**describe(cfg, hf_config, nnodes, nproc, gpu_bytes, dims, liger, measured), "points": points,
             "best": best, "smallest_world_size": smallest}
 
