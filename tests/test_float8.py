@@ -97,9 +97,14 @@ def test_two_ranks_train_like_one_process_and_within_2_percent_of_bf16(recipe, l
     two = read_metrics(out)
     assert "Linear layers in fp8" in printed
     one = sft(llama_dir, chat_file, tmp_path / "one", *STEPS, "train.grad_accum_steps=4", *RECIPES[recipe])
-    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    # step 0 (the same weights, scales and micro-batches) agrees to float noise; after updates the fp8 casts amplify
+    # the ulp-level order-of-summation gap of the reduced gradients (tensorwise on an AMD EPYC: 5e-8 at step 2, 3e-5
+    # at step 4), still well under fp8's own gap to bf16 (7e-4 at step 3, asserted below)
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-6)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
     assert [r["loss"] for r in two] == pytest.approx(bf16_two_ranks, rel=0.02)
-    assert [r["loss"] for r in two] != bf16_two_ranks  # the matmuls really ran in (emulated) fp8
+    # the matmuls really ran in (emulated) fp8: a gap to bf16 above the 1e-4 allowed between 2 ranks and 1 process
+    assert max(abs(r["loss"] / b - 1) for r, b in zip(two, bf16_two_ranks)) > 3e-4
     assert two[-1]["loss"] < two[0]["loss"]
 
 
