@@ -1,81 +1,39 @@
 """The `finetune` command and its subcommands; bad input ends with one line on stderr and exit code 2 (`guarded`)."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
-from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, get_key, parse_shard_size,
-                     set_key)
+from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, parse_shard_size)
+from .ext import checks
+from .ext.commands import COMMANDS, options
+from .ext.console import setup as setup_console
+from .ext.flag_hints import Commands
+from .ext.locks import release_lock
+from .ext.rank_errors import rank_errors
 from .launch import guarded, launch as launch_ranks
 from .outdir import check_writable
 
 
-def has_extensions() -> bool:
-    return importlib.util.find_spec("finetune.ext") is not None
-
-
-def extension(name: str, what: str, load: bool = True):
-    """finetune.ext.<name> (imported when `load`), for `what`; a ConfigError when this installation lacks it."""
-    if not has_extensions() or importlib.util.find_spec(f"finetune.ext.{name}") is None:
-        raise ConfigError(f"{what} needs the extension finetune/ext/{name}.py, which this installation lacks")
-    return importlib.import_module(f"finetune.ext.{name}") if load else None
-
-
-def optional(name: str):
-    """finetune.ext.<name>, or None where this installation lacks it."""
-    return extension(name, "") if has_extensions() and importlib.util.find_spec(f"finetune.ext.{name}") else None
-
-
-app = typer.Typer(cls=getattr(optional("flag_hints"), "Commands", None), add_completion=False, no_args_is_help=True,
-                  pretty_exceptions_enable=False, help="Fine-tune Hugging Face causal LMs with FSDP2: sft, dpo, "
-                  "preview-data, prepare-checkpoint, export-hf, bench, plan.")
-
-
-# The one place the core names its extensions (finetune/ext/): the modules that the commands and config keys below
-# need, imported when a run asks for them. Without one, asking stops in one line (exit 2).
-EXTENSION_COMMANDS = {"dpo": "dpo", "preview-data": "preview", "bench": "bench", "plan": "plan",  # ext/commands.py
-                      "prepare-checkpoint": "prepare"}
-EXTENSION_KEYS = {"lora.rank": "lora", "eval.path": "evaluate", "parallel.cp": "context", "ac.offload": "offload",
-                  "model.liger": "liger", "moe.aux_loss_coef": "moe", "model.experts_implementation": "moe",
-                  "model.fp8": "float8", "data.sources": "mixture", "ac.mode": "sac", "parallel.ep": "moe",
-                  "data.streaming": "streaming", "log.wandb": "wandb", "checkpoint.async": "saving",
-                  "train.tokens_per_step": "tokens_per_step", "data.chat_template": "chat_template"}
-REPORTS = ("eval.path",)  # keys that only add a report: without their extension, skipped with a note
+app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fine-tune Hugging Face causal LMs with FSDP2: sft, dpo, preview-data, prepare-checkpoint, "
+                  "export-hf, bench, plan.")
+app.callback()(options)
 
 
 def launch(*args, **kwargs):
-    """launch.launch, the ranks' errors as one line where the extension is installed (ext/rank_errors.py)."""
-    return launch_ranks(*args, errors=getattr(optional("rank_errors"), "rank_errors", None), **kwargs)
-
-
-def check_extensions(cfg: Config) -> None:
-    """Each config key set away from its default ("auto" and false aside) needs its extension (EXTENSION_KEYS)."""
-    default = Config()
-    for key, name in EXTENSION_KEYS.items():
-        if get_key(cfg, key) != get_key(default, key) and get_key(cfg, key) not in ("auto", False):
-            try:
-                extension(name, f"{key}={get_key(cfg, key)!r}", load=False)
-            except ConfigError as e:
-                if key not in REPORTS:
-                    raise
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"note: {e}: skipped", file=sys.stderr)
-                set_key(cfg, key, get_key(default, key))
+    """launch.launch with the ranks' errors as one line (ext/rank_errors.py)."""
+    return launch_ranks(*args, errors=rank_errors, **kwargs)
 
 
 def run_recipe(cfg: Config, task: str):
-    """What a run of `task` passes to train.train: finetune.ext's recipe, or (without extensions) the core's sft."""
-    if task != "sft":
-        extension(task, f"finetune {task}")
-    check_extensions(cfg)  # before torch is imported: a missing extension is refused at once
-    from .train import Recipe
-    return extension("recipes", f"finetune {task}").recipe(cfg, task) if has_extensions() else Recipe()
+    """What a run of `task` passes to train.train (ext/recipes.py: torch is imported here, after the checks)."""
+    from .ext.recipes import recipe
+    return recipe(cfg, task)
 
 
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
@@ -98,7 +56,7 @@ def train_command(task: str):
             check_flag("--nnodes", nnodes >= 1, ">= 1", nnodes)
             check_flag("--rdzv-endpoint", nnodes == 1 or ":" in rdzv_endpoint, "host:port with --nnodes > 1",
                        repr(rdzv_endpoint))
-            cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides, checks=optional("checks"),
+            cfg = build_config(config or (DPO_PRESET if task == "dpo" else None), overrides, checks=checks,
                                **{"model.path": model, "data.path": dataset, "output_dir": output_dir,
                                   "checkpoint.resume_from": resume_from})  # the hub's probe: before torch is imported
             if no_resume:
@@ -112,9 +70,8 @@ def train_command(task: str):
             check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-            checks = optional("preflight")
-            nothing_to_do = checks and checks.preflight_locked(cfg, task, lock, nnodes)
-            return cfg, recipe, nothing_to_do, lock if checks else None
+            from .ext.preflight import preflight_locked
+            return cfg, recipe, preflight_locked(cfg, task, lock, nnodes), lock
         cfg, recipe, nothing_to_do, lock = guarded(prepare, debug)
         try:  # the lock goes with the process anyway; released here for callers that run commands in-process
             if nothing_to_do:
@@ -130,7 +87,7 @@ def train_command(task: str):
                    rdzv_endpoint=rdzv_endpoint)
         finally:
             if lock:
-                recipe.export["locks"].release_lock(lock)
+                release_lock(lock)
     return command
 
 
@@ -140,25 +97,8 @@ app.command("dpo", help="Preference tuning, DPO or SimPO (dpo.*), on sft's loop 
             "model on the bundled preference pairs, on CPU).")(train_command("dpo"))
 
 
-def missing(name: str):
-    """A command whose extension is not installed: whatever it is given, one line (exit 2)."""
-    def command(args: Optional[List[str]] = typer.Argument(None, hidden=True)):
-        guarded(lambda: extension(EXTENSION_COMMANDS[name], f"finetune {name}"), False)
-    command.__doc__ = f"(needs finetune/ext/{EXTENSION_COMMANDS[name]}.py, not installed)"
-    return command
-
-
-def add_extension_commands() -> None:
-    """The extensions' commands and --version (ext/commands.py), or where it is missing, commands that say so."""
-    ext = optional("commands")
-    app.callback()(getattr(ext, "options", lambda: None))
-    commands = getattr(ext, "COMMANDS", {})
-    loose = {"ignore_unknown_options": True, "allow_extra_args": True}
-    for name in [n for n in EXTENSION_COMMANDS if n != "dpo"]:
-        app.command(name, context_settings={} if name in commands else loose)(commands.get(name) or missing(name))
-
-
-add_extension_commands()
+for name, command in COMMANDS.items():
+    app.command(name)(command)
 
 
 @app.command("export-hf")
@@ -186,17 +126,17 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
         parse_shard_size(max_shard_size)
         out = Path(output_dir).resolve()
         check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
-        # export_hf's hooks (LoRA checkpoints, the check, ...) where the extensions are installed
-        return extension("recipes", "export-hf").export_hooks() if has_extensions() else {}
-    hooks = guarded(check, debug)
+    guarded(check, debug)
+    from .ext.recipes import export_hooks
+    hooks = export_hooks()
     from .export import export_hf as export  # VerifyError: exit 1, nothing written
     launch(lambda *args: export(*args, **hooks), (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),
            nproc_per_node, debug)
 
 
 def main():
-    if console := optional("console"):  # quiet libraries, Ctrl-C as one line
-        console.setup()
+    # quiet libraries, Ctrl-C as one line
+    setup_console()
     app()
 
 

@@ -97,9 +97,9 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transform
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 
-def train(cfg: Config, recipe: Recipe | None = None) -> dict:
-    """Run the recipe (default: SFT with the core alone); returns the final metrics record and held-out results."""
-    recipe = recipe or Recipe()
+def train(cfg: Config, recipe: Recipe) -> dict:
+    """Run the recipe (`finetune.ext.recipes.recipe(cfg, task)`); returns the final metrics record and held-out
+    results."""
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     if tc.tokens_per_step and recipe.accum is None:
