@@ -12,6 +12,9 @@ from .formats import DataError
 
 _PROBE, _NEXT = "finetuneprobe", "nextturnmarker"  # stand-ins for row text, to find the template's own text
 _TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The names rows and servers give a turn's reasoning (vLLM and OpenAI's APIs now say `reasoning`, GPT-OSS templates
+# read `thinking`): a template reads any of them, so each gets it (a row's own name: formats.to_conversation)
+REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
 
 
 class Unsupported(DataError):
@@ -101,14 +104,14 @@ def template_of(tokenizer, extra: dict | None = None) -> Template:
 
 
 def prepared(messages: list[dict], args_as_string: bool, reads_parts: bool = True) -> list[dict]:
-    """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning also as `thinking`,
-    content parts as text where the template does not read parts)."""
+    """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning under each name
+    REASONING_NAMES, content parts as text where the template does not read parts)."""
     out = []
     for m in _args_as_strings(messages) if args_as_string else messages:
         m = {k: v for k, v in m.items() if v is not None and k != "train"}
         if not reads_parts and isinstance(m.get("content"), list):
             m["content"] = "".join(part["text"] for part in m["content"])
-        out.append({"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m)
+        out.append({**dict.fromkeys(REASONING_NAMES, m["reasoning_content"]), **m} if "reasoning_content" in m else m)
     return out
 
 
