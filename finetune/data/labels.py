@@ -48,6 +48,25 @@ def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | 
     return best
 
 
+def _rewritten_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
+    """Where message i's answer starts in `upto` when its rendering rewrites what precedes it so that no place there
+    ends as `prompt` does back to message i-1 (Hermes closes a tool result otherwise when a turn follows it; Command
+    R+'s generation prompt adds an instruction after the history), or None: of the places past the text `upto` shares
+    with the history, the one ending the most as `prompt` does, through `prompt`'s last control token at least."""
+    last = max((prompt.rfind(c) for c in t.control), default=-1)
+    if last < 0:
+        return None
+    shared = len(os.path.commonprefix([upto, t.render(msgs[:i], tools, False)]))
+    key, backwards = prompt[last:], prompt[::-1]
+    best, best_len = None, 0
+    for p in find_all(upto, key):
+        end = p + len(key)
+        n = len(os.path.commonprefix([upto[end - 1::-1], backwards]))
+        if end > shared and n > best_len:
+            best, best_len = end, n
+    return best
+
+
 def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) -> str | None:
     try:
         return t.render(msgs, tools, generation_prompt, **extra)
@@ -122,15 +141,22 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
     upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
     start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
-    if start is None:
+    # a place found only past a rewritten history holds the answer only if the turn's own text follows it
+    found = start if start is not None else _rewritten_start(t, msgs, i, tools, prompt, upto)
+    try:
+        if found is None:
+            raise Unsupported("not_prefix", "")
+        length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[found:])
+        completion = upto[found:found + length]
+        if not completion:
+            raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
+        _check_kept(row_message, i, completion + stop)
+    except Unsupported as e:
+        if start is not None:
+            raise
         raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                         f"generation prompt, so there is no answer to train"
-                                        + (hint(t, msgs, i, tools) if hint else ""))
-    length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[start:])
-    completion = upto[start:start + length]
-    if not completion:
-        raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
-    _check_kept(row_message, i, completion + stop)
+                                        + (hint(t, msgs, i, tools) if hint else "")) from e
     return prompt, completion + stop, stop
 
 

@@ -157,6 +157,10 @@ def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | 
     if more is not None:
         common = len(os.path.commonprefix([tail, more]))
         inside = [h for h in hits if h[0] + len(h[2]) <= common]
+        # A template that writes a turn after every conversation (Command R+'s tool-use instruction) opens it with
+        # the token that opens the next message: the turn ends before the token its generation prompt opens with.
+        opener = _opener(tokenizer, t, messages[:i] + [m], tools, probe) if len(inside) > 1 else ""
+        inside = [h for h in inside if not (opener and h[0] >= tail.find(opener, 1) > 0)]
         cut = max((p + len(c) for p, _, c in inside), default=cut)
     stop = ""
     if m.get("tool_calls"):  # tags close a tool call; where plain answers end with the next role's token, so do calls
@@ -164,6 +168,13 @@ def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | 
         if plain is not None and plain[1] is None and plain[2]:
             stop = _next_control(t, more, cut)
     return tail, cut, stop
+
+
+def _opener(tokenizer, t: Template, messages, tools, text: str) -> str:
+    """The first control token the generation prompt adds after `messages` (rendered as `text`), or ""."""
+    gen = render_or_why(tokenizer, messages, tools, {**t.extra, "add_generation_prompt": True})[0] or ""
+    gen = gen[len(text):] if gen.startswith(text) else ""
+    return min(((gen.find(c), -len(c), c) for c in t.control if c in gen), default=(0, 0, ""))[2]
 
 
 def _like(content, text: str):
