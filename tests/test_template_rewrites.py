@@ -2,6 +2,8 @@
 follows it, or whose generation prompt adds an instruction after the history; template kwargs it never reads
 (issues 52 and 53)."""
 
+import json
+
 import pytest
 from tokenizers import AddedToken
 
@@ -135,3 +137,26 @@ def test_a_generation_prompt_that_adds_an_instruction_trains_each_turn_after_it(
     assert str(e.value) == ('t.jsonl row 0: message 1: the chat template renders it differently from its generation '
                             'prompt, so there is no answer to train (not_prefix); data.on_unsupported="drop" leaves '
                             'such turns untrained and trains the rest')
+
+
+def test_a_template_kwarg_the_template_never_reads_is_refused_in_one_line(tmp_path, llama_dir):
+    from finetune.config import ConfigError
+    from finetune.ext.label_hints import build_samples
+    from helpers import invoke
+    from test_templates import ENABLE_THINKING
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [user("Hi"), assistant("Hello")]}) + "\n")
+    says = ("data.chat_template_kwargs.enable_thinkng: the chat template never reads 'enable_thinkng', so it would "
+            "change nothing (did you mean enable_thinking?); fix or remove the key")
+    with pytest.raises(ConfigError) as e:
+        build_samples(str(data), tok_with(ENABLE_THINKING), chat_template_kwargs={"enable_thinkng": False})
+    assert str(e.value) == says
+    read = build_samples(str(data), tok_with(ENABLE_THINKING), chat_template_kwargs={"enable_thinking": False},
+                         shuffle=False, epoch_limit=1)
+    assert read.counts["turns_trained"] == 1
+    template = tmp_path / "t.jinja"
+    template.write_text(ENABLE_THINKING)
+    refused, shown = (invoke("preview-data", "--model", llama_dir, "--dataset", data, f"data.chat_template={template}",
+                             f"data.chat_template_kwargs.{key}=false") for key in ("enable_thinkng", "enable_thinking"))
+    assert refused.exit_code == 2 and refused.stderr.strip().splitlines() == [f"error: {says}"]
+    assert shown.exit_code == 0 and shown.stdout.startswith("--- sample 0"), shown.output

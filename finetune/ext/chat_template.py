@@ -7,7 +7,7 @@ from pathlib import Path
 from .. import checkpoint as ckpt
 from ..compat import compile_jinja_template
 from ..config import Config
-from ..data import DataError
+from ..data import DataError, check_template_kwargs
 from ..distributed import print0
 from ..errors import one_line
 from ..model import load_tokenizer
@@ -47,4 +47,7 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
             print0(f"note: data.chat_template {cfg.data.chat_template} changed since {resume_dir}; resuming with the "
                    f"template saved with it")
         template = template or read_chat_template(path)
-    return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template)
+    # a template kwarg it never reads is refused at start-up (preflight), not after loading the model
+    check_template_kwargs(tokenizer, cfg.data.chat_template_kwargs)
+    return tokenizer, template
