@@ -141,7 +141,8 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
     upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
     start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
-    # a place found only past a rewritten history holds the answer only if the turn's own text follows it
+    # a place found only past a rewritten history holds the answer only if the turn's content follows it (its
+    # reasoning or tool calls missing there are refused as such)
     found = start if start is not None else _rewritten_start(t, msgs, i, tools, prompt, upto)
     try:
         if found is None:
@@ -152,7 +153,7 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
             raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
         _check_kept(row_message, i, completion + stop)
     except Unsupported as e:
-        if start is not None:
+        if start is not None or e.reason not in ("not_prefix", "drops_message", "drops_content"):
             raise
         raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                         f"generation prompt, so there is no answer to train"
