@@ -140,23 +140,19 @@ def test_a_generation_prompt_that_adds_an_instruction_trains_each_turn_after_it(
 
 
 def test_a_template_kwarg_the_template_never_reads_is_refused_in_one_line(tmp_path, llama_dir):
-    from finetune.config import ConfigError
-    from finetune.ext.label_hints import build_samples
     from helpers import invoke
-    from test_templates import ENABLE_THINKING
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": [user("Hi"), assistant("Hello")]}) + "\n")
+    from test_templates import ENABLE_THINKING, QWEN3_LIKE_TEMPLATE
     says = ("data.chat_template_kwargs.enable_thinkng: the chat template never reads 'enable_thinkng', so it would "
             "change nothing (did you mean enable_thinking?); fix or remove the key")
-    with pytest.raises(ConfigError) as e:
-        build_samples(str(data), tok_with(ENABLE_THINKING), chat_template_kwargs={"enable_thinkng": False})
-    assert str(e.value) == says
-    read = build_samples(str(data), tok_with(ENABLE_THINKING), chat_template_kwargs={"enable_thinking": False},
-                         shuffle=False, epoch_limit=1)
-    assert read.counts["turns_trained"] == 1
-    template = tmp_path / "t.jinja"
+    data, template = tmp_path / "d.jsonl", tmp_path / "t.jinja"
+    data.write_text(json.dumps({"messages": [user("Hi"), assistant("Hello")]}) + "\n")
     template.write_text(ENABLE_THINKING)
     refused, shown = (invoke("preview-data", "--model", llama_dir, "--dataset", data, f"data.chat_template={template}",
                              f"data.chat_template_kwargs.{key}=false") for key in ("enable_thinkng", "enable_thinking"))
     assert refused.exit_code == 2 and refused.stderr.strip().splitlines() == [f"error: {says}"]
     assert shown.exit_code == 0 and shown.stdout.startswith("--- sample 0"), shown.output
+    from finetune.config import ConfigError
+    from finetune.ext.chat_template import check_template_kwargs
+    check_template_kwargs(tok_with(ENABLE_THINKING), {"enable_thinking": False})
+    with pytest.raises(ConfigError, match="never reads 'enable_thinking', so it would change nothing; fix"):
+        check_template_kwargs(tok_with(QWEN3_LIKE_TEMPLATE), {"enable_thinking": False})  # reads no such switch

@@ -5,4 +5,4 @@ from .collate import pad_collate  # noqa: F401
 from .formats import Conversation, DataError, detect_format, load_rows, row_of, to_conversation  # noqa: F401
 from .labels import IGNORE_INDEX, tokenize_messages  # noqa: F401
 from .stream import build_samples, describe_counts, open_sources  # noqa: F401
-from .template import check_template_kwargs, require_chat_template  # noqa: F401
+from .template import require_chat_template  # noqa: F401

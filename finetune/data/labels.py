@@ -52,7 +52,8 @@ def _rewritten_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int
     """Where message i's answer starts in `upto` when its rendering rewrites what precedes it so that no place there
     ends as `prompt` does back to message i-1 (Hermes closes a tool result otherwise when a turn follows it; Command
     R+'s generation prompt adds an instruction after the history), or None: of the places past the text `upto` shares
-    with the history, the one ending the most as `prompt` does, through `prompt`'s last control token at least."""
+    with the history, the one ending the most as `prompt` does, through `prompt`'s last control token at least, if the
+    turn's content follows it."""
     last = max((prompt.rfind(c) for c in t.control), default=-1)
     if last < 0:
         return None
@@ -64,7 +65,7 @@ def _rewritten_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int
         n = len(os.path.commonprefix([upto[end - 1::-1], backwards]))
         if end > shared and n > best_len:
             best, best_len = end, n
-    return best
+    return best if best is not None and _keeps_content(msgs[i], upto[best:]) else None
 
 
 def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) -> str | None:
@@ -74,10 +75,15 @@ def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) 
         return None
 
 
+def _keeps_content(m: dict, text: str) -> bool:
+    """Whether `text` holds the message's content (inline <think> reasoning included)."""
+    head, _, answer = text_of(m.get("content")).rpartition("</think>")  # without </think>: head "", answer all of it
+    return all(p.strip() in text for p in (answer, head.split("<think>")[-1]))
+
+
 def _check_kept(m: dict, i: int, completion: str) -> None:
     """The message's content, reasoning and tool calls must be in what is trained (Unsupported otherwise)."""
-    head, _, answer = text_of(m.get("content")).rpartition("</think>")  # without </think>: head "", answer all of it
-    if any(p.strip() not in completion for p in (answer, head.split("<think>")[-1])):
+    if not _keeps_content(m, completion):
         raise Unsupported("drops_content", f"message {i}: the chat template drops (or rewrites) its content")
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:
@@ -141,23 +147,16 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
     upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
     start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
-    # a place found only past a rewritten history holds the answer only if the turn's content follows it (its
-    # reasoning or tool calls missing there are refused as such)
-    found = start if start is not None else _rewritten_start(t, msgs, i, tools, prompt, upto)
-    try:
-        if found is None:
-            raise Unsupported("not_prefix", "")
-        length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[found:])
-        completion = upto[found:found + length]
-        if not completion:
-            raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
-        _check_kept(row_message, i, completion + stop)
-    except Unsupported as e:
-        if start is not None or e.reason not in ("not_prefix", "drops_message", "drops_content"):
-            raise
+    start = start if start is not None else _rewritten_start(t, msgs, i, tools, prompt, upto)
+    if start is None:
         raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                         f"generation prompt, so there is no answer to train"
-                                        + (hint(t, msgs, i, tools) if hint else "")) from e
+                                        + (hint(t, msgs, i, tools) if hint else ""))
+    length, stop = turn_length(tokenizer, t, msgs, i, tools, upto[start:])
+    completion = upto[start:start + length]
+    if not completion:
+        raise Unsupported("drops_message", f"message {i}: the chat template renders nothing for it")
+    _check_kept(row_message, i, completion + stop)
     return prompt, completion + stop, stop
 
 

@@ -14,7 +14,7 @@ import torch
 from ..keys import ConfigError
 from .formats import DataError, Rows, detect_format, load_rows, row_of, to_conversation
 from .labels import DROP_REASONS, tokenize_messages
-from .template import check_template_kwargs, require_chat_template
+from .template import require_chat_template
 
 _META = ("row", "turns", "split", "left_out", "source")  # where a sample comes from (see _entries)
 PACK_WINDOW = 1000  # samples that best-fit-decreasing packs together: larger fills rows better, reorders more
@@ -214,7 +214,6 @@ def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train
     `stream` (SampleStream, ext/mixture.py's, ext/streaming.py's) given `order`; `hint`: tokenize_messages'.
     `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
-    check_template_kwargs(tokenizer, chat_template_kwargs)
     sources = stream.open_sources(data, fmt=fmt, split=split, name=name)
     tokenizers = [_labeller(src, tokenizer, max_seq_len, on_unsupported, chat_template_kwargs, labellers or {}, hint)
                   for src in sources]

@@ -8,13 +8,12 @@ import weakref
 
 from ..compat import compile_jinja_template
 from ..errors import one_line
-from ..keys import ConfigError
 from .formats import DataError
 
 _PROBE, _NEXT = "finetuneprobe", "nextturnmarker"  # stand-ins for row text, to find the template's own text
 _TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # The names rows and servers give a turn's reasoning (vLLM and OpenAI's APIs now say `reasoning`, GPT-OSS templates
-# read `thinking`): a template reads any of them, so each gets it (a row's own name: formats.to_conversation)
+# read `thinking`): a template may read any of them, so the template gets it under each, whichever the row used
 REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
 
 
@@ -30,24 +29,6 @@ def require_chat_template(tokenizer, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: the tokenizer has no chat template; set data.chat_template to a Jinja file (or a "
                         f"tokenizer dir with one), or use a chat/instruct model's tokenizer")
-
-
-def check_template_kwargs(tokenizer, kwargs: dict | None) -> None:
-    """Refuse a data.chat_template_kwargs key the chat template never reads as a variable: a misspelt switch would
-    change nothing, silently, and be written into the exported template. A key it reads is never refused."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not kwargs or not template:
-        return
-    import difflib
-
-    import jinja2.meta
-    read = set().union(*(jinja2.meta.find_undeclared_variables(compile_jinja_template(text).environment.parse(text))
-                         for text in (template.values() if isinstance(template, dict) else [template])))
-    for key in kwargs:
-        if key not in read:
-            near = difflib.get_close_matches(key, sorted(read), n=1)
-            raise ConfigError(f"data.chat_template_kwargs.{key}: the chat template never reads {key!r}, so it would "
-                              f"change nothing{f' (did you mean {near[0]}?)' if near else ''}; fix or remove the key")
 
 
 class Template:

@@ -1,13 +1,15 @@
 """data.chat_template: a Jinja file's (or another tokenizer's) chat template replaces the model's; it is saved with
-the run's checkpoints and a resumed run keeps it (Recipe.tokenizer)."""
+the run's checkpoints and a resumed run keeps it (Recipe.tokenizer). data.chat_template_kwargs must name variables the
+template reads."""
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from .. import checkpoint as ckpt
 from ..compat import compile_jinja_template
-from ..config import Config
-from ..data import DataError, check_template_kwargs
+from ..config import Config, ConfigError
+from ..data import DataError
 from ..distributed import print0
 from ..errors import one_line
 from ..model import load_tokenizer
@@ -36,6 +38,22 @@ def read_chat_template(path: str) -> str | dict:
             raise DataError(f"data.chat_template: {path}{f' ({name!r} template)' if name else ''} line {e.lineno}: "
                             f"Jinja syntax error ({one_line(e.message or e)})") from None
     return template
+
+
+def check_template_kwargs(tokenizer, kwargs: dict | None) -> None:
+    """Refuse a data.chat_template_kwargs key the chat template never reads as a variable: a misspelt switch would
+    change nothing, silently, and be written into the exported template. A key it reads is never refused."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not kwargs or not template:
+        return
+    import jinja2.meta
+    read = set().union(*(jinja2.meta.find_undeclared_variables(compile_jinja_template(text).environment.parse(text))
+                         for text in (template.values() if isinstance(template, dict) else [template])))
+    for key in kwargs:
+        if key not in read:
+            near = difflib.get_close_matches(key, sorted(read), n=1)
+            raise ConfigError(f"data.chat_template_kwargs.{key}: the chat template never reads {key!r}, so it would "
+                              f"change nothing{f' (did you mean {near[0]}?)' if near else ''}; fix or remove the key")
 
 
 def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
