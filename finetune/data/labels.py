@@ -48,6 +48,26 @@ def _answer_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | 
     return best
 
 
+def _rewritten_start(t: Template, msgs, i, tools, prompt: str, upto: str) -> int | None:
+    """Where message i's answer starts in `upto` when its rendering rewrites what precedes it so that no place there
+    ends as `prompt` does back to message i-1 (Hermes closes a tool result otherwise when a turn follows it; Command
+    R+'s generation prompt adds an instruction after the history), or None: of the places past the text `upto` shares
+    with the history, the one ending the most as `prompt` does, through `prompt`'s last control token at least, if the
+    turn's content follows it."""
+    last = max((prompt.rfind(c) for c in t.control), default=-1)
+    if last < 0:
+        return None
+    shared = len(os.path.commonprefix([upto, t.render(msgs[:i], tools, False)]))
+    key, backwards = prompt[last:], prompt[::-1]
+    best, best_len = None, 0
+    for p in find_all(upto, key):
+        end = p + len(key)
+        n = len(os.path.commonprefix([upto[end - 1::-1], backwards]))
+        if end > shared and n > best_len:
+            best, best_len = end, n
+    return best if best is not None and _keeps_content(msgs[i], upto[best:]) else None
+
+
 def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) -> str | None:
     try:
         return t.render(msgs, tools, generation_prompt, **extra)
@@ -55,10 +75,15 @@ def _render_or_none(t: Template, msgs, tools, generation_prompt: bool, **extra) 
         return None
 
 
+def _keeps_content(m: dict, text: str) -> bool:
+    """Whether `text` holds the message's content (inline <think> reasoning included)."""
+    head, _, answer = text_of(m.get("content")).rpartition("</think>")  # without </think>: head "", answer all of it
+    return all(p.strip() in text for p in (answer, head.split("<think>")[-1]))
+
+
 def _check_kept(m: dict, i: int, completion: str) -> None:
     """The message's content, reasoning and tool calls must be in what is trained (Unsupported otherwise)."""
-    head, _, answer = text_of(m.get("content")).rpartition("</think>")  # without </think>: head "", answer all of it
-    if any(p.strip() not in completion for p in (answer, head.split("<think>")[-1])):
+    if not _keeps_content(m, completion):
         raise Unsupported("drops_content", f"message {i}: the chat template drops (or rewrites) its content")
     reasoning = (m.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:
@@ -122,6 +147,7 @@ def _turn(tokenizer, t: Template, msgs, row_message: dict, i: int, tools, full: 
     prompt = prompt if prompt is not None else t.render(msgs[:i], tools, True)
     upto = full if i == len(msgs) - 1 else t.render(msgs[: i + 1], tools, False)
     start = len(prompt) if upto.startswith(prompt) else _answer_start(t, msgs, i, tools, prompt, upto)
+    start = start if start is not None else _rewritten_start(t, msgs, i, tools, prompt, upto)
     if start is None:
         raise Unsupported("not_prefix", f"message {i}: the chat template renders it differently from its "
                                         f"generation prompt, so there is no answer to train"

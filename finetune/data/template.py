@@ -12,6 +12,9 @@ from .formats import DataError
 
 _PROBE, _NEXT = "finetuneprobe", "nextturnmarker"  # stand-ins for row text, to find the template's own text
 _TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The names rows and servers give a turn's reasoning (vLLM and OpenAI's APIs now say `reasoning`, GPT-OSS templates
+# read `thinking`): a template may read any of them, so the template gets it under each, whichever the row used
+REASONING_NAMES = ("reasoning_content", "reasoning", "thinking")
 
 
 class Unsupported(DataError):
@@ -101,14 +104,14 @@ def template_of(tokenizer, extra: dict | None = None) -> Template:
 
 
 def prepared(messages: list[dict], args_as_string: bool, reads_parts: bool = True) -> list[dict]:
-    """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning also as `thinking`,
-    content parts as text where the template does not read parts)."""
+    """Messages as apply_chat_template hands them to the template (null keys dropped, reasoning under each name
+    REASONING_NAMES, content parts as text where the template does not read parts)."""
     out = []
     for m in _args_as_strings(messages) if args_as_string else messages:
         m = {k: v for k, v in m.items() if v is not None and k != "train"}
         if not reads_parts and isinstance(m.get("content"), list):
             m["content"] = "".join(part["text"] for part in m["content"])
-        out.append({"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m)
+        out.append({**dict.fromkeys(REASONING_NAMES, m["reasoning_content"]), **m} if "reasoning_content" in m else m)
     return out
 
 
@@ -154,6 +157,10 @@ def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | 
     if more is not None:
         common = len(os.path.commonprefix([tail, more]))
         inside = [h for h in hits if h[0] + len(h[2]) <= common]
+        # A template that writes a turn after every conversation (Command R+'s tool-use instruction) opens it with
+        # the token that opens the next message: the turn ends before the token its generation prompt opens with.
+        opener = _opener(tokenizer, t, messages[:i] + [m], tools, probe) if len(inside) > 1 else ""
+        inside = [h for h in inside if not (opener and h[0] >= tail.find(opener, 1) > 0)]
         cut = max((p + len(c) for p, _, c in inside), default=cut)
     stop = ""
     if m.get("tool_calls"):  # tags close a tool call; where plain answers end with the next role's token, so do calls
@@ -161,6 +168,13 @@ def _probe_tail(tokenizer, t: Template, messages, i, tools) -> tuple[str, int | 
         if plain is not None and plain[1] is None and plain[2]:
             stop = _next_control(t, more, cut)
     return tail, cut, stop
+
+
+def _opener(tokenizer, t: Template, messages, tools, text: str) -> str:
+    """The first control token the generation prompt adds after `messages` (rendered as `text`), or ""."""
+    gen = render_or_why(tokenizer, messages, tools, {**t.extra, "add_generation_prompt": True})[0] or ""
+    gen = gen[len(text):] if gen.startswith(text) else ""
+    return min(((gen.find(c), -len(c), c) for c in t.control if c in gen), default=(0, 0, ""))[2]
 
 
 def _like(content, text: str):

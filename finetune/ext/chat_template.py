@@ -1,12 +1,14 @@
 """data.chat_template: a Jinja file's (or another tokenizer's) chat template replaces the model's; it is saved with
-the run's checkpoints and a resumed run keeps it (Recipe.tokenizer)."""
+the run's checkpoints and a resumed run keeps it (Recipe.tokenizer). data.chat_template_kwargs must name variables the
+template reads."""
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from .. import checkpoint as ckpt
 from ..compat import compile_jinja_template
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data import DataError
 from ..distributed import print0
 from ..errors import one_line
@@ -38,6 +40,22 @@ def read_chat_template(path: str) -> str | dict:
     return template
 
 
+def check_template_kwargs(tokenizer, kwargs: dict | None) -> None:
+    """Refuse a data.chat_template_kwargs key the chat template never reads as a variable: a misspelt switch would
+    change nothing, silently, and be written into the exported template. A key it reads is never refused."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not kwargs or not template:
+        return
+    import jinja2.meta
+    read = set().union(*(jinja2.meta.find_undeclared_variables(compile_jinja_template(text).environment.parse(text))
+                         for text in (template.values() if isinstance(template, dict) else [template])))
+    for key in kwargs:
+        if key not in read:
+            near = difflib.get_close_matches(key, sorted(read), n=1)
+            raise ConfigError(f"data.chat_template_kwargs.{key}: the chat template never reads {key!r}, so it would "
+                              f"change nothing{f' (did you mean {near[0]}?)' if near else ''}; fix or remove the key")
+
+
 def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
     """(the tokenizer with data.chat_template's template, that template or None); resuming: the checkpoint's."""
     path, template = cfg.data.chat_template, None
@@ -47,4 +65,7 @@ def run_tokenizer(cfg: Config, resume_dir: Path | None = None):
             print0(f"note: data.chat_template {cfg.data.chat_template} changed since {resume_dir}; resuming with the "
                    f"template saved with it")
         template = template or read_chat_template(path)
-    return load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template), template
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code, chat_template=template)
+    # a template kwarg it never reads is refused at start-up (preflight), not after loading the model
+    check_template_kwargs(tokenizer, cfg.data.chat_template_kwargs)
+    return tokenizer, template
