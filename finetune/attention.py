@@ -3,7 +3,9 @@ take the sample boundaries as kwargs; the others get a block-diagonal mask from 
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -14,6 +16,8 @@ from .distributed import print0
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "dense", "sparse",
                          "moe", "mlp"}  # layer types (config.layer_types) whose tokens mix only through attention
 VARLEN = "varlen"
+MASKED = ("sdpa", "eager", "flex_attention")  # the attentions that see packed samples only through a mask
+_SAMPLE_IDS: ContextVar = ContextVar("sample_ids", default=None)  # (batch, seq) ids of the packed rows being run
 
 
 def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callable | None = None) -> str:
@@ -71,3 +75,36 @@ def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: 
             raise ConfigError(f"model.attn_implementation={attn_implementation} gets packed-sample boundaries as "
                               f"attention kwargs, which {type(model).__name__}'s layers do not pass on: use sdpa "
                               f"or set data.packing=false")
+
+
+@contextmanager
+def packed_samples(position_ids) -> Iterator[None]:
+    """Within: every mask transformers builds for sdpa, eager or flex attention also keeps the samples of the packed
+    rows `position_ids` (restarting at 0 per sample) apart, also in model classes that build their masks without
+    the position_ids (Falcon, OPT, GPT-OSS), where transformers' own packed-row detection never runs."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    for name in MASKED:
+        build = ALL_MASK_ATTENTION_FUNCTIONS[name]
+        if not getattr(build, "keeps_samples_apart", False):
+            ALL_MASK_ATTENTION_FUNCTIONS.register(name, _keeping_samples_apart(build))
+    token = _SAMPLE_IDS.set(None if position_ids is None else (position_ids == 0).cumsum(-1))
+    try:
+        yield
+    finally:
+        _SAMPLE_IDS.reset(token)
+
+
+def _keeping_samples_apart(build: Callable) -> Callable:
+    """transformers' mask builder `build`, its mask function and-ed with "same sample" inside packed_samples (a
+    padding token is a sample of its own). Anding is idempotent: a mask that already separates them is unchanged."""
+    from transformers.masking_utils import and_masks
+
+    def build_apart(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, **kwargs):
+        ids = _SAMPLE_IDS.get()
+        if ids is not None and mask_function is not None and (batch_size, q_length, kv_length) == (
+                ids.shape[0], ids.shape[1], ids.shape[1]) and q_offset == kv_offset == 0:
+            mask_function = and_masks(mask_function, lambda b, h, q, kv: ids[b, q] == ids[b, kv])
+            kwargs["allow_is_causal_skip"] = False
+        return build(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function, **kwargs)
+    build_apart.keeps_samples_apart = True
+    return build_apart

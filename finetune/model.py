@@ -129,6 +129,19 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+def find_decoder(model: nn.Module) -> nn.Module:
+    """The module whose output is the hidden states lm_head reads: get_decoder(), or where that is the whole model
+    (Llama 4's: its base_model_prefix names no attribute) its one child that is itself a transformers model."""
+    from transformers import PreTrainedModel
+    decoder = model.get_decoder()
+    if decoder is not model:
+        return decoder
+    inner = [m for m in model.children() if isinstance(m, PreTrainedModel)]
+    if len(inner) != 1:
+        raise ModelError(f"cannot find the decoder of {type(model).__name__}: its get_decoder() is the whole model")
+    return inner[0]
+
+
 def clean_child(mod: nn.Module) -> nn.Module:
     while hasattr(mod, "_checkpoint_wrapped_module") or hasattr(mod, "_orig_mod"):
         mod = getattr(mod, "_checkpoint_wrapped_module", None) or mod._orig_mod
@@ -233,6 +246,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     check_trainable(attn, device.type)
     print0(f"kernels: attention {attn}, {transforms.note}, regional compile "
            f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
+    find_decoder(model)  # the loss reads its output: a model without one is refused before loading
     if packing:
         check_packing(model, find_layers(model), attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
