@@ -47,6 +47,17 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
     return "sdpa"
 
 
+def attention_notes(model: nn.Module, attn_implementation: str) -> str:
+    """What the start-up line adds to the attention's name: how varlen runs what torch's kernel lacks."""
+    if attn_implementation != VARLEN:
+        return ""
+    notes = ["attention sinks: one sdpa call per sample"] * any(
+        isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+    if "chunked_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or []):
+        notes.append("chunked layers: per chunk")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def check_trainable(attn_implementation: str, device_type: str) -> None:
     """Refuse, in one line, flex_attention off CUDA: it has no CPU backward."""
     if attn_implementation == "flex_attention" and device_type != "cuda":

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from .attention import check_packing, check_trainable, resolve_attn_implementation
+from .attention import attention_notes, check_packing, check_trainable, resolve_attn_implementation
 from .compat import CheckpointImpl, checkpoint_wrapper
 from .config import ConfigError
 from .distributed import print0
@@ -244,7 +244,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code, transforms.varlen)
     attn = model.config._attn_implementation
     check_trainable(attn, device.type)
-    print0(f"kernels: attention {attn}, {transforms.note}, regional compile "
+    print0(f"kernels: attention {attn}{attention_notes(model, attn)}, {transforms.note}, regional compile "
            f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
     find_decoder(model)  # the loss reads its output: a model without one is refused before loading
     if packing:

@@ -1,0 +1,110 @@
+"""Attention that fits the model, per family: on tiny random models of the families whose attention differs from
+Llama's (attention sinks, MLA's value head dim, Llama 4's chunked layers and whole-model get_decoder(), masks built
+without the position_ids), the default attention ("auto") and eager keep packed samples apart: packed loss and
+gradient == the same samples unpacked. Add a family to FAMILIES, and it is covered."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_ranks
+
+MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+           moe_intermediate_size=32, n_shared_experts=1)
+FAMILIES = {  # config class, its fields beyond the common tiny ones (None: drop a common one), what auto picks
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+                "varlen"),  # attention sinks, sliding layers
+    "falcon": ("FalconConfig", dict(num_key_value_heads=None), "sdpa"),  # builds its masks without position_ids
+    "opt": ("OPTConfig", dict(num_key_value_heads=None, ffn_dim=96, dropout=0.0), "varlen"),  # as falcon
+    "deepseek_v3": ("DeepseekV3Config", MLA, "varlen"),  # value head dim 12, query/key 24
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", MLA, "varlen"),
+    "llama4_text": ("Llama4TextConfig", dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
+                                             attention_chunk_size=8, no_rope_layers=[1, 0]), "varlen"),
+}
+
+
+def make_family_dir(path, family: str):
+    """A 2-layer model of `family` with tiny widths, every weight and float buffer random (bf16), and a chat
+    tokenizer, saved to `path`."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from _tokenizers import build_tokenizer
+    tok = build_tokenizer("llama3")
+    name, extra, _ = FAMILIES[family]
+    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = getattr(transformers, name)(**{k: v for k, v in {**kw, **extra}.items() if v is not None})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point() and "inv_freq" not in n:
+                t.normal_(0, 0.05)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def packed_and_unpacked(model_dir: str, data: str) -> tuple[dict, str]:
+    """On one rank: the model as sft builds it (default attention, packing on, fp32), then for what auto picked and
+    for eager: train_step's (loss, grad norm) on 2 packed rows and on their samples unpacked (lr 0); and what the
+    build printed."""
+    import contextlib
+    import io
+    from finetune.args import build_config
+    from finetune.data import build_samples
+    from finetune.distributed import init_distributed
+    from finetune.ext.recipes import transforms
+    from finetune.model import build_model, load_tokenizer
+    from finetune.train import next_micro_batches, train_step
+    device, dims = init_distributed()
+    cfg = build_config(None, ["train.mixed_precision=fp32"], **{"model.path": model_dir, "data.path": data})
+    tok = load_tokenizer(model_dir)
+    rows = list(build_samples(data, tok, max_seq_len=256, packing=True, shuffle=False, epoch_limit=1))[:2]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        model, _ = build_model(model_dir, device, dims.mesh, transforms(cfg, dims, device), mixed_precision="fp32",
+                               attn_implementation=cfg.model.attn_implementation, packing=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    singles = []
+    for r in rows:
+        starts = [i for i, p in enumerate(r["position_ids"]) if p == 0] + [len(r["input_ids"])]
+        singles += [{k: r[k][a:b] for k in ("input_ids", "labels")} for a, b in zip(starts, starts[1:])]
+    assert len(singles) > len(rows) and max(b - a for a, b in zip(starts, starts[1:])) > 16  # past a chunk of 8
+    results = {}
+    for attn in dict.fromkeys([model.config._attn_implementation, "eager"]):
+        model.config._attn_implementation = attn
+        for units in (rows, singles):
+            batches, num_input_tokens = next_micro_batches(iter(units), len(units), 1, tok.pad_token_id, None)
+            result, _ = train_step(model, optimizer, batches, num_input_tokens=num_input_tokens, max_grad_norm=0.0)
+            results.setdefault(attn, []).append((result["loss"].item(), result["grad_norm"].item()))
+    return results, printed.getvalue()
+
+
+def every_family(root: str, data: str) -> dict:
+    """packed_and_unpacked on a model of each family, in one rank (one process start for them all)."""
+    from pathlib import Path
+    return {family: packed_and_unpacked(str(make_family_dir(Path(root) / family, family)), data)
+            for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def family_results(tmp_path_factory, chat_file):
+    return run_ranks(every_family, 1, str(tmp_path_factory.mktemp("families")), str(chat_file))[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_rows_train_as_the_samples_unpacked(family, family_results):
+    """Before: gpt-oss's default attention refused its sinks at the first step, eager let packed samples see each
+    other on gpt-oss, Falcon and OPT (their masks are built without the position_ids), MLA crashed on its value head
+    dim and Llama 4 in the loss (its get_decoder() is the whole model)."""
+    results, printed = family_results[family]
+    picked = FAMILIES[family][2]
+    assert list(results) == list(dict.fromkeys([picked, "eager"])), results
+    wrong = {attn: pair for attn, pair in results.items() if pair[0] != pytest.approx(pair[1], rel=1e-5)}
+    assert not wrong, wrong  # attn: [(loss, grad norm) packed, unpacked]
+    if picked != "eager":  # the default attention and eager run the same model
+        assert results[picked][1][0] == pytest.approx(results["eager"][1][0], rel=1e-5)
+    assert f"kernels: attention {picked}" in printed, printed
