@@ -22,13 +22,17 @@ _SAMPLE_IDS: ContextVar = ContextVar("sample_ids", default=None)  # (batch, seq)
 
 def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callable | None = None) -> str:
     """The implementation to build: `auto` is varlen (given `varlen`, which registers it) for a model class that
-    passes attention kwargs and has no logit soft-capping, else sdpa; sdpa is eager for a class without it."""
+    passes attention kwargs and uses nothing varlen lacks (varlen_lacks), else sdpa; sdpa is eager for a class
+    without it. varlen asked for a model that uses what it lacks is refused here, before loading anything."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)  # None: remote code, not in the auto mapping
+    lacks = varlen_lacks(hf_config)
     if requested == "auto":
-        varlen_ok = varlen and getattr(cls, "_supports_attention_backend", False) and not getattr(
-            hf_config.get_text_config(), "attn_logit_softcapping", None)
+        varlen_ok = varlen and getattr(cls, "_supports_attention_backend", False) and not lacks
         requested = VARLEN if varlen_ok else None
+    if requested == VARLEN and lacks:
+        raise ConfigError(f"model.attn_implementation={VARLEN}: the model uses {lacks}, which varlen lacks; set "
+                          f"model.attn_implementation=auto (or sdpa)")
     package = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(requested)
     if package and (not torch.cuda.is_available() or importlib.util.find_spec(package) is None):
         raise ConfigError(f"model.attn_implementation={requested} needs a CUDA device and the {package} package "
@@ -45,6 +49,16 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
             print0(f"{cls.__name__} has no sdpa attention in transformers; using eager (set model.attn_implementation)")
         return "eager"
     return "sdpa"
+
+
+def varlen_lacks(hf_config) -> str | None:
+    """What the attention of `hf_config`'s model uses that varlen cannot run (attention sinks, MLA's value head dim
+    and chunked layers it runs), or None."""
+    config = hf_config.get_text_config()
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    dropout = max(float(getattr(config, name, 0) or 0) for name in ("attention_dropout", "attn_pdrop"))
+    return f"attention dropout ({dropout:g})" if dropout > 0 else None
 
 
 def attention_notes(model: nn.Module, attn_implementation: str) -> str:

@@ -183,3 +183,22 @@ def test_varlen_hands_the_cuda_kernel_padded_mla_values_and_chunks():
         want = torch.nn.functional.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in flat), scale=0.3,
                                                                 is_causal=True, enable_gqa=True).transpose(0, 1)
         torch.testing.assert_close(out[0, a:b], want, atol=3e-2, rtol=3e-2)  # bf16 inputs
+
+
+def test_auto_passes_over_what_varlen_lacks_and_varlen_asked_for_it_is_refused_at_start_up():
+    """Soft-capping and attention dropout (which varlen cannot run) decide auto and refuse varlen from the config,
+    before anything loads; before, auto picked varlen for dropout, and varlen asked for either stopped at the first
+    step. Sinks, MLA and chunked layers are varlen's: auto picks it for them."""
+    import transformers as T
+
+    from finetune.attention import resolve_attn_implementation as resolve
+    from finetune.config import ConfigError
+    from finetune.ext.varlen import register
+    assert resolve(T.LlamaConfig(attention_dropout=0.1), "auto", register) == "sdpa"
+    for config in (T.GptOssConfig(), T.DeepseekV3Config(), T.Llama4TextConfig()):
+        assert resolve(config, "auto", register) == "varlen"
+    for config, why in ((T.Gemma2Config(), "attention logit soft-capping"),
+                        (T.LlamaConfig(attention_dropout=0.1), r"attention dropout \(0.1\)")):
+        with pytest.raises(ConfigError, match=f"^model.attn_implementation=varlen: the model uses {why}, which "
+                                              "varlen lacks; set model.attn_implementation=auto \\(or sdpa\\)$"):
+            resolve(config, "varlen", register)
