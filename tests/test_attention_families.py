@@ -202,3 +202,26 @@ def test_auto_passes_over_what_varlen_lacks_and_varlen_asked_for_it_is_refused_a
         with pytest.raises(ConfigError, match=f"^model.attn_implementation=varlen: the model uses {why}, which "
                                               "varlen lacks; set model.attn_implementation=auto \\(or sdpa\\)$"):
             resolve(config, "varlen", register)
+
+
+def cp_sink_error() -> float:
+    """On each of 2 cp ranks (its half of a row of samples of 5 and 7 tokens): the largest difference between
+    context parallel's attention with sinks and varlen's over the whole row."""
+    import torch.distributed as dist
+
+    from finetune.data.collate import sample_boundaries
+    from finetune.ext import context, varlen
+    varlen.register()
+    context._CP["group"] = dist.group.WORLD
+    torch.manual_seed(0)
+    q, k, v, sinks = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(4)
+    bounds, mine = sample_boundaries([5, 7]), slice(6 * dist.get_rank(), 6 * dist.get_rank() + 6)
+    out, _ = context.cp_attention(torch.nn.Module(), *(x[:, :, mine] for x in (q, k, v)), None, scaling=0.3,
+                                  s_aux=sinks, **bounds)
+    whole, _ = varlen.varlen_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, s_aux=sinks, **bounds)
+    return (out - whole[:, mine]).abs().max().item()
+
+
+def test_context_parallel_hands_each_rank_its_heads_sinks():
+    """parallel.cp splits the heads over the ranks: each gets its heads' sinks (it got all, and crashed)."""
+    assert max(run_ranks(cp_sink_error, 2)) < 1e-6
