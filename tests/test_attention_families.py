@@ -155,14 +155,15 @@ def test_varlen_sinks_are_gpt_oss_eager_with_and_without_boundaries():
 
 def test_varlen_hands_the_cuda_kernel_padded_mla_values_and_chunks():
     """What torch's CUDA varlen kernel is handed: MLA's value head dim (6) zero-padded to the query/key one (8), the
-    output cut back; a chunked layer's samples (3 and 7 tokens, chunks of 4) cut into their chunks. Before, the
-    value dim crashed the reshape and chunked layers attended across chunks."""
+    output cut back; a chunked layer's samples (3 and 7 tokens, chunks of 4) cut into their chunks; without
+    boundaries, the row's chunks. Before, the value dim crashed the reshape and chunked layers attended across
+    chunks."""
     from finetune.data.collate import sample_boundaries
     from finetune.ext import varlen
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.config = type("Config", (), {"layer_types": ["chunked_attention"], "attention_chunk_size": 4})
-    module.layer_idx = 0
+    module.layer_idx, module.num_key_value_groups = 0, 2
     q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 6)
     seen = []
 
@@ -179,10 +180,12 @@ def test_varlen_hands_the_cuda_kernel_padded_mla_values_and_chunks():
         varlen.register()
     assert seen == [(8, 8, 8, [0, 3, 7, 10], 4, 0.0)] and out.shape == (1, 10, 4, 6)
     flat = [x.transpose(1, 2).reshape(10, x.shape[1], x.shape[-1]) for x in (q, k, v)]
-    for a, b in ((0, 3), (3, 7), (7, 10)):
+    whole, _ = varlen.varlen_attention(module, q, k, v, None, scaling=0.3)  # no boundaries: the row's chunks
+    for (a, b), got, tolerance in [*(((a, b), out, 3e-2) for a, b in ((0, 3), (3, 7), (7, 10))),  # bf16 inputs
+                                   *(((a, b), whole, 1e-5) for a, b in ((0, 4), (4, 8), (8, 10)))]:
         want = torch.nn.functional.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in flat), scale=0.3,
                                                                 is_causal=True, enable_gqa=True).transpose(0, 1)
-        torch.testing.assert_close(out[0, a:b], want, atol=3e-2, rtol=3e-2)  # bf16 inputs
+        torch.testing.assert_close(got[0, a:b], want, atol=tolerance, rtol=tolerance)
 
 
 def test_auto_passes_over_what_varlen_lacks_and_varlen_asked_for_it_is_refused_at_start_up():

@@ -22,16 +22,18 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """transformers' attention-function signature ((batch, heads, seq, dim) in, (batch, seq, heads, dim) out): causal
     attention within each segment of cu_seq_lens_q (varlen_kernel); a chunked layer's segments are cut into its
     chunks. Without boundaries (evaluation, generate) it is sdpa's causal attention with the layer's sliding window
-    (window_mask: transformers builds no mask for an attention name it does not know). The CUDA kernel takes fp16/bf16
-    only: fp32 q/k/v are cast to bf16 and the output back. Attention sinks (s_aux) run one sdpa call per segment with
-    a sink key (sink_attention), on every device: torch's kernel has none. A value head dim other than the
-    query/key one (MLA) reaches the CUDA kernel zero-padded to it."""
-    if cu_seq_lens_q is None and s_aux is not None:
-        batch, seq = query.shape[0], query.shape[2]
-        mask = window_mask(seq, key.shape[2], sliding_window or key.shape[2], query.device)
+    or chunks (window_mask: transformers builds no mask for an attention name it does not know). The CUDA kernel
+    takes fp16/bf16 only: fp32 q/k/v are cast to bf16 and the output back. Attention sinks (s_aux) run one sdpa call
+    per segment with a sink key (sink_attention), on every device: torch's kernel has none. A value head dim other
+    than the query/key one (MLA) reaches the CUDA kernel zero-padded to it."""
+    chunk = chunk_size(module)
+    if cu_seq_lens_q is None and (s_aux is not None or chunk):
+        mask = window_mask(query.shape[2], key.shape[2], sliding_window or key.shape[2], query.device, chunk)
         if attention_mask is not None:
             mask = mask & (attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0)
-        return sink_attention(query, key, value, s_aux, scaling, mask).transpose(1, 2), None
+        if s_aux is not None:
+            return sink_attention(query, key, value, s_aux, scaling, mask).transpose(1, 2), None
+        attention_mask = mask
     if cu_seq_lens_q is None:
         if attention_mask is None and sliding_window:
             attention_mask = window_mask(query.shape[2], key.shape[2], sliding_window, query.device)
@@ -40,7 +42,7 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         if value_ is not None:
             raise ConfigError(f"model.attn_implementation=varlen: {type(module).__name__} uses {name}, which torch's "
                               f"varlen kernel lacks; set model.attn_implementation=sdpa")
-    if chunk := chunk_size(module):
+    if chunk:
         cu_seq_lens_q, max_length_q = chunked(cu_seq_lens_q, chunk), min(max_length_q, chunk)
     batch, heads, seq, dim = query.shape
     dtype, v_dim = query.dtype, value.shape[-1]
@@ -101,12 +103,13 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                                                             attn_mask=mask, scale=scale)
 
 
-def window_mask(q_len: int, kv_len: int, sliding_window: int, device) -> torch.Tensor:
+def window_mask(q_len: int, kv_len: int, sliding_window: int, device, chunk: int | None = None) -> torch.Tensor:
     """(1, 1, q_len, kv_len) bool: query i (the last q_len of kv_len positions) sees key j <= i fewer than
-    sliding_window positions back, as transformers' sliding_window_causal mask."""
+    sliding_window positions back (and in its `chunk`), as transformers' sliding_window (chunked) causal mask."""
     i = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)
-    return ((j <= i) & (i - j < sliding_window))[None, None]
+    keep = (j <= i) & (i - j < sliding_window)
+    return (keep & (i // chunk == j // chunk) if chunk else keep)[None, None]
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
