@@ -53,4 +53,3 @@ def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
         return out.loss
     # flatten (a view), not [0]: a select's backward zero-fills a tensor of all the logits
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets, reduction=reduction)
-
