@@ -1,7 +1,8 @@
 """Attention that fits the model, per family: on tiny random models of the families whose attention differs from
 Llama's (attention sinks, MLA's value head dim, Llama 4's chunked layers and whole-model get_decoder(), masks built
 without the position_ids), the default attention ("auto") and eager keep packed samples apart: packed loss and
-gradient == the same samples unpacked. Add a family to FAMILIES, and it is covered."""
+gradient == the same samples unpacked (and 2 ranks == 1 process for MLA and Llama 4). Add a family to FAMILIES, and
+it is covered."""
 from __future__ import annotations
 
 import pytest
@@ -97,8 +98,40 @@ def every_family(root: str, data: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def family_results(tmp_path_factory, chat_file):
-    return run_ranks(every_family, 1, str(tmp_path_factory.mktemp("families")), str(chat_file))[0]
+def family_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.fixture(scope="module")
+def family_results(family_root, chat_file):
+    return run_ranks(every_family, 1, str(family_root), str(chat_file))[0]
+
+
+def two_rank_steps(root: str, data: str, families: list[str]) -> dict:
+    """On each of 2 ranks, for each family's model (made by every_family): train_step's (loss, grad norm) on its
+    one of the 2 packed rows packed_and_unpacked steps on in one process (default attention, fp32, lr 0)."""
+    import torch.distributed as dist
+
+    from finetune.data import build_samples
+    from finetune.distributed import init_distributed
+    from finetune.ext.recipes import transforms
+    from finetune.args import build_config
+    from finetune.model import build_model, load_tokenizer
+    from finetune.train import next_micro_batches, train_step
+    device, dims = init_distributed()
+    results = {}
+    for family in families:
+        model_dir = f"{root}/{family}"
+        cfg = build_config(None, ["train.mixed_precision=fp32"], **{"model.path": model_dir, "data.path": data})
+        tok = load_tokenizer(model_dir)
+        rows = list(build_samples(data, tok, max_seq_len=256, packing=True, shuffle=False, epoch_limit=1))[:2]
+        model, _ = build_model(model_dir, device, dims.mesh, transforms(cfg, dims, device), mixed_precision="fp32",
+                               attn_implementation=cfg.model.attn_implementation, packing=True)
+        batches, num_input_tokens = next_micro_batches(iter(rows[dist.get_rank():]), 1, 1, tok.pad_token_id, None)
+        result, _ = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batches,
+                               num_input_tokens=num_input_tokens, max_grad_norm=0.0)
+        results[family] = (result["loss"].item(), result["grad_norm"].item())
+    return results
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -228,3 +261,13 @@ def cp_sink_error() -> float:
 def test_context_parallel_hands_each_rank_its_heads_sinks():
     """parallel.cp splits the heads over the ranks: each gets its heads' sinks (it got all, and crashed)."""
     assert max(run_ranks(cp_sink_error, 2)) < 1e-6
+
+
+def test_two_ranks_train_as_one_process(family_root, family_results, chat_file):
+    """MLA and Llama 4 on 2 gloo ranks (a packed row each) == 1 process (both rows): loss and gradient norm."""
+    families = ["deepseek_v3", "llama4_text"]
+    ranks = run_ranks(two_rank_steps, 2, str(family_root), str(chat_file), families)
+    for family in families:
+        assert not isinstance(family_results[family], str), family_results[family]
+        one = family_results[family][0][FAMILIES[family][2]][0]  # (loss, grad norm) of the packed rows
+        assert ranks[0][family] == ranks[1][family] == pytest.approx(one, rel=1e-5), family
