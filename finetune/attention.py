@@ -3,7 +3,9 @@ take the sample boundaries as kwargs; the others get a block-diagonal mask from 
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -14,17 +16,23 @@ from .distributed import print0
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "dense", "sparse",
                          "moe", "mlp"}  # layer types (config.layer_types) whose tokens mix only through attention
 VARLEN = "varlen"
+MASKED = ("sdpa", "eager", "flex_attention")  # the attentions that see packed samples only through a mask
+_SAMPLE_IDS: ContextVar = ContextVar("sample_ids", default=None)  # (batch, seq) ids of the packed rows being run
 
 
 def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callable | None = None) -> str:
     """The implementation to build: `auto` is varlen (given `varlen`, which registers it) for a model class that
-    passes attention kwargs and has no logit soft-capping, else sdpa; sdpa is eager for a class without it."""
+    passes attention kwargs and uses nothing varlen lacks (varlen_lacks), else sdpa; sdpa is eager for a class
+    without it. varlen asked for a model that uses what it lacks is refused here, before loading anything."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)  # None: remote code, not in the auto mapping
+    lacks = varlen_lacks(hf_config)
     if requested == "auto":
-        varlen_ok = varlen and getattr(cls, "_supports_attention_backend", False) and not getattr(
-            hf_config.get_text_config(), "attn_logit_softcapping", None)
+        varlen_ok = varlen and getattr(cls, "_supports_attention_backend", False) and not lacks
         requested = VARLEN if varlen_ok else None
+    if requested == VARLEN and lacks:
+        raise ConfigError(f"model.attn_implementation={VARLEN}: the model uses {lacks}, which varlen lacks; set "
+                          f"model.attn_implementation=auto (or sdpa)")
     package = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(requested)
     if package and (not torch.cuda.is_available() or importlib.util.find_spec(package) is None):
         raise ConfigError(f"model.attn_implementation={requested} needs a CUDA device and the {package} package "
@@ -41,6 +49,27 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
             print0(f"{cls.__name__} has no sdpa attention in transformers; using eager (set model.attn_implementation)")
         return "eager"
     return "sdpa"
+
+
+def varlen_lacks(hf_config) -> str | None:
+    """What the attention of `hf_config`'s model uses that varlen cannot run (attention sinks, MLA's value head dim
+    and chunked layers it runs), or None."""
+    config = hf_config.get_text_config()
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    dropout = max(float(getattr(config, name, 0) or 0) for name in ("attention_dropout", "attn_pdrop"))
+    return f"attention dropout ({dropout:g})" if dropout > 0 else None
+
+
+def attention_notes(model: nn.Module, attn_implementation: str) -> str:
+    """What the start-up line adds to the attention's name: how varlen runs what torch's kernel lacks."""
+    if attn_implementation != VARLEN:
+        return ""
+    notes = ["attention sinks: one sdpa call per sample"] * any(
+        isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+    if "chunked_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or []):
+        notes.append("chunked layers: per chunk")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def check_trainable(attn_implementation: str, device_type: str) -> None:
@@ -71,3 +100,36 @@ def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: 
             raise ConfigError(f"model.attn_implementation={attn_implementation} gets packed-sample boundaries as "
                               f"attention kwargs, which {type(model).__name__}'s layers do not pass on: use sdpa "
                               f"or set data.packing=false")
+
+
+@contextmanager
+def packed_samples(position_ids) -> Iterator[None]:
+    """Within: every mask transformers builds for sdpa, eager or flex attention also keeps the samples of the packed
+    rows `position_ids` (restarting at 0 per sample) apart, also in model classes that build their masks without
+    the position_ids (Falcon, OPT, GPT-OSS), where transformers' own packed-row detection never runs."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    for name in MASKED:
+        build = ALL_MASK_ATTENTION_FUNCTIONS[name]
+        if not getattr(build, "keeps_samples_apart", False):
+            ALL_MASK_ATTENTION_FUNCTIONS.register(name, _keeping_samples_apart(build))
+    token = _SAMPLE_IDS.set(None if position_ids is None else (position_ids == 0).cumsum(-1))
+    try:
+        yield
+    finally:
+        _SAMPLE_IDS.reset(token)
+
+
+def _keeping_samples_apart(build: Callable) -> Callable:
+    """transformers' mask builder `build`, its mask function and-ed with "same sample" inside packed_samples (a
+    padding token is a sample of its own). Anding is idempotent: a mask that already separates them is unchanged."""
+    from transformers.masking_utils import and_masks
+
+    def build_apart(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, **kwargs):
+        ids = _SAMPLE_IDS.get()
+        if ids is not None and mask_function is not None and (batch_size, q_length, kv_length) == (
+                ids.shape[0], ids.shape[1], ids.shape[1]) and q_offset == kv_offset == 0:
+            mask_function = and_masks(mask_function, lambda b, h, q, kv: ids[b, q] == ids[b, kv])
+            kwargs["allow_is_causal_skip"] = False
+        return build(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function, **kwargs)
+    build_apart.keeps_samples_apart = True
+    return build_apart

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .attention import packed_samples
 from .data import IGNORE_INDEX, pad_collate
+from .model import find_decoder
 
 LOSS_KEYS = ("labels", "label_index", "label_targets")  # batch entries the loss reads; the model gets the rest
 
@@ -39,9 +41,12 @@ def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
         return output
 
     fused = model.fused_loss(targets) if reduction == "sum" and getattr(model, "fused_loss", None) else {}
-    handle = model.get_decoder().register_forward_hook(keep_labelled)
+    handle = find_decoder(model).register_forward_hook(keep_labelled)
+    # packed rows come without attention_mask: their samples are kept apart in every mask transformers builds
+    packed = batch.get("position_ids") if "attention_mask" not in batch else None
     try:
-        out = model(**{k: v for k, v in batch.items() if k not in LOSS_KEYS}, **fused, use_cache=False)
+        with packed_samples(packed):
+            out = model(**{k: v for k, v in batch.items() if k not in LOSS_KEYS}, **fused, use_cache=False)
     finally:
         handle.remove()
     if fused:

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from .attention import check_packing, check_trainable, resolve_attn_implementation
+from .attention import attention_notes, check_packing, check_trainable, resolve_attn_implementation
 from .compat import CheckpointImpl, checkpoint_wrapper
 from .config import ConfigError
 from .distributed import print0
@@ -129,6 +129,19 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+def find_decoder(model: nn.Module) -> nn.Module:
+    """The module whose output is the hidden states lm_head reads: get_decoder(), or where that is the whole model
+    (Llama 4's: its base_model_prefix names no attribute) its one child that is itself a transformers model."""
+    from transformers import PreTrainedModel
+    decoder = model.get_decoder()
+    if decoder is not model:
+        return decoder
+    inner = [m for m in model.children() if isinstance(m, PreTrainedModel)]
+    if len(inner) != 1:
+        raise ModelError(f"cannot find the decoder of {type(model).__name__}: its get_decoder() is the whole model")
+    return inner[0]
+
+
 def clean_child(mod: nn.Module) -> nn.Module:
     while hasattr(mod, "_checkpoint_wrapped_module") or hasattr(mod, "_orig_mod"):
         mod = getattr(mod, "_checkpoint_wrapped_module", None) or mod._orig_mod
@@ -231,8 +244,9 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     model = build_skeleton(hf_config, attn_implementation, trust_remote_code, transforms.varlen)
     attn = model.config._attn_implementation
     check_trainable(attn, device.type)
-    print0(f"kernels: attention {attn}, {transforms.note}, regional compile "
+    print0(f"kernels: attention {attn}{attention_notes(model, attn)}, {transforms.note}, regional compile "
            f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
+    find_decoder(model)  # the loss reads its output: a model without one is refused before loading
     if packing:
         check_packing(model, find_layers(model), attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,

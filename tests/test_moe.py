@@ -326,13 +326,13 @@ def test_moe_models_train_on_two_ranks_as_one_process(arch, chat_file, tmp_path,
     batch in one micro-batch per rank gives the same losses and aux losses on 1 and 2 ranks."""
     from helpers import read_metrics
     model_dir = make_moe_dir(tmp_path / "model", arch)
-    common = ("train.max_steps=4", "data.packing=true", "data.max_seq_len=128", "train.lr=1e-2",
-              # "auto" picks varlen for gpt-oss, whose attention sinks varlen lacks (check_packing refuses it)
-              *(["model.attn_implementation=sdpa"] if arch == "gpt_oss" else []))
+    # the default attention: varlen, with gpt-oss's sinks
+    common = ("train.max_steps=4", "data.packing=true", "data.max_seq_len=128", "train.lr=1e-2")
     one = sft(model_dir, chat_file, tmp_path / "one", *common, "train.micro_batch_size=4")
     printed = capfd.readouterr().out
     assert "moe: router load-balancing loss coefficient 0.001 (the architecture default)" in printed, printed
     assert "moe: experts grouped_mm (2 MoE layers of " in printed
+    assert arch != "gpt_oss" or "kernels: attention varlen (attention sinks: one sdpa call per sample)" in printed
     two = sft(model_dir, chat_file, tmp_path / "two", *common, "train.micro_batch_size=2", nproc=2)
     # fp32 summation order differs between the splits; at lr 1e-2 gpt-oss drifts by 1.02e-5 relative by step 4
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=5e-5)

@@ -71,6 +71,8 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if kv_heads % n:  # lcm(kv_heads, n) divides the heads: each rank's query heads keep their KV heads
         key, value = (x.repeat_interleave(n // math.gcd(kv_heads, n), dim=1) for x in (key, value))
     q, k, v = (seq_to_heads(x, group) for x in (query, key, value))
+    if kwargs.get("s_aux") is not None:  # attention sinks, one per head: this rank's heads'
+        kwargs["s_aux"] = kwargs["s_aux"].chunk(n)[group.rank()]
     out, _ = varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu_seq_lens_q, **kwargs)
     return heads_to_seq(out, group), None
 
