@@ -63,7 +63,8 @@ def mixing_problem(model: nn.Module, layers: nn.ModuleList) -> str | None:
 
 def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: str) -> None:
     """Refuse (one line) a packed run whose samples would mix: mixing_problem, or flash/varlen kwargs a class drops."""
-    if why := mixing_problem(model, layers):
+    # keeps_samples_apart: its mixing layers run per packed sample (ext/linear_attention.py)
+    if (why := mixing_problem(model, layers)) and not getattr(model, "keeps_samples_apart", False):
         raise ConfigError(f"{type(model).__name__} cannot keep packed samples apart: {why} ignore position_ids "
                           f"restarts; set data.packing=false")
     if attn_implementation.startswith("flash") or attn_implementation == VARLEN:

@@ -37,6 +37,7 @@ class Transforms:
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
     loader: object = None  # ext/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
+    samples_apart: Callable = lambda model, layers: None  # linear-attention/state-space layers run per sample (first)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -233,6 +234,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     check_trainable(attn, device.type)
     print0(f"kernels: attention {attn}, {transforms.note}, regional compile "
            f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
+    # before check_packing, which lets a model pack whose token-mixing layers run per sample
+    transforms.samples_apart(model, find_layers(model))
     if packing:
         check_packing(model, find_layers(model), attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
