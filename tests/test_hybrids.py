@@ -1,18 +1,25 @@
-"""Hybrid and linear-attention families (gated delta rule, state space, short convolutions, lightning attention)
-train packed exactly: the default sft path at lr 0 gives the loss and gradient norm of the same samples unpacked, and
-2 gloo ranks those of 1 process. A family is added by one line of FAMILIES (its config class and tiny sizes)."""
+"""Hybrid and linear-attention families (gated delta rule, state space, short convolutions, lightning attention) and
+sparse (indexed) attention train packed exactly: the default sft path at lr 0 gives the loss and gradient norm of the
+same samples unpacked, and 2 gloo ranks those of 1 process. A family is added by one line of FAMILIES (its config
+class and tiny sizes)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers as T
 
-from helpers import sft, write_jsonl
+from helpers import BASE, invoke, sft, write_jsonl
 
 LINEAR = ["linear_attention", "full_attention"]  # one layer of each kind
 GDN = dict(head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
            linear_value_head_dim=8, layer_types=LINEAR)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16, num_experts=4,
+           moe_intermediate_size=16, num_key_value_heads=2)
+# 16 indexer heads: its scores are sums of ReLUs, and with few heads many tie at 0, where topk's pick among equal
+# keys (which then differ in their attention) depends on the row's length
+DSA = dict(MLA, q_lora_rank=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+           first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=16)
 FAMILIES = {  # model_type: (config class, its sizes beyond the common ones in make_hybrid_dir)
     "qwen3_5_text": (T.Qwen3_5TextConfig, GDN),
     "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, {**GDN, **MOE}),
@@ -26,6 +33,14 @@ FAMILIES = {  # model_type: (config class, its sizes beyond the common ones in m
                                        num_experts_per_tok=2, moe_intermediate_size=16)),
     "minimax": (T.MiniMaxConfig, dict(layer_types=LINEAR, head_dim=16, block_size=16, num_local_experts=4,
                                       num_experts_per_tok=2)),
+    "kimi_linear": (T.KimiLinearConfig, dict(layer_types=LINEAR, mlp_layer_types=["dense", "sparse"], **MLA,
+                                             linear_head_dim=8, linear_num_heads=2, num_experts_per_token=2)),
+    "bailing_hybrid": (T.BailingHybridConfig, dict(layer_types=LINEAR, mlp_layer_types=["dense", "sparse"], **MLA,
+                                                   linear_head_dim=8, linear_num_heads=2, num_experts_per_token=2,
+                                                   first_k_dense_replace=1, num_expert_group=1, topk_group=1,
+                                                   layer_group_size=2, num_nextn_predict_layers=0)),
+    "deepseek_v32": (T.DeepseekV32Config, DSA),
+    "glm_moe_dsa": (T.GlmMoeDsaConfig, DSA),
 }
 
 
@@ -75,3 +90,32 @@ def test_packed_samples_train_as_the_samples_unpacked(model_type, tmp_path):
     assert packed[0]["num_tokens"] % unpacked[0]["num_tokens"] == 0 < unpacked[0]["num_tokens"]
     assert (packed[0]["loss"], packed[0]["grad_norm"]) == pytest.approx(
         (unpacked[0]["loss"], unpacked[0]["grad_norm"]), rel=1e-5)
+
+
+def test_a_hybrid_trains_packed_on_two_ranks_as_one_process(tmp_path):
+    """Qwen3-Next (gated delta rule, full attention, MoE), packed rows of 128 tokens, lr 1e-2: 2 gloo ranks of one row
+    each give the losses of one process with both rows in its micro-batch."""
+    model_dir = make_hybrid_dir(tmp_path / "model", "qwen3_next")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+    common = ("train.lr=1e-2", "train.max_steps=3", "data.max_seq_len=128")
+    one = sft(model_dir, data, tmp_path / "one", *common, "train.micro_batch_size=2")
+    two = sft(model_dir, data, tmp_path / "two", *common, "train.micro_batch_size=1", nproc=2)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["num_tokens"] for r in two] == [r["num_tokens"] for r in one]
+
+
+def test_indexed_attention_other_than_eager_is_one_line_and_exit_2(tmp_path):
+    """DeepSeek sparse attention's indexer reads a materialized causal mask: varlen and flash give none, sdpa none
+    for a row without padding or packing (its crash: 'NoneType' object is not subscriptable); auto picks eager."""
+    from _tokenizers import build_tokenizer
+    model_dir = tmp_path / "dsa"  # config and tokenizer only: the run stops before any weight is read
+    T.DeepseekV32Config(**DSA, hidden_size=32, num_hidden_layers=2, num_attention_heads=2).save_pretrained(model_dir)
+    build_tokenizer("chatml").save_pretrained(model_dir)
+    # its module imported here, not in the run: torchao, which it imports, warns on stderr once per process
+    from transformers import DeepseekV32ForCausalLM  # noqa: F401
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(2))
+    result = invoke("sft", "--model", model_dir, "--dataset", data, "--output-dir", tmp_path / "run", *BASE,
+                    "model.attn_implementation=sdpa")
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "error: model.attn_implementation=sdpa: DeepseekV32ForCausalLM's indexed (sparse) attention needs the causal "
+        "mask only eager always builds; use eager (or auto)"], result.output

@@ -89,6 +89,8 @@ def test_a_packed_run_of_a_recurrent_model_is_one_line_and_exit_2(chat_file, tmp
     from _tokenizers import build_tokenizer
     model_dir = tmp_path / "rwkv"  # config and tokenizer only: the run stops before any weight is read
     T.RwkvConfig(hidden_size=64, num_hidden_layers=2).save_pretrained(model_dir)
+    # its module imported here, not in the run: torchao, which it imports, warns on stderr once per process
+    from transformers import RwkvForCausalLM  # noqa: F401
     build_tokenizer("chatml").save_pretrained(model_dir)
     result = invoke("sft", "--model", model_dir, "--dataset", chat_file, "--output-dir", tmp_path / "run", *BASE)
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [

@@ -72,12 +72,12 @@ def per_sample_forward(forward, lengths: dict, *args, **kwargs):
 @torch.compiler.disable
 def split_forward(forward, segments: list[int], hidden: torch.Tensor, *args, **kwargs):
     """forward on each segment of the flattened (batch x seq) tokens as a batch of one, outputs concatenated back
-    (kwargs shaped like the tokens are split alike; the packed rows' attention mask is dropped). Compiled blocks run
-    it eagerly: each new set of lengths would compile again."""
+    (kwargs shaped like the tokens are split alike, a 4-D mask into its blocks). Compiled blocks run it eagerly: each
+    new set of lengths would compile again."""
     batch, seq = hidden.shape[:2]
-    if "attention_mask" in kwargs:
-        kwargs["attention_mask"] = None
     pieces = {k: split_tokens(v, batch, seq, segments) for k, v in kwargs.items()}
+    if "attention_mask" in kwargs:
+        pieces["attention_mask"] = split_mask(kwargs["attention_mask"], seq, segments)
     outs = []
     # split, not slices: its backward is one concatenation, a slice's a zero-filled tensor of all the tokens each
     for i, h in enumerate(hidden.flatten(0, 1).split(segments)):
@@ -88,6 +88,15 @@ def split_forward(forward, segments: list[int], hidden: torch.Tensor, *args, **k
         joined = torch.cat([o[0] for o in outs], dim=1).view(batch, seq, *first[0].shape[2:])
         return (joined, *(None,) * (len(first) - 1))
     return torch.cat(outs, dim=1).view(batch, seq, *first.shape[2:])
+
+
+def split_mask(mask, seq: int, segments: list[int]) -> list:
+    """Each segment's own block of a (batch, 1, seq, seq) mask (the packed rows' block-diagonal one: per sample, the
+    causal mask), else None for each (no mask, or a padding mask: packed rows have none)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return [None] * len(segments)
+    starts = torch.tensor([0, *segments]).cumsum(0).tolist()
+    return [mask[a // seq, None, :, a % seq:a % seq + n, a % seq:a % seq + n] for a, n in zip(starts, segments)]
 
 
 def split_tokens(value, batch: int, seq: int, segments: list[int]):
