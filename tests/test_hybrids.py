@@ -24,6 +24,7 @@ FAMILIES = {  # model_type: (config class, its sizes beyond the common ones in m
     "qwen3_5_text": (T.Qwen3_5TextConfig, GDN),
     "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, {**GDN, **MOE}),
     "qwen3_next": (T.Qwen3NextConfig, {**GDN, **MOE}),
+    "olmo_hybrid": (T.OlmoHybridConfig, GDN),  # two decoder block classes (model.find_layers)
     "falcon_h1": (T.FalconH1Config, dict(head_dim=16, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
                                          mamba_d_state=8, mamba_chunk_size=16)),
     "nemotron_h": (T.NemotronHConfig, dict(layers_block_type=LINEAR, head_dim=16, mamba_num_heads=4,
