@@ -12,7 +12,7 @@ from .config import ConfigError
 from .distributed import print0
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "dense", "sparse",
-                         "moe", "mlp", "indexed_attention"}  # layer types whose tokens mix only through attention
+                         "moe", "mlp"}  # layer types (config.layer_types) whose tokens mix only through attention
 VARLEN = "varlen"
 
 

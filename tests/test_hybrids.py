@@ -25,6 +25,13 @@ FAMILIES = {  # model_type: (config class, its sizes beyond the common ones in m
     "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, {**GDN, **MOE}),
     "qwen3_next": (T.Qwen3NextConfig, {**GDN, **MOE}),
     "olmo_hybrid": (T.OlmoHybridConfig, GDN),  # two decoder block classes (model.find_layers)
+    # with hyper-connections, a per-layer n-gram embedding (PLE) with its dilated conv, and QSA's indexer over blocks
+    "qwen4_exp_text": (T.Qwen4ExpTextConfig, {**GDN, **MOE, "layer_types": ["linear_attention", "indexed_attention"],
+                                              "hc_count": 2, "hc_lowrank": 8, "ple_layer_ids": [1], "ple_embed_dim": 32,
+                                              "heads_per_ngram": 2, "ngram_vocab_size_base": 1000,
+                                              "split_ngram_parts": 1, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                                              "indexer_head_dim": 16, "indexer_budget": 4,
+                                              "indexer_compress_ratio": 2}),
     "falcon_h1": (T.FalconH1Config, dict(head_dim=16, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
                                          mamba_d_state=8, mamba_chunk_size=16)),
     "nemotron_h": (T.NemotronHConfig, dict(layers_block_type=LINEAR, head_dim=16, mamba_num_heads=4,

@@ -72,17 +72,19 @@ def per_sample_forward(forward, lengths: dict, *args, **kwargs):
 @torch.compiler.disable
 def split_forward(forward, segments: list[int], hidden: torch.Tensor, *args, **kwargs):
     """forward on each segment of the flattened (batch x seq) tokens as a batch of one, outputs concatenated back
-    (kwargs shaped like the tokens are split alike, a 4-D mask into its blocks). Compiled blocks run it eagerly: each
+    (arguments shaped like the tokens are split alike, a 4-D mask into its blocks). Compiled blocks run it eagerly: each
     new set of lengths would compile again."""
     batch, seq = hidden.shape[:2]
     pieces = {k: split_tokens(v, batch, seq, segments) for k, v in kwargs.items()}
     if "attention_mask" in kwargs:
         pieces["attention_mask"] = split_mask(kwargs["attention_mask"], seq, segments)
+    arg_pieces = [split_tokens(v, batch, seq, segments) for v in args]
     outs = []
     # split, not slices: its backward is one concatenation, a slice's a zero-filled tensor of all the tokens each
     for i, h in enumerate(hidden.flatten(0, 1).split(segments)):
         piece = {k: v if split is None else split[i] for (k, v), split in zip(kwargs.items(), pieces.values())}
-        outs.append(forward(h[None], *args, **piece))
+        outs.append(forward(h[None], *(v if split is None else split[i] for v, split in zip(args, arg_pieces)),
+                            **piece))
     first = outs[0]
     if isinstance(first, tuple):  # (output, attention weights or state): the weights are per piece, not kept
         joined = torch.cat([o[0] for o in outs], dim=1).view(batch, seq, *first[0].shape[2:])
