@@ -14,6 +14,8 @@ from .distributed import print0
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "dense", "sparse",
                          "moe", "mlp"}  # layer types (config.layer_types) whose tokens mix only through attention
 VARLEN = "varlen"
+# layer types whose attention picks its keys (DeepSeek's indexer, compressed KV) against a materialized causal mask
+SPARSE_LAYER_TYPES = {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
 
 
 def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callable | None = None) -> str:
@@ -21,11 +23,11 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
     passes attention kwargs and has no logit soft-capping, else sdpa; sdpa is eager for a class without it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)  # None: remote code, not in the auto mapping
-    # DeepSeek sparse attention's indexer scores keys against the causal mask, which only eager always builds
-    if "indexed_attention" in (getattr(hf_config.get_text_config(), "layer_types", None) or ()):
+    # varlen and flash build no mask, sdpa none for a row without padding or packing: only eager always builds it
+    if SPARSE_LAYER_TYPES & set(getattr(hf_config.get_text_config(), "layer_types", None) or ()):
         if requested not in (None, "auto", "eager"):
-            raise ConfigError(f"model.attn_implementation={requested}: {cls.__name__}'s indexed (sparse) attention "
-                              f"needs the causal mask only eager always builds; use eager (or auto)")
+            raise ConfigError(f"model.attn_implementation={requested}: {cls.__name__}'s sparse attention needs the "
+                              f"causal mask only eager always builds; use eager (or auto)")
         return "eager"
     if requested == "auto":
         varlen_ok = varlen and getattr(cls, "_supports_attention_backend", False) and not getattr(

@@ -49,6 +49,11 @@ FAMILIES = {  # model_type: (config class, its sizes beyond the common ones in m
                                                    layer_group_size=2, num_nextn_predict_layers=0)),
     "deepseek_v32": (T.DeepseekV32Config, DSA),
     "glm_moe_dsa": (T.GlmMoeDsaConfig, DSA),
+    "deepseek_v4": (T.DeepseekV4Config, dict(
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"], head_dim=16, qk_rope_head_dim=8,
+        q_lora_rank=16, o_groups=1, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=4, hc_mult=2,
+        sliding_window=8, mlp_layer_types=["hash_moe", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, num_nextn_predict_layers=0)),
 }
 
 
@@ -112,9 +117,10 @@ def test_a_hybrid_trains_packed_on_two_ranks_as_one_process(tmp_path):
     assert [r["num_tokens"] for r in two] == [r["num_tokens"] for r in one]
 
 
-def test_indexed_attention_other_than_eager_is_one_line_and_exit_2(tmp_path):
-    """DeepSeek sparse attention's indexer reads a materialized causal mask: varlen and flash give none, sdpa none
-    for a row without padding or packing (its crash: 'NoneType' object is not subscriptable); auto picks eager."""
+def test_sparse_attention_other_than_eager_is_one_line_and_exit_2(tmp_path):
+    """DeepSeek sparse attention (V3.2's indexer, V4's compressed KV) reads a materialized causal mask: varlen and flash
+    give none, sdpa none for a row without padding or packing (V3.2 crashed: 'NoneType' object is not subscriptable;
+    V4 let every query see every compressed block); auto picks eager."""
     from _tokenizers import build_tokenizer
     model_dir = tmp_path / "dsa"  # config and tokenizer only: the run stops before any weight is read
     T.DeepseekV32Config(**DSA, hidden_size=32, num_hidden_layers=2, num_attention_heads=2).save_pretrained(model_dir)
@@ -125,5 +131,5 @@ def test_indexed_attention_other_than_eager_is_one_line_and_exit_2(tmp_path):
     result = invoke("sft", "--model", model_dir, "--dataset", data, "--output-dir", tmp_path / "run", *BASE,
                     "model.attn_implementation=sdpa")
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
-        "error: model.attn_implementation=sdpa: DeepseekV32ForCausalLM's indexed (sparse) attention needs the causal "
-        "mask only eager always builds; use eager (or auto)"], result.output
+        "error: model.attn_implementation=sdpa: DeepseekV32ForCausalLM's sparse attention needs the causal mask only "
+        "eager always builds; use eager (or auto)"], result.output

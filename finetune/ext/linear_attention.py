@@ -103,9 +103,12 @@ def split_mask(mask, seq: int, segments: list[int]) -> list:
 
 def split_tokens(value, batch: int, seq: int, segments: list[int]):
     """`value` split into the segments' pieces (each with a batch dim of 1) when it is shaped (batch, seq, ...) or a
-    tuple of such tensors (rotary cos/sin), else None: passed whole."""
+    tuple or dict of such (rotary cos/sin; DeepSeek-V4's per rope type), else None: passed whole."""
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch, seq):
         return [p[None] for p in value.flatten(0, 1).split(segments)]
     if isinstance(value, tuple) and value and all(split_tokens(v, batch, seq, segments) for v in value):
         return list(zip(*(split_tokens(v, batch, seq, segments) for v in value)))
+    if isinstance(value, dict) and value and all(split_tokens(v, batch, seq, segments) for v in value.values()):
+        splits = {k: split_tokens(v, batch, seq, segments) for k, v in value.items()}
+        return [{k: v[i] for k, v in splits.items()} for i in range(len(segments))]
     return None
