@@ -1,6 +1,6 @@
 """Hybrid and linear-attention families (gated delta rule, state space, short convolutions, lightning attention) and
-sparse (indexed) attention train packed exactly: the default sft path at lr 0 gives the loss and gradient norm of the
-same samples unpacked, and 2 gloo ranks those of 1 process. A family is added by one line of FAMILIES (its config
+sparse attention train packed exactly: sft's model at lr 0 gives the loss and gradient norm of the same samples
+unpacked, and 2 gloo ranks those of 1 process. A family is added by one line of FAMILIES (its config
 class and tiny sizes)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as T
 
-from helpers import BASE, invoke, sft, write_jsonl
+from helpers import BASE, invoke, run_ranks, sft, write_jsonl
 
 LINEAR = ["linear_attention", "full_attention"]  # one layer of each kind
 GDN = dict(head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
@@ -87,22 +87,43 @@ def chat_rows(n: int) -> list[dict]:
                           {"role": "assistant", "content": " ".join(words[i % 3: 2 + i % 8])}]} for i in range(n)]
 
 
-LR0 = ("train.lr=0", "train.max_steps=1", "data.max_seq_len=512")
+def packed_and_unpacked(model_dir: str, data: str) -> list[tuple[float, float]]:
+    """On one rank, sft's model (its transforms, default attention, packing on, fp32) at lr 0: train_step's (loss,
+    grad norm) on the samples of one epoch packed in one row, then on the same samples unpacked (one per row,
+    right-padded), as data.packing=false batches them."""
+    from finetune.data import build_samples
+    from finetune.distributed import init_distributed
+    from finetune.ext.recipes import transforms
+    from finetune.model import build_model, load_tokenizer
+    from finetune.train import next_micro_batches, train_step
+    from helpers import sft_config
+    device, dims = init_distributed()
+    cfg = sft_config(model_dir, data, "unused")
+    tok = load_tokenizer(model_dir)
+    rows = list(build_samples(data, tok, max_seq_len=512, packing=True, shuffle=False, epoch_limit=1))
+    assert len(rows) == 1 and rows[0]["position_ids"].count(0) == 6
+    starts = [i for i, p in enumerate(rows[0]["position_ids"]) if p == 0] + [len(rows[0]["input_ids"])]
+    singles = [{k: rows[0][k][a:b] for k in ("input_ids", "labels")} for a, b in zip(starts, starts[1:])]
+    model, _ = build_model(model_dir, device, dims.mesh, transforms(cfg, dims, device), mixed_precision="fp32",
+                           attn_implementation=cfg.model.attn_implementation, packing=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    results = []
+    for units in (rows, singles):
+        batches, num_input_tokens = next_micro_batches(iter(units), len(units), 1, tok.pad_token_id, None)
+        result, _ = train_step(model, optimizer, batches, num_input_tokens=num_input_tokens, max_grad_norm=0.0)
+        results.append((result["loss"].item(), result["grad_norm"].item()))
+    return results
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_packed_samples_train_as_the_samples_unpacked(model_type, tmp_path):
-    """The default path (packing on, attention auto) on 6 samples in one packed row, then the same 6 unpacked (one
-    per row, right-padded) in one step: loss and gradient norm agree (fp32, lr 0). Before, packing was refused and
-    the gated-delta families failed unpacked too (transformers took the collate's boundaries for packing)."""
+    """6 samples packed in one row give the loss and gradient norm of the same 6 unpacked in one micro-batch (fp32,
+    lr 0). Before, packing was refused, and unpacked the gated-delta families failed too (transformers took the
+    collate's boundaries for packing) while the sparse-attention ones crashed or (deepseek_v4) leaked the padding."""
     model_dir = make_hybrid_dir(tmp_path / "model", model_type)
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
-    packed = sft(model_dir, data, tmp_path / "packed", *LR0)
-    unpacked = sft(model_dir, data, tmp_path / "unpacked", *LR0, "data.packing=false", "train.micro_batch_size=6")
-    # the packed stream repeats the 6 samples to fill its row: the same samples, each as often
-    assert packed[0]["num_tokens"] % unpacked[0]["num_tokens"] == 0 < unpacked[0]["num_tokens"]
-    assert (packed[0]["loss"], packed[0]["grad_norm"]) == pytest.approx(
-        (unpacked[0]["loss"], unpacked[0]["grad_norm"]), rel=1e-5)
+    packed, unpacked = run_ranks(packed_and_unpacked, 1, str(model_dir), str(data))[0]
+    assert packed == pytest.approx(unpacked, rel=1e-5)
 
 
 def test_a_hybrid_trains_packed_on_two_ranks_as_one_process(tmp_path):
