@@ -56,8 +56,10 @@ def record_lengths(module: nn.Module, args, kwargs: dict, *, lengths: dict) -> N
     lengths["packed"] = cu.diff().tolist() if cu is not None and kwargs.get("attention_mask") is None else None
 
 
+@torch.compiler.disable
 def per_sample_forward(forward, lengths: dict, *args, **kwargs):
-    """`forward` without the boundary kwargs: on the whole batch when it is not packed, else once per segment."""
+    """`forward` without the boundary kwargs: on the whole batch when it is not packed, else once per segment.
+    Compiled blocks run it eagerly: reading the lengths, they would compile again for each micro-batch."""
     for key in BOUNDARY_KEYS:
         kwargs.pop(key, None)
     if "hidden_states" in kwargs:
@@ -69,11 +71,9 @@ def per_sample_forward(forward, lengths: dict, *args, **kwargs):
     return split_forward(forward, lengths["packed"], hidden, *args, **kwargs)
 
 
-@torch.compiler.disable
 def split_forward(forward, segments: list[int], hidden: torch.Tensor, *args, **kwargs):
     """forward on each segment of the flattened (batch x seq) tokens as a batch of one, outputs concatenated back
-    (arguments shaped like the tokens are split alike, a 4-D mask into its blocks). Compiled blocks run it eagerly: each
-    new set of lengths would compile again."""
+    (arguments shaped like the tokens are split alike, a 4-D mask into its blocks)."""
     batch, seq = hidden.shape[:2]
     pieces = {k: split_tokens(v, batch, seq, segments) for k, v in kwargs.items()}
     if "attention_mask" in kwargs:
