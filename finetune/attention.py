@@ -26,8 +26,8 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
     # varlen and flash build no mask, sdpa none for a row without padding or packing: only eager always builds it
     if SPARSE_LAYER_TYPES & set(getattr(hf_config.get_text_config(), "layer_types", None) or ()):
         if requested not in (None, "auto", "eager"):
-            raise ConfigError(f"model.attn_implementation={requested}: {cls.__name__}'s sparse attention needs the "
-                              f"causal mask only eager always builds; use eager (or auto)")
+            raise ConfigError(f"model.attn_implementation={requested}: {getattr(cls, '__name__', 'the model')}'s "
+                              f"sparse attention needs the causal mask only eager always builds; use eager (or auto)")
         return "eager"
     if requested == "auto":
         varlen_ok = varlen and getattr(cls, "_supports_attention_backend", False) and not getattr(

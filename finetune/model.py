@@ -115,14 +115,14 @@ def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_re
 
 
 def find_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks: the longest ModuleList of block classes HF lists in _no_split_modules (without that list:
-    of one class). Hybrids (olmo_hybrid) list an attention and a linear-attention block class."""
+    """The decoder blocks: the longest ModuleList of classes HF lists in _no_split_modules (without them: of one)."""
     best = None
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     for _, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             # the block class itself, not FSDP's subclass of it (wrapped and unwrapped blocks must agree)
             kinds = {next(k for k in type(clean_child(c)).__mro__ if not issubclass(k, FSDPModule)) for c in mod}
+            # a hybrid (olmo_hybrid) lists an attention block class and a linear-attention one
             blocks = all({cls.__name__ for cls in kind.__mro__} & no_split for kind in kinds) if no_split else \
                 len(kinds) == 1
             if blocks and (best is None or len(mod) > len(best)):
