@@ -18,6 +18,8 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 VARLEN = "varlen"
 MASKED = ("sdpa", "eager", "flex_attention")  # the attentions that see packed samples only through a mask
 _SAMPLE_IDS: ContextVar = ContextVar("sample_ids", default=None)  # (batch, seq) ids of the packed rows being run
+# layer types whose attention picks its keys (DeepSeek's indexer, compressed KV) against a materialized causal mask
+SPARSE_LAYER_TYPES = {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
 
 
 def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callable | None = None) -> str:
@@ -27,6 +29,12 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)  # None: remote code, not in the auto mapping
     lacks = varlen_lacks(hf_config)
+    # varlen and flash build no mask, sdpa none for a row without padding or packing: only eager always builds it
+    if SPARSE_LAYER_TYPES & set(getattr(hf_config.get_text_config(), "layer_types", None) or ()):
+        if requested not in (None, "auto", "eager"):
+            raise ConfigError(f"model.attn_implementation={requested}: {getattr(cls, '__name__', 'the model')}'s "
+                              f"sparse attention needs the causal mask only eager always builds; use eager (or auto)")
+        return "eager"
     if requested == "auto":
         varlen_ok = varlen and getattr(cls, "_supports_attention_backend", False) and not lacks
         requested = VARLEN if varlen_ok else None
@@ -92,7 +100,8 @@ def mixing_problem(model: nn.Module, layers: nn.ModuleList) -> str | None:
 
 def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: str) -> None:
     """Refuse (one line) a packed run whose samples would mix: mixing_problem, or flash/varlen kwargs a class drops."""
-    if why := mixing_problem(model, layers):
+    # keeps_samples_apart: its mixing layers run per packed sample (ext/linear_attention.py)
+    if (why := mixing_problem(model, layers)) and not getattr(model, "keeps_samples_apart", False):
         raise ConfigError(f"{type(model).__name__} cannot keep packed samples apart: {why} ignore position_ids "
                           f"restarts; set data.packing=false")
     if attn_implementation.startswith("flash") or attn_implementation == VARLEN:

@@ -37,6 +37,7 @@ class Transforms:
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
     loader: object = None  # ext/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
+    samples_apart: Callable = lambda model, layers: None  # linear-attention/state-space layers run per sample (first)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -114,15 +115,17 @@ def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_re
 
 
 def find_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks: the longest ModuleList of one block class (what HF lists in _no_split_modules)."""
+    """The decoder blocks: the longest ModuleList of classes HF lists in _no_split_modules (without them: of one)."""
     best = None
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     for _, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             # the block class itself, not FSDP's subclass of it (wrapped and unwrapped blocks must agree)
             kinds = {next(k for k in type(clean_child(c)).__mro__ if not issubclass(k, FSDPModule)) for c in mod}
-            names = {cls.__name__ for kind in kinds for cls in kind.__mro__}
-            if len(kinds) == 1 and (not no_split or names & no_split) and (best is None or len(mod) > len(best)):
+            # a hybrid (olmo_hybrid) lists an attention block class and a linear-attention one
+            blocks = all({cls.__name__ for cls in kind.__mro__} & no_split for kind in kinds) if no_split else \
+                len(kinds) == 1
+            if blocks and (best is None or len(mod) > len(best)):
                 best = mod
     if best is None:
         raise ModelError(f"cannot find the decoder layers of {type(model).__name__}")
@@ -247,6 +250,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     print0(f"kernels: attention {attn}{attention_notes(model, attn)}, {transforms.note}, regional compile "
            f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
     find_decoder(model)  # the loss reads its output: a model without one is refused before loading
+    # before check_packing, which lets a model pack whose token-mixing layers run per sample
+    transforms.samples_apart(model, find_layers(model))
     if packing:
         check_packing(model, find_layers(model), attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,

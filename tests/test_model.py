@@ -83,13 +83,16 @@ def test_refused_attention_settings_are_one_line_and_exit_2(llama_dir, chat_file
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [message], result.output
 
 
-def test_a_packed_run_of_a_linear_attention_model_is_one_line_and_exit_2(chat_file, tmp_path):
+def test_a_packed_run_of_a_recurrent_model_is_one_line_and_exit_2(chat_file, tmp_path):
+    """RWKV's time mixing has no conv and no cache_params: not run per sample (ext/linear_attention), so refused.
+    (Linear-attention and state-space families pack: tests/test_hybrids.py.)"""
     from _tokenizers import build_tokenizer
-    model_dir = tmp_path / "qwen3_5"  # config and tokenizer only: the run stops before any weight is read
-    T.Qwen3_5TextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=16).save_pretrained(
-        model_dir)
+    model_dir = tmp_path / "rwkv"  # config and tokenizer only: the run stops before any weight is read
+    T.RwkvConfig(hidden_size=64, num_hidden_layers=2).save_pretrained(model_dir)
+    # its module imported here, not in the run: torchao, which it imports, warns on stderr once per process
+    from transformers import RwkvForCausalLM  # noqa: F401
     build_tokenizer("chatml").save_pretrained(model_dir)
     result = invoke("sft", "--model", model_dir, "--dataset", chat_file, "--output-dir", tmp_path / "run", *BASE)
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
-        "error: Qwen3_5ForCausalLM cannot keep packed samples apart: its linear_attention layers ignore position_ids "
+        "error: RwkvForCausalLM cannot keep packed samples apart: its layers (no attention heads) ignore position_ids "
         "restarts; set data.packing=false"], result.output

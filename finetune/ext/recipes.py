@@ -12,12 +12,14 @@ from ..train import Recipe, Run, Task
 
 
 def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    """The model transforms `cfg` asks for (varlen, experts, Liger, fp8, cp, LoRA, op-level AC, offload), configured."""
+    """The model transforms `cfg` asks for (varlen, per-sample linear attention, experts, Liger, fp8, cp, LoRA,
+    op-level AC, offload), configured."""
     from ..distributed import print0
     from .sac import checkpoint_kwargs
     from . import loader
+    from .linear_attention import apply_sample_boundaries
     from .varlen import register
-    t = Transforms(varlen=register, sac=checkpoint_kwargs, loader=loader)
+    t = Transforms(varlen=register, sac=checkpoint_kwargs, loader=loader, samples_apart=apply_sample_boundaries)
     cuda = device.type == "cuda"
     compile, liger = resolve_compile(cfg.model.compile, cuda), False
     if cfg.model.liger is not False:
