@@ -61,6 +61,18 @@ def missing_allowed(model: nn.Module, key: str) -> bool:
     return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
 
 
+def ignored_on_load(model: nn.Module, key: str) -> bool:
+    """A stored tensor the model's class does not read (_keys_to_ignore_on_load_unexpected: MTP layers, other heads).
+    A pattern naming a layer past the last (DeepSeek-V3's model.layers.61, the MTP layer of a 61-layer model) stands
+    for any layer past this config's last."""
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    if any(re.search(p, key) for p in patterns):
+        return True
+    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+    past_last = layer is not None and int(layer[1]) >= model.config.get_text_config().num_hidden_layers
+    return past_last and any(re.search(r"layers\\?\.\d", p) for p in patterns)
+
+
 def tied_groups(model: nn.Module) -> list[list[str]]:
     """The names of each parameter, tied ones in one list (the first is the name it is stored by)."""
     groups: dict[int, list[str]] = {}
@@ -69,17 +81,27 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
-    """{stored name: in-memory name} as from_pretrained renames them; None where it converts (fused MoE experts)."""
+def renamed_on_load(skeleton: nn.Module, names) -> dict[str, tuple[str, bool]]:
+    """{stored name: (the in-memory name from_pretrained gives it, whether it converts it: fused MoE experts)}."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
     conversions = get_model_conversion_mapping(skeleton)
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
-    expected = skeleton.state_dict()
-    renamed = {name: rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
-               for name in names}
-    return {name: None if converter else key for name, (key, converter) in renamed.items()}
+    expected, prefix, renamed = skeleton.state_dict(), skeleton.base_model_prefix, {}
+    # in from_pretrained's order (a renaming may wait for a key it guards on), and as it does: a name the model has
+    # is kept when a renaming would take it elsewhere (DeepSeek-V4's `.norm.` -> `.kv_norm.` and model.norm.weight)
+    for name in sorted(names, key=dot_natural_key):
+        key, converter = rename_source_key(name, renamings, converters, prefix, expected)
+        if key not in expected and name in expected:
+            key, converter = rename_source_key(name, [], [], prefix, expected)
+        renamed[name] = (key, converter is not None)
+    return renamed
+
+
+def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
+    """{stored name: in-memory name} as from_pretrained renames them; None where it converts (fused MoE experts)."""
+    return {name: None if converted else key for name, (key, converted) in renamed_on_load(skeleton, names).items()}
 
 
 def to_disk(skeleton: nn.Module, tensors: dict) -> dict:
