@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ from .load import MANIFEST, is_prepared
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .weights import INDEX, open_dcp, out_dtype_of, to_disk, write_safetensors
+from .passthrough import Plan, dtype_counts, name_groups, plan_export
+from .weights import INDEX, STORED_DTYPES, open_dcp, read_tensor, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 
@@ -38,8 +40,10 @@ class Source:
     chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    return getattr(torch, export_dtype_name(name))
+def parse_dtype(name: str) -> torch.dtype | None:
+    """--dtype's torch dtype; None for auto (each tensor in the dtype the source stores it in)."""
+    name = export_dtype_name(name)
+    return None if name == "auto" else getattr(torch, name)
 
 
 def find_source(path: str) -> Source:
@@ -101,18 +105,21 @@ def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
     return {k: stored[k] for k in kept}, disk
 
 
-def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch.dtype, max_shard_size: int,
+def save_weights(out: Path, skeleton, disk: dict, load, dtypes: dict, untouched: dict, max_shard_size: int,
                  live: bool) -> dict:
     """Shards named and split as save_pretrained does, each process writing whole files, rank 0 the index (`live`:
-    load() is a collective). Returns {file: names} of all files."""
+    load() is a collective); `untouched` ({name: Entry} of the source) copied as stored. Returns {file: names}."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    metas = {d: torch.empty(shape, dtype=out_dtype_of(kept[k], dtype), device="meta") for d, (k, shape) in disk.items()}
+    metas = {d: torch.empty(shape, dtype=dtypes[d], device="meta") for d, (k, shape) in disk.items()}
+    metas.update({d: torch.empty(e.shape, dtype=STORED_DTYPES[e.dtype], device="meta") for d, e in untouched.items()})
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     converted = any(d != k for d, (k, _) in disk.items())
     last: dict = {}  # the on-disk pieces of the last in-memory tensor read (one fused MoE tensor -> many on disk)
 
     def fetch(d: str) -> torch.Tensor:
+        if d in untouched:
+            return read_tensor(untouched[d])
         k = disk[d][0]
         if last.get("name") != k:
             last.clear()  # free the previous tensor before reading the next: one in RAM at a time
@@ -134,15 +141,17 @@ def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch
     return split.filename_to_tensors
 
 
-def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, kept: dict, disk: dict,
-                load, dtype_name: str, shard_bytes: int, check, live: bool, templates) -> dict:
+def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, plan: Plan, load,
+                shard_bytes: int, check, live: bool, templates) -> dict:
     """The merged/full HF model dir, written and checked (`check`, if any); returns what the export marker records."""
-    t0, dtype = time.perf_counter(), parse_dtype(dtype_name)
-    num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in kept.values())
+    t0, kept, disk = time.perf_counter(), plan.kept, plan.disk
+    num_bytes = sum(math.prod(shape) * plan.dtypes[d].itemsize for d, (_, shape) in disk.items())
     largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
-    shards = save_weights(tmp, skeleton, kept, disk, load, dtype, shard_bytes, live)
+    shards = save_weights(tmp, skeleton, disk, load, plan.dtypes, plan.untouched, shard_bytes, live)
     written = copy.deepcopy(hf_config)  # with dtype and architectures, as save_pretrained sets them
-    written.dtype, written.architectures = str(dtype).split(".")[1], [type(skeleton).__name__]
+    # the dtype most tensors are in: what from_pretrained(dtype="auto") loads them in
+    written.dtype = str(plan.dtype or Counter(plan.dtypes.values()).most_common(1)[0][0]).split(".")[1]
+    written.architectures = [type(skeleton).__name__]
     kwargs = source.chat_template_kwargs
     if is_main():
         save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template, kwargs,
@@ -151,18 +160,21 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
         print0(templates.template_kwargs_note(kwargs) if templates else "note: the run's data.chat_template_kwargs "
                "are not the exported chat template's defaults (finetune/ext/template_defaults.py is not installed)")
     barrier()  # the check reads config.json
-    print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
-           f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "
-           f"tensor {largest_mb:.0f} MB)")
-    diff = None if check is None else check(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
+    print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_counts(plan.dtypes.values())} "
+           f"in {len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
+           f"(largest stored tensor {largest_mb:.0f} MB)")
+    if plan.untouched:
+        print0(f"copied through untouched from {plan.where}: {len(plan.untouched)} tensors the model class does not "
+               f"own: {name_groups(plan.untouched)}")
+    diff = None if check is None else check(tmp, skeleton, load, written, plan, shards, live=live,
                                             trust_remote_code=source.trust_remote_code, source=source.model_path)
     return {"source": str(Path(checkpoint).resolve()),
             "weights": "the live model" if live else str(source.weights.resolve()),
             "model_path": source.model_path, "dtype": written.dtype, "num_shards": len(shards),
-            "verified_max_abs_logit_diff": diff, "lora": source.lora}
+            "untouched": sorted(plan.untouched), "verified_max_abs_logit_diff": diff, "lora": source.lora}
 
 
-def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
+def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_shard_size: str = "5GB",
               verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
               check=None, locks=None, templates=None, gather=None) -> Path:
     """Write the HF model dir (adapter=True: a LoRA checkpoint's PEFT adapter dir) `output_dir` from `checkpoint`;
@@ -191,6 +203,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             else:
                 skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
             kept, disk = export_layout(source, skeleton, stored)
+            plan = plan_export(skeleton, kept, disk, source.model_path, hf_config, dtype)
             gathered = live is not None and gather is not None and not source.lora and \
                 len({k for k, _ in disk.values()}) == len(disk)
             if gathered:
@@ -198,10 +211,11 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
         with staging(out, EXPORT_MARKER, locks) as tmp:
             if adapter:
-                record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
+                record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype or torch.bfloat16,
+                                                verify)
             else:
-                record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, kept, disk, load, dtype_name,
-                                     shard_bytes, check if verify else None, gathered, templates)
+                record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, plan, load, shard_bytes,
+                                     check if verify else None, gathered, templates)
             if is_main():  # marks the dir as our export
                 (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
     return out

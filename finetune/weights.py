@@ -21,7 +21,10 @@ INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}
-SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}  # torch dtype -> safetensors' name
+# what a tensor copied through byte for byte may be stored as (a released checkpoint's fp8 MTP layer)
+STORED_DTYPES = {**SAFETENSORS_DTYPES, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                 "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+SAFETENSORS_CODES = {v: k for k, v in STORED_DTYPES.items()}  # torch dtype -> safetensors' name
 ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
 # peft wraps a target Linear as <name>.base_layer + <name>.lora_A/B.default, and a module to save as
@@ -180,6 +183,14 @@ def read_rows(entry: Entry, start: int, stop: int) -> torch.Tensor:
     return buf.view(dtype).reshape(stop - start, *shape[1:])
 
 
+def read_bytes(entry: Entry) -> bytes:
+    """The stored bytes of a tensor, as they are in its file."""
+    num_bytes = math.prod(entry.shape) * STORED_DTYPES[entry.dtype].itemsize
+    with open(entry.file, "rb", buffering=0) as f:
+        f.seek(entry.start)
+        return f.read(num_bytes)
+
+
 def read_tensor(entry: Entry) -> torch.Tensor:
     return read_rows(entry, 0, (entry.shape or (1,))[0]).reshape(entry.shape)
 
@@ -201,11 +212,6 @@ def write_safetensors(path: Path, specs: dict, fetch) -> None:
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, t.dtype)
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
             del t
-
-
-def out_dtype_of(meta, dtype: torch.dtype) -> torch.dtype:
-    """The dtype an export writes a tensor in: `dtype` for floating-point tensors, else the stored one."""
-    return dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
 
 
 # -------------------------------------------------------------------------------------------------- sources
