@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+import re
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ from .load import MANIFEST, is_prepared
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .passthrough import Plan, dtype_counts, name_groups, plan_export
 from .weights import INDEX, STORED_DTYPES, open_dcp, read_tensor, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
@@ -38,6 +38,37 @@ class Source:
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
     chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
     chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an export writes, and from where (ext/passthrough plans it from the source's files, plain_plan without)."""
+    kept: dict  # {in-memory name: checkpoint metadata} of what it writes from the checkpoint
+    disk: dict  # {on-disk name: (in-memory name, shape)} of those, as save_pretrained names them
+    dtypes: dict  # {on-disk name: the dtype it is written in}
+    untouched: dict  # {stored name: weights.Entry}: the source's tensors the model class does not own, copied as stored
+    source: dict  # {stored name: weights.Entry} of the source's files ({}: none at hand)
+    where: str  # their dir
+    dtype: torch.dtype | None  # --dtype; None: auto
+
+
+def plain_plan(kept: dict, disk: dict, dtype: torch.dtype | None) -> Plan:
+    """Without ext/passthrough: each floating-point tensor in `dtype` (auto: bfloat16), nothing copied through."""
+    dtypes = {d: (dtype or torch.bfloat16) if kept[k].properties.dtype.is_floating_point else kept[k].properties.dtype
+              for d, (k, _) in disk.items()}
+    return Plan(kept, disk, dtypes, {}, {}, "", dtype)
+
+
+def name_groups(names) -> str:
+    """'model.layers.2.* (17), mtp.* (3)': names grouped up to their first number (else their first part)."""
+    groups = Counter(m[1] if (m := re.match(r"(.*?\.\d+)\.", n)) else n.split(".")[0] for n in names)
+    return ", ".join(f"{g}.* ({c})" for g, c in groups.items())
+
+
+def dtype_counts(dtypes) -> str:
+    """'bfloat16, 2 in float32': the most common dtype, then how many tensors are in each other one."""
+    (first, _), *others = Counter(str(d).replace("torch.", "") for d in dtypes).most_common()
+    return ", ".join([first, *(f"{c} in {d}" for d, c in others)])
 
 
 def parse_dtype(name: str) -> torch.dtype | None:
@@ -176,11 +207,12 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_shard_size: str = "5GB",
               verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
-              check=None, locks=None, templates=None, gather=None) -> Path:
+              check=None, locks=None, templates=None, gather=None, passthrough=None) -> Path:
     """Write the HF model dir (adapter=True: a LoRA checkpoint's PEFT adapter dir) `output_dir` from `checkpoint`;
     returns it. `live`: the sharded model just saved there, gathered by `gather` (ext/live) where the layout allows.
     Optional hooks: `adapters` (ext/lora_export; LoRA checkpoints are refused without), `check` (ext/verify, when
-    `verify`), `locks` (ext/locks), `templates` (ext/template_defaults)."""
+    `verify`), `locks` (ext/locks), `templates` (ext/template_defaults), `passthrough` (ext/passthrough: the
+    source's dtypes and the tensors its class does not own)."""
     dtype, shard_bytes, out = parse_dtype(dtype_name), parse_shard_size(max_shard_size), Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
@@ -190,6 +222,9 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_sh
         if source.lora and adapters is None:
             raise CheckpointError(f"{source.label} is a LoRA checkpoint: exporting it needs the LoRA extension "
                                   f"(finetune/ext/lora_export.py), which this installation lacks")
+        if passthrough is None and not adapter:
+            print0("note: every tensor is exported in one dtype and what the model class does not own (MTP layers) "
+                   "is left out: finetune/ext/passthrough.py is not installed")
         if verify and check is None:
             print0("note: the export is not checked: the export check (finetune/ext/verify.py) is not installed")
         check_output_dir(out, EXPORT_MARKER, "an earlier export")
@@ -203,7 +238,8 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_sh
             else:
                 skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
             kept, disk = export_layout(source, skeleton, stored)
-            plan = plan_export(skeleton, kept, disk, source.model_path, hf_config, dtype)
+            plan = passthrough.plan_export(skeleton, kept, disk, source.model_path, hf_config, dtype) \
+                if passthrough else plain_plan(kept, disk, dtype)
             gathered = live is not None and gather is not None and not source.lora and \
                 len({k for k, _ in disk.values()}) == len(disk)
             if gathered:

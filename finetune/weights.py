@@ -183,14 +183,6 @@ def read_rows(entry: Entry, start: int, stop: int) -> torch.Tensor:
     return buf.view(dtype).reshape(stop - start, *shape[1:])
 
 
-def read_bytes(entry: Entry) -> bytes:
-    """The stored bytes of a tensor, as they are in its file."""
-    num_bytes = math.prod(entry.shape) * STORED_DTYPES[entry.dtype].itemsize
-    with open(entry.file, "rb", buffering=0) as f:
-        f.seek(entry.start)
-        return f.read(num_bytes)
-
-
 def read_tensor(entry: Entry) -> torch.Tensor:
     return read_rows(entry, 0, (entry.shape or (1,))[0]).reshape(entry.shape)
 

@@ -224,7 +224,7 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     from finetune.export import find_source, export_layout
     from finetune.ext.verify import VerifyError, verify_export
     from finetune.model import build_skeleton, load_hf_config
-    from finetune.passthrough import plan_export
+    from finetune.ext.passthrough import plan_export
     from finetune.weights import open_dcp
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)

@@ -3,6 +3,7 @@ source tensor): one tensor, or one decoder block in fp32, at a time, never the m
 """
 from __future__ import annotations
 
+import math
 import warnings
 from functools import partial
 from pathlib import Path
@@ -15,9 +16,9 @@ from ..distributed import is_main, is_my_file, print0
 from ..errors import FinetuneError, ModelError
 from ..metrics import peak_rss_mb
 from ..model import build_skeleton, find_layers
-from ..passthrough import Plan
+from ..export import Plan
 from ..weights import (SAFETENSORS_CODES, SAFETENSORS_DTYPES, STORED_DTYPES, Entry, disk_to_memory, open_dir,
-                       persistent_buffers, read_bytes, read_tensor, to_disk)
+                       persistent_buffers, read_tensor, to_disk)
 from .loader import local_dir
 
 
@@ -95,6 +96,13 @@ def check_files(out: Path, skeleton: nn.Module, load, plan: Plan, shards: dict, 
                 raise VerifyError(f"export check: {d} in {entries[d].file.name} differs from the checkpoint's tensor")
         del want
     return entries
+
+
+def read_bytes(entry: Entry) -> bytes:
+    """The stored bytes of a tensor, as they are in its file."""
+    with open(entry.file, "rb", buffering=0) as f:
+        f.seek(entry.start)
+        return f.read(math.prod(entry.shape) * STORED_DTYPES[entry.dtype].itemsize)
 
 
 def check_source(entries: dict[str, Entry], plan: Plan) -> None:

@@ -1,20 +1,19 @@
-"""What an export takes from the source model's own files besides the checkpoint: the dtype each tensor is stored in
-(or kept in by transformers on load), and the tensors the model class does not own (MTP layers, other heads), which
-it copies through byte for byte."""
+"""What an export takes from the source model's own files besides the checkpoint (export.export_hf's `passthrough`
+hook): the dtype each tensor is stored in (or kept in by transformers on load), and the tensors the model class does
+not own (MTP layers, other heads), which it copies through byte for byte."""
 from __future__ import annotations
 
 import json
 import re
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .load import MANIFEST, is_prepared
-from .weights import SAFETENSORS_DTYPES, STORED_DTYPES, Entry, ignored_on_load, open_dir, renamed_on_load
+from ..export import Plan
+from ..load import MANIFEST, is_prepared
+from ..weights import SAFETENSORS_DTYPES, STORED_DTYPES, Entry, ignored_on_load, open_dir, renamed_on_load
 
 
 def source_dir(model_path: str) -> Path | None:
@@ -74,30 +73,6 @@ def not_owned(skeleton: nn.Module, source: dict[str, Entry]) -> dict[str, Entry]
     renamed = renamed_on_load(skeleton, source)
     return {d: e for d, e in source.items() if renamed[d][0] not in expected and ignored_on_load(skeleton, d)
             and e.dtype in STORED_DTYPES}
-
-
-def name_groups(names) -> str:
-    """'model.layers.2.* (17), mtp.* (3)': names grouped up to their first number (else their first part)."""
-    groups = Counter(m[1] if (m := re.match(r"(.*?\.\d+)\.", n)) else n.split(".")[0] for n in names)
-    return ", ".join(f"{g}.* ({c})" for g, c in groups.items())
-
-
-def dtype_counts(dtypes) -> str:
-    """'bfloat16, 2 in float32': the most common dtype, then how many tensors are in each other one."""
-    (first, _), *others = Counter(str(d).replace("torch.", "") for d in dtypes).most_common()
-    return ", ".join([first, *(f"{c} in {d}" for d, c in others)])
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What an export writes, and from where."""
-    kept: dict  # {in-memory name: checkpoint metadata} of what it writes from the checkpoint
-    disk: dict  # {on-disk name: (in-memory name, shape)} of those, as save_pretrained names them
-    dtypes: dict  # {on-disk name: the dtype it is written in}
-    untouched: dict  # {stored name: Entry}: the source's tensors the model class does not own, copied as stored
-    source: dict  # {stored name: Entry} of the source's files ({}: none at hand)
-    where: str  # their dir
-    dtype: torch.dtype | None  # --dtype; None: auto
 
 
 def plan_export(skeleton: nn.Module, kept: dict, disk: dict, model_path: str, hf_config,
