@@ -67,12 +67,15 @@ def missing_allowed(model: nn.Module, key: str) -> bool:
 def ignored_on_load(model: nn.Module, key: str) -> bool:
     """A stored tensor the model's class does not read (_keys_to_ignore_on_load_unexpected: MTP layers, other heads).
     A pattern naming a layer past the last (DeepSeek-V3's model.layers.61, the MTP layer of a 61-layer model) stands
-    for any layer past this config's last."""
+    for the config's MTP layers after its last (num_mtp_layers, else one), not for more: a config that undercounts
+    the layers is still refused."""
     patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     if any(re.search(p, key) for p in patterns):
         return True
-    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
-    past_last = layer is not None and int(layer[1]) >= model.config.get_text_config().num_hidden_layers
+    config = model.config.get_text_config()
+    first, layer = config.num_hidden_layers, re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+    mtp = getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", None) or 1
+    past_last = layer is not None and first <= int(layer[1]) < first + mtp
     return past_last and any(re.search(r"layers\\?\.\d", p) for p in patterns)
 
 

@@ -100,3 +100,16 @@ def test_a_deepseek_v3_export_generates_with_its_mtp_layer(export_of, monkeypatc
         assert model.config.num_mtp_layers == 1
         tokens.append(model.generate(ids, max_new_tokens=6, do_sample=False, use_mtp=True))
     assert torch.equal(tokens[0], tokens[1]) and tokens[1].shape[1] == ids.shape[1] + 6
+
+
+def test_only_the_config_s_mtp_layers_past_the_last_are_left_unread():
+    """DeepSeek-V3 names its MTP layer model.layers.61: in a 2-layer config that is layer 2 (num_mtp_layers=1); a
+    layer 3 means a config.json that undercounts the layers, which a load must refuse, not skip."""
+    from finetune.model import build_skeleton
+    from finetune.weights import ignored_on_load
+    config_cls, kwargs, _, _ = FAMILIES["deepseek_v3"]
+    skeleton = build_skeleton(config_cls(**kwargs), None)
+    assert ignored_on_load(skeleton, "model.layers.2.eh_proj.weight")
+    assert ignored_on_load(skeleton, "model.layers.61.mlp.gate.weight")
+    assert not ignored_on_load(skeleton, "model.layers.3.eh_proj.weight")
+    assert not ignored_on_load(skeleton, "model.layers.1.eh_proj.weight")
