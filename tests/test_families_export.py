@@ -37,6 +37,11 @@ FAMILIES = {
                                            mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
                                            chunk_size=8), {"extra": {"mtp.layers.0.eh_proj.weight": (16, 32)}},
                    UNPACKED),
+    # A_log, dt_bias and the conv1d weights kept in fp32
+    "bailing_hybrid": (T.BailingHybridConfig, dict(TINY, **MLA, num_key_value_heads=2, head_dim=8, n_group=1,
+                                                   topk_group=1, num_experts_per_tok=2, num_local_experts=4,
+                                                   first_k_dense_replace=1, layer_group_size=2), {"mtp": True},
+                       UNPACKED),
     "deepseek_v4": (T.DeepseekV4Config, dict(TINY, head_dim=8, q_lora_rank=8, o_groups=1, o_lora_rank=8,
                                              n_routed_experts=4, num_experts_per_tok=2, index_n_heads=2,
                                              index_head_dim=8, index_topk=4, sliding_window=8, hc_mult=2),
@@ -113,3 +118,34 @@ def test_only_the_config_s_mtp_layers_past_the_last_are_left_unread():
     assert ignored_on_load(skeleton, "model.layers.61.mlp.gate.weight")
     assert not ignored_on_load(skeleton, "model.layers.3.eh_proj.weight")
     assert not ignored_on_load(skeleton, "model.layers.1.eh_proj.weight")
+
+
+def test_the_check_names_a_copied_through_tensor_that_changed_and_a_dtype_off_the_plan(export_of, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from finetune.export import export_layout, find_source
+    from finetune.ext.passthrough import plan_export
+    from finetune.ext.verify import VerifyError, verify_export
+    from finetune.model import build_skeleton, load_hf_config
+    from finetune.weights import open_dcp
+    source, out, _ = export_of("glm4_moe")
+    checkpoint = find_source(str(out.parent / "run"))
+    hf_config = load_hf_config(checkpoint.model_path)
+    skeleton, (stored_tensors, load) = build_skeleton(hf_config, None), open_dcp(checkpoint.weights)
+    kept, disk = export_layout(checkpoint, skeleton, stored_tensors)
+    plan = plan_export(skeleton, kept, disk, checkpoint.model_path, hf_config, None)
+    args = (skeleton, load, hf_config, plan, {"model.safetensors": [*disk, *plan.untouched]})
+    assert verify_export(out, *args) == 0
+    for name, edit, expect in [
+        ("model.layers.2.eh_proj.weight", lambda t: t + 1, "model.layers.2.eh_proj.weight in model.safetensors is "
+                                                           "not the source's"),
+        ("model.layers.1.mlp.gate.e_score_correction_bias", lambda t: t.bfloat16(),
+         "holds model.layers.1.mlp.gate.e_score_correction_bias as BF16, the plan was F32")]:
+        bad = tmp_path / name
+        bad.mkdir()
+        for f in out.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        tensors = load_file(bad / "model.safetensors")
+        tensors[name] = edit(tensors[name])
+        save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(VerifyError, match=expect):
+            verify_export(bad, *args)
