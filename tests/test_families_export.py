@@ -149,3 +149,16 @@ def test_the_check_names_a_copied_through_tensor_that_changed_and_a_dtype_off_th
         save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(VerifyError, match=expect):
             verify_export(bad, *args)
+
+
+def test_an_explicit_dtype_is_every_tensor_s_but_what_transformers_keeps_in_fp32(export_of, tmp_path):
+    source, out, _ = export_of("glm4_moe")
+    want = stored(source)
+    for dtype in ("float32", "bfloat16"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            export_hf(str(out.parent / "run"), str(tmp_path / dtype), dtype)
+        got = stored(tmp_path / dtype)
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert got[bias][0] == torch.float32 and got[bias][2] == want[bias][2]
+        written = {got[k][0] for k in got if k != bias and not k.startswith("model.layers.2.")}
+        assert written == {getattr(torch, dtype)}, written
