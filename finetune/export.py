@@ -6,8 +6,8 @@ import copy
 import json
 import math
 import os
-import time
 import re
+import time
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
