@@ -162,3 +162,22 @@ def test_an_explicit_dtype_is_every_tensor_s_but_what_transformers_keeps_in_fp32
         assert got[bias][0] == torch.float32 and got[bias][2] == want[bias][2]
         written = {got[k][0] for k in got if k != bias and not k.startswith("model.layers.2.")}
         assert written == {getattr(torch, dtype)}, written
+
+
+def export_on_rank(checkpoint, out):
+    export_hf(str(checkpoint), str(out), "auto", "4KB")
+
+
+def test_an_export_on_2_processes_writes_the_bytes_of_1_with_the_mtp_layer(export_of, tmp_path):
+    """Each process writes whole files: the copied-through tensors land in both ranks' files."""
+    source, out, _ = export_of("deepseek_v3")
+    one, two = tmp_path / "one", tmp_path / "two"
+    with contextlib.redirect_stdout(io.StringIO()):
+        export_on_rank(out.parent / "run", one)
+    run_ranks(export_on_rank, 2, out.parent / "run", two)
+    files = sorted(p.name for p in one.iterdir() if p.name != "finetune_export.json")  # it records the time
+    assert len([f for f in files if f.endswith(".safetensors")]) > 2 and "model.safetensors.index.json" in files
+    assert files == sorted(p.name for p in two.iterdir() if p.name != "finetune_export.json")
+    for f in files:
+        assert (one / f).read_bytes() == (two / f).read_bytes(), f
+    assert stored(two) == stored(source)
