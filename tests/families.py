@@ -51,7 +51,7 @@ def make_family_dir(path: Path, config_cls, kwargs: dict, extra: dict[str, tuple
     keep = fp32_on_load(model)
     owned = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in model.state_dict())]
     extras = mtp_tensors(config_cls, kwargs, f"model.layers.{kwargs['num_hidden_layers']}.") if mtp else {}
-    extras.update({k: torch.empty(shape, dtype=torch.bfloat16) for k, shape in (extra or {}).items()})
+    extras.update({k: torch.zeros(shape, dtype=torch.bfloat16) for k, shape in (extra or {}).items()})
     with torch.no_grad():
         for name, t in [*owned, *extras.items()]:
             if keep is not None and keep.search(name):

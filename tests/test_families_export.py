@@ -31,12 +31,16 @@ FAMILIES = {
                                        layer_types=["conv", "full_attention"]), {}, UNPACKED),
     "ernie4_5_moe": (T.Ernie4_5_MoeConfig, dict(TINY, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
                                                 moe_layer_start_index=1),
-                     {"extra": {"mtp_linear_proj.0.weight": (8, 8)}}, ()),
+                     {"extra": {"mtp_linear_proj.0.weight": (8, 8)}}, ("train.mixed_precision=bf16",)),
     "nemotron_h": (T.NemotronHConfig, dict(TINY, layers_block_type=["mamba", "moe"], head_dim=8, n_routed_experts=4,
                                            num_experts_per_tok=2, moe_shared_expert_intermediate_size=8,
                                            mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
                                            chunk_size=8), {"extra": {"mtp.layers.0.eh_proj.weight": (16, 32)}},
                    UNPACKED),
+    # attention sinks: sdpa (the default's is another issue's)
+    "mimo_v2_flash": (T.MiMoV2FlashConfig, dict(TINY, head_dim=8, v_head_dim=8, n_routed_experts=4,
+                                                num_experts_per_tok=2, sliding_window=8),
+                      {"extra": {"model.mtp.layers.0.eh_proj.weight": (16, 32)}}, ("model.attn_implementation=sdpa",)),
     # A_log, dt_bias and the conv1d weights kept in fp32
     "bailing_hybrid": (T.BailingHybridConfig, dict(TINY, **MLA, num_key_value_heads=2, head_dim=8, n_group=1,
                                                    topk_group=1, num_experts_per_tok=2, num_local_experts=4,
