@@ -14,15 +14,19 @@ from torch import nn
 from ..export import Plan
 from ..load import MANIFEST, is_prepared
 from ..weights import SAFETENSORS_DTYPES, STORED_DTYPES, Entry, ignored_on_load, open_dir, renamed_on_load
+from .fingerprint import fingerprint
 
 
 def source_dir(model_path: str) -> Path | None:
-    """The local dir of the source model's safetensors: `model_path`, the dir a prepared checkpoint was made from,
-    or a hub id's snapshot in the local cache; None where none is here (nothing is downloaded)."""
+    """The local dir of the source model's safetensors: `model_path`, the dir a prepared checkpoint was made from
+    (while it holds what it held then), or a hub id's snapshot in the local cache; None where none is here (nothing
+    is downloaded)."""
     path = Path(model_path)
     if is_prepared(path):
-        made_from = json.loads((path / MANIFEST).read_text()).get("source", {}).get("path")
-        return Path(made_from) if made_from and Path(made_from).is_dir() else None
+        made_from = json.loads((path / MANIFEST).read_text()).get("source", {})
+        there = made_from.get("path") and Path(made_from["path"]).is_dir()
+        return Path(made_from["path"]) if there and fingerprint(Path(made_from["path"])) == made_from.get(
+            "fingerprint") else None
     if path.is_dir():
         return path
     try:
