@@ -175,7 +175,7 @@ def open_dir(root: Path) -> dict[str, Entry] | None:
 
 def read_rows(entry: Entry, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of dim 0 of a stored tensor, in its stored dtype: one contiguous read."""
-    dtype = SAFETENSORS_DTYPES[entry.dtype]
+    dtype = STORED_DTYPES[entry.dtype]
     shape = entry.shape or (1,)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)

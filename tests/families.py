@@ -35,10 +35,11 @@ def mtp_tensors(config_cls, kwargs: dict, extra_layer: str) -> dict[str, torch.T
 
 
 def make_family_dir(path: Path, config_cls, kwargs: dict, extra: dict[str, tuple] | None = None,
-                    mtp: bool = False, seed: int = 0) -> Path:
+                    mtp: bool = False, fp8: tuple = (), seed: int = 0) -> Path:
     """Save the tiny model of `config_cls(**kwargs)` (ChatML tokenizer) to `path`: each tensor and persistent buffer
     perturbed, bf16 but fp32 where transformers keeps it so, plus `extra` ({name: shape}, random bf16) and with
-    `mtp` an MTP layer after the last: tensors the model class does not own."""
+    `mtp` an MTP layer after the last: tensors the model class does not own; those named in `fp8` stored as a
+    released FP8 checkpoint stores them (F8_E4M3 and a weight_scale_inv beside)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
     tok = build_tokenizer("chatml")
@@ -61,6 +62,9 @@ def make_family_dir(path: Path, config_cls, kwargs: dict, extra: dict[str, tuple
                 t.copy_(t.float() + torch.randn(t.shape) * 0.05 + 0.01 * (1 + t.float().abs().mean()))
     model.save_pretrained(path)
     tok.save_pretrained(path)
+    for name in fp8:
+        extras[name] = extras[name].to(torch.float8_e4m3fn)
+        extras[f"{name}_scale_inv"] = torch.ones(1, 1)
     if extras:
         stored = load_file(Path(path) / "model.safetensors")
         stored.update({k: t.contiguous() for k, t in extras.items()})

@@ -26,7 +26,7 @@ FAMILIES = {
                                             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1),
                     {"mtp": True}, ()),
     "glm4_moe": (T.Glm4MoeConfig, dict(TINY, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-                                       head_dim=8), {"mtp": True}, ()),
+                                       head_dim=8), {"mtp": True, "fp8": ["model.layers.2.eh_proj.weight"]}, ()),
     "lfm2_moe": (T.Lfm2MoeConfig, dict(TINY, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
                                        layer_types=["conv", "full_attention"]), {}, UNPACKED),
     "ernie4_5_moe": (T.Ernie4_5_MoeConfig, dict(TINY, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
@@ -140,8 +140,8 @@ def test_the_check_names_a_copied_through_tensor_that_changed_and_a_dtype_off_th
     args = (skeleton, load, hf_config, plan, {"model.safetensors": [*disk, *plan.untouched]})
     assert verify_export(out, *args) == 0
     for name, edit, expect in [
-        ("model.layers.2.eh_proj.weight", lambda t: t + 1, "model.layers.2.eh_proj.weight in model.safetensors is "
-                                                           "not the source's"),
+        ("model.layers.2.hnorm.weight", lambda t: t + 1, "model.layers.2.hnorm.weight in model.safetensors is not "
+                                                         "the source's"),
         ("model.layers.1.mlp.gate.e_score_correction_bias", lambda t: t.bfloat16(),
          "holds model.layers.1.mlp.gate.e_score_correction_bias as BF16, the plan was F32")]:
         bad = tmp_path / name

@@ -17,7 +17,7 @@ from ..errors import FinetuneError, ModelError
 from ..export import Plan
 from ..metrics import peak_rss_mb
 from ..model import build_skeleton, find_layers
-from ..weights import (SAFETENSORS_CODES, SAFETENSORS_DTYPES, STORED_DTYPES, Entry, disk_to_memory, open_dir,
+from ..weights import (SAFETENSORS_CODES, STORED_DTYPES, Entry, disk_to_memory, open_dir,
                        persistent_buffers, read_tensor, to_disk)
 from .loader import local_dir
 
@@ -34,7 +34,7 @@ def open_safetensors(path: str, what: str = "model") -> tuple[dict, Callable[[st
     entries = open_dir(local_dir(path))
     if not entries:
         raise ModelError(f"the {what} '{path}' has no safetensors weights")
-    metas = {k: TensorStorageMetadata(TensorProperties(dtype=SAFETENSORS_DTYPES[e.dtype]), torch.Size(e.shape), [])
+    metas = {k: TensorStorageMetadata(TensorProperties(dtype=STORED_DTYPES[e.dtype]), torch.Size(e.shape), [])
              for k, e in entries.items()}
     return metas, lambda name: read_tensor(entries[name])
 
