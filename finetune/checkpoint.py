@@ -24,7 +24,7 @@ from . import outdir
 from .errors import FinetuneError
 from .distributed import barrier, is_main, print0, world_size
 from .optim import reapply_settings, settings
-from .weights import arch_diffs, arch_of, clean_fqn
+from .weights import arch_diffs, arch_of, clean_fqn, is_adapter
 
 MARKER = "finetune_complete.json"
 
@@ -164,10 +164,13 @@ def read_marker(path: Path) -> dict:
 
 
 def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
-    """What a checkpoint holds: model and optimizer state of the trainable parameters, the scheduler, TrainState."""
-    # a LoRA checkpoint holds no frozen base weight
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    """What a checkpoint holds: the model's state (LoRA: its trainable parameters), the optimizer's, the scheduler,
+    TrainState."""
+    # a LoRA checkpoint holds no frozen base weight (the export reads it from the base); a full one holds the
+    # parameters the model class itself freezes too (ERNIE-4.5-MoE's moe_statics), which no other file may hold
+    lora = any(is_adapter(clean_fqn(n)) for n, _ in model.named_parameters())
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=lora))
+    frozen = {clean_fqn(n) for n, p in model.named_parameters(remove_duplicate=False) if lora and not p.requires_grad}
     return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd,
             "scheduler": scheduler.state_dict(), "train": state}
 

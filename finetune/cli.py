@@ -106,8 +106,8 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
                                                        help="output dir, step dir or prepared dir"),
               output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="the Hugging Face model "
                                                        "dir to write (replaces an earlier export)"),
-              dtype: str = typer.Option("bfloat16", "--dtype",
-                                        help="dtype of the exported weights: bfloat16 | float32"),
+              dtype: str = typer.Option("auto", "--dtype", help="dtype of the exported weights: auto (each "
+                                        "tensor's in the source) | bfloat16 | float32"),
               max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors file: 5GB, "
                                                  "500MiB, 1.5GB (as transformers' max_shard_size)"),
               verify: bool = typer.Option(True, "--verify/--no-verify", help="read every tensor back and compare "

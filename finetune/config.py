@@ -269,8 +269,8 @@ def check_parallel(dp_replicate: int, dp_shard: int, num_ranks: int, cp: int = 1
 
 def export_dtype_name(name: str) -> str:
     """export-hf --dtype: the torch dtype's name (here so that the CLI checks it before importing torch)."""
-    if name not in ("bfloat16", "bf16", "float32", "fp32"):
-        raise ConfigError(f"--dtype must be one of bfloat16, float32, got {name!r}")
+    if name not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+        raise ConfigError(f"--dtype must be one of auto, bfloat16, float32, got {name!r}")
     return {"bf16": "bfloat16", "fp32": "float32"}.get(name, name)
 
 

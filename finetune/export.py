@@ -6,7 +6,9 @@ import copy
 import json
 import math
 import os
+import re
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ from .load import MANIFEST, is_prepared
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .weights import INDEX, open_dcp, out_dtype_of, to_disk, write_safetensors
+from .weights import INDEX, STORED_DTYPES, open_dcp, read_tensor, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 
@@ -38,8 +40,41 @@ class Source:
     chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    return getattr(torch, export_dtype_name(name))
+@dataclass(frozen=True)
+class Plan:
+    """What an export writes, and from where (ext/passthrough plans it from the source's files, plain_plan without)."""
+    kept: dict  # {in-memory name: checkpoint metadata} of what it writes from the checkpoint
+    disk: dict  # {on-disk name: (in-memory name, shape)} of those, as save_pretrained names them
+    dtypes: dict  # {on-disk name: the dtype it is written in}
+    untouched: dict  # {stored name: weights.Entry}: the source's tensors the model class does not own, copied as stored
+    source: dict  # {stored name: weights.Entry} of the source's files ({}: none at hand)
+    where: str  # their dir
+    dtype: torch.dtype | None  # --dtype; None: auto
+
+
+def plain_plan(kept: dict, disk: dict, dtype: torch.dtype | None) -> Plan:
+    """Without ext/passthrough: each floating-point tensor in `dtype` (auto: bfloat16), nothing copied through."""
+    dtypes = {d: (dtype or torch.bfloat16) if kept[k].properties.dtype.is_floating_point else kept[k].properties.dtype
+              for d, (k, _) in disk.items()}
+    return Plan(kept, disk, dtypes, {}, {}, "", dtype)
+
+
+def name_groups(names) -> str:
+    """'model.layers.2.* (17), mtp.* (3)': names grouped up to their first number (else their first part)."""
+    groups = Counter(m[1] if (m := re.match(r"(.*?\.\d+)\.", n)) else n.split(".")[0] for n in names)
+    return ", ".join(f"{g}.* ({c})" for g, c in groups.items())
+
+
+def dtype_counts(dtypes) -> str:
+    """'bfloat16, 2 in float32': the most common dtype, then how many tensors are in each other one."""
+    (first, _), *others = Counter(str(d).replace("torch.", "") for d in dtypes).most_common()
+    return ", ".join([first, *(f"{c} in {d}" for d, c in others)])
+
+
+def parse_dtype(name: str) -> torch.dtype | None:
+    """--dtype's torch dtype; None for auto (each tensor in the dtype the source stores it in)."""
+    name = export_dtype_name(name)
+    return None if name == "auto" else getattr(torch, name)
 
 
 def find_source(path: str) -> Source:
@@ -101,18 +136,21 @@ def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
     return {k: stored[k] for k in kept}, disk
 
 
-def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch.dtype, max_shard_size: int,
+def save_weights(out: Path, skeleton, disk: dict, load, dtypes: dict, untouched: dict, max_shard_size: int,
                  live: bool) -> dict:
     """Shards named and split as save_pretrained does, each process writing whole files, rank 0 the index (`live`:
-    load() is a collective). Returns {file: names} of all files."""
+    load() is a collective); `untouched` ({name: Entry} of the source) copied as stored. Returns {file: names}."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    metas = {d: torch.empty(shape, dtype=out_dtype_of(kept[k], dtype), device="meta") for d, (k, shape) in disk.items()}
+    metas = {d: torch.empty(shape, dtype=dtypes[d], device="meta") for d, (k, shape) in disk.items()}
+    metas.update({d: torch.empty(e.shape, dtype=STORED_DTYPES[e.dtype], device="meta") for d, e in untouched.items()})
     split = split_torch_state_dict_into_shards(metas, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     converted = any(d != k for d, (k, _) in disk.items())
     last: dict = {}  # the on-disk pieces of the last in-memory tensor read (one fused MoE tensor -> many on disk)
 
     def fetch(d: str) -> torch.Tensor:
+        if d in untouched:
+            return read_tensor(untouched[d])
         k = disk[d][0]
         if last.get("name") != k:
             last.clear()  # free the previous tensor before reading the next: one in RAM at a time
@@ -134,15 +172,17 @@ def save_weights(out: Path, skeleton, kept: dict, disk: dict, load, dtype: torch
     return split.filename_to_tensors
 
 
-def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, kept: dict, disk: dict,
-                load, dtype_name: str, shard_bytes: int, check, live: bool, templates) -> dict:
+def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, plan: Plan, load,
+                shard_bytes: int, check, live: bool, templates) -> dict:
     """The merged/full HF model dir, written and checked (`check`, if any); returns what the export marker records."""
-    t0, dtype = time.perf_counter(), parse_dtype(dtype_name)
-    num_bytes = sum(math.prod(m.size) * out_dtype_of(m, dtype).itemsize for m in kept.values())
+    t0, kept, disk = time.perf_counter(), plan.kept, plan.disk
+    num_bytes = sum(math.prod(shape) * plan.dtypes[d].itemsize for d, (_, shape) in disk.items())
     largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
-    shards = save_weights(tmp, skeleton, kept, disk, load, dtype, shard_bytes, live)
+    shards = save_weights(tmp, skeleton, disk, load, plan.dtypes, plan.untouched, shard_bytes, live)
     written = copy.deepcopy(hf_config)  # with dtype and architectures, as save_pretrained sets them
-    written.dtype, written.architectures = str(dtype).split(".")[1], [type(skeleton).__name__]
+    # the dtype most tensors are in: what from_pretrained(dtype="auto") loads them in
+    written.dtype = str(plan.dtype or Counter(plan.dtypes.values()).most_common(1)[0][0]).split(".")[1]
+    written.architectures = [type(skeleton).__name__]
     kwargs = source.chat_template_kwargs
     if is_main():
         save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template, kwargs,
@@ -151,24 +191,28 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
         print0(templates.template_kwargs_note(kwargs) if templates else "note: the run's data.chat_template_kwargs "
                "are not the exported chat template's defaults (finetune/ext/template_defaults.py is not installed)")
     barrier()  # the check reads config.json
-    print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_name} in {len(shards)} "
-           f"shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB (largest stored "
-           f"tensor {largest_mb:.0f} MB)")
-    diff = None if check is None else check(tmp, skeleton, load, written, kept, disk, dtype, shards, live=live,
+    print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_counts(plan.dtypes.values())} "
+           f"in {len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
+           f"(largest stored tensor {largest_mb:.0f} MB)")
+    if plan.untouched:
+        print0(f"copied through untouched from {plan.where}: {len(plan.untouched)} tensors the model class does not "
+               f"own: {name_groups(plan.untouched)}")
+    diff = None if check is None else check(tmp, skeleton, load, written, plan, shards, live=live,
                                             trust_remote_code=source.trust_remote_code, source=source.model_path)
     return {"source": str(Path(checkpoint).resolve()),
             "weights": "the live model" if live else str(source.weights.resolve()),
             "model_path": source.model_path, "dtype": written.dtype, "num_shards": len(shards),
-            "verified_max_abs_logit_diff": diff, "lora": source.lora}
+            "untouched": sorted(plan.untouched), "verified_max_abs_logit_diff": diff, "lora": source.lora}
 
 
-def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", max_shard_size: str = "5GB",
+def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_shard_size: str = "5GB",
               verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
-              check=None, locks=None, templates=None, gather=None) -> Path:
+              check=None, locks=None, templates=None, gather=None, passthrough=None) -> Path:
     """Write the HF model dir (adapter=True: a LoRA checkpoint's PEFT adapter dir) `output_dir` from `checkpoint`;
     returns it. `live`: the sharded model just saved there, gathered by `gather` (ext/live) where the layout allows.
     Optional hooks: `adapters` (ext/lora_export; LoRA checkpoints are refused without), `check` (ext/verify, when
-    `verify`), `locks` (ext/locks), `templates` (ext/template_defaults)."""
+    `verify`), `locks` (ext/locks), `templates` (ext/template_defaults), `passthrough` (ext/passthrough: the
+    source's dtypes and the tensors its class does not own)."""
     dtype, shard_bytes, out = parse_dtype(dtype_name), parse_shard_size(max_shard_size), Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
@@ -178,6 +222,9 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
         if source.lora and adapters is None:
             raise CheckpointError(f"{source.label} is a LoRA checkpoint: exporting it needs the LoRA extension "
                                   f"(finetune/ext/lora_export.py), which this installation lacks")
+        if passthrough is None and not adapter:
+            print0("note: every tensor is exported in one dtype and what the model class does not own (MTP layers) "
+                   "is left out: finetune/ext/passthrough.py is not installed")
         if verify and check is None:
             print0("note: the export is not checked: the export check (finetune/ext/verify.py) is not installed")
         check_output_dir(out, EXPORT_MARKER, "an earlier export")
@@ -191,6 +238,8 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             else:
                 skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
             kept, disk = export_layout(source, skeleton, stored)
+            plan = passthrough.plan_export(skeleton, kept, disk, source.model_path, hf_config, dtype) \
+                if passthrough else plain_plan(kept, disk, dtype)
             gathered = live is not None and gather is not None and not source.lora and \
                 len({k for k, _ in disk.values()}) == len(disk)
             if gathered:
@@ -198,10 +247,11 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "bfloat16", ma
             label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
         with staging(out, EXPORT_MARKER, locks) as tmp:
             if adapter:
-                record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype, verify)
+                record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype or torch.bfloat16,
+                                                verify)
             else:
-                record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, kept, disk, load, dtype_name,
-                                     shard_bytes, check if verify else None, gathered, templates)
+                record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, plan, load, shard_bytes,
+                                     check if verify else None, gathered, templates)
             if is_main():  # marks the dir as our export
                 (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
     return out

@@ -3,7 +3,6 @@ the model in RAM); hub ids, layouts converted on load and prepared DCP dirs: ext
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from .compat import local_shape_and_offset
 from .distributed import print0
 from .errors import ModelError
-from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key,
+from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key, ignored_on_load,
                       missing_allowed, open_dir, persistent_buffers, read_rows, read_tensor, tied_groups)
 
 MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
@@ -58,8 +57,8 @@ def locate_slices(model: nn.Module, skeleton: nn.Module, path: str, local_dir=Pa
     if converted:
         return f"{type(skeleton).__name__} stores {converted} in a layout that transformers converts on load"
     expected = skeleton.state_dict()  # tied aliases and persistent buffers: may be stored, not needed
-    ignore = list(getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or [])
-    unexpected = [d for d, k in mapping.items() if k not in expected and not any(re.search(p, k) for p in ignore)]
+    unexpected = [d for d, k in mapping.items() if k not in expected and not ignored_on_load(skeleton, d)
+                  and not ignored_on_load(skeleton, k)]
     if unexpected:
         raise ModelError(f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place "
                          f"for, e.g. {unexpected[0]}")

@@ -262,7 +262,9 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     load_hf_weights(model, skeleton, path, trust_remote_code, transforms.loader)
     transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    for p in model.parameters():  # invariant: sharded trainable weights are fp32 masters
-        assert p.dtype == (torch.float32 if p.requires_grad else base_dtype), p.dtype
+    # invariant: sharded trainable weights are fp32 masters; a frozen base is in base_dtype, and what the model class
+    # itself freezes (ERNIE-4.5-MoE's moe_statics) stays fp32
+    for p in model.parameters():
+        assert p.dtype in ({torch.float32} if p.requires_grad else {base_dtype, torch.float32}), p.dtype
     model.train()
     return model, settings

@@ -21,7 +21,10 @@ INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}
-SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}  # torch dtype -> safetensors' name
+# what a tensor copied through byte for byte may be stored as (a released checkpoint's fp8 MTP layer)
+STORED_DTYPES = {**SAFETENSORS_DTYPES, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                 "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+SAFETENSORS_CODES = {v: k for k, v in STORED_DTYPES.items()}  # torch dtype -> safetensors' name
 ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
 # peft wraps a target Linear as <name>.base_layer + <name>.lora_A/B.default, and a module to save as
@@ -61,6 +64,21 @@ def missing_allowed(model: nn.Module, key: str) -> bool:
     return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
 
 
+def ignored_on_load(model: nn.Module, key: str) -> bool:
+    """A stored tensor the model's class does not read (_keys_to_ignore_on_load_unexpected: MTP layers, other heads).
+    A pattern naming a layer past the last (DeepSeek-V3's model.layers.61, the MTP layer of a 61-layer model) stands
+    for the config's MTP layers after its last (num_mtp_layers, else one), not for more: a config that undercounts
+    the layers is still refused."""
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    if any(re.search(p, key) for p in patterns):
+        return True
+    config = model.config.get_text_config()
+    first, layer = config.num_hidden_layers, re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+    mtp = getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", None) or 1
+    past_last = layer is not None and first <= int(layer[1]) < first + mtp
+    return past_last and any(re.search(r"layers\\?\.\d", p) for p in patterns)
+
+
 def tied_groups(model: nn.Module) -> list[list[str]]:
     """The names of each parameter, tied ones in one list (the first is the name it is stored by)."""
     groups: dict[int, list[str]] = {}
@@ -69,17 +87,27 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
-    """{stored name: in-memory name} as from_pretrained renames them; None where it converts (fused MoE experts)."""
+def renamed_on_load(skeleton: nn.Module, names) -> dict[str, tuple[str, bool]]:
+    """{stored name: (the in-memory name from_pretrained gives it, whether it converts it: fused MoE experts)}."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
     conversions = get_model_conversion_mapping(skeleton)
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
-    expected = skeleton.state_dict()
-    renamed = {name: rename_source_key(name, renamings, converters, skeleton.base_model_prefix, expected)
-               for name in names}
-    return {name: None if converter else key for name, (key, converter) in renamed.items()}
+    expected, prefix, renamed = skeleton.state_dict(), skeleton.base_model_prefix, {}
+    # in from_pretrained's order (a renaming may wait for a key it guards on), and as it does: a name the model has
+    # is kept when a renaming would take it elsewhere (DeepSeek-V4's `.norm.` -> `.kv_norm.` and model.norm.weight)
+    for name in sorted(names, key=dot_natural_key):
+        key, converter = rename_source_key(name, renamings, converters, prefix, expected)
+        if key not in expected and name in expected:
+            key, converter = rename_source_key(name, [], [], prefix, expected)
+        renamed[name] = (key, converter is not None)
+    return renamed
+
+
+def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
+    """{stored name: in-memory name} as from_pretrained renames them; None where it converts (fused MoE experts)."""
+    return {name: None if converted else key for name, (key, converted) in renamed_on_load(skeleton, names).items()}
 
 
 def to_disk(skeleton: nn.Module, tensors: dict) -> dict:
@@ -147,7 +175,7 @@ def open_dir(root: Path) -> dict[str, Entry] | None:
 
 def read_rows(entry: Entry, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of dim 0 of a stored tensor, in its stored dtype: one contiguous read."""
-    dtype = SAFETENSORS_DTYPES[entry.dtype]
+    dtype = STORED_DTYPES[entry.dtype]
     shape = entry.shape or (1,)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
@@ -179,11 +207,6 @@ def write_safetensors(path: Path, specs: dict, fetch) -> None:
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, t.dtype)
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
             del t
-
-
-def out_dtype_of(meta, dtype: torch.dtype) -> torch.dtype:
-    """The dtype an export writes a tensor in: `dtype` for floating-point tensors, else the stored one."""
-    return dtype if meta.properties.dtype.is_floating_point else meta.properties.dtype
 
 
 # -------------------------------------------------------------------------------------------------- sources

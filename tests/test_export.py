@@ -211,7 +211,7 @@ def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
                          (tmp_path, "no checkpoint at")]:
         with pytest.raises(CheckpointError, match=expect):
             find_source(str(path))
-    with pytest.raises(ConfigError, match="--dtype must be one of bfloat16, float32, got 'float16'"):
+    with pytest.raises(ConfigError, match="--dtype must be one of auto, bfloat16, float32, got 'float16'"):
         parse_dtype("float16")
     assert parse_shard_size("5GB") == 5 * 10**9 and parse_shard_size("100KB") == 10**5
     for bad in ("5XB", "0MB", "-1", "big"):
@@ -224,13 +224,14 @@ def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, l
     from finetune.export import find_source, export_layout
     from finetune.ext.verify import VerifyError, verify_export
     from finetune.model import build_skeleton, load_hf_config
+    from finetune.ext.passthrough import plan_export
     from finetune.weights import open_dcp
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)
     skeleton, (stored, load) = build_skeleton(hf_config, None), open_dcp(source.weights)
     kept, disk = export_layout(source, skeleton, stored)
     shards = {"model.safetensors": list(kept)}
-    args = (skeleton, load, hf_config, kept, disk, torch.bfloat16, shards)
+    args = (skeleton, load, hf_config, plan_export(skeleton, kept, disk, source.model_path, hf_config, None), shards)
     assert verify_export(llama_export, *args) == 0
 
     bad_tensor = tmp_path / "bad_tensor"

@@ -297,7 +297,7 @@ def test_partial_export_of_a_killed_run_is_removed_by_the_next(run_dir, tmp_path
     (["sft", "--model", "org/no-model"], {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},
      "cannot be reached: pass a local path, or set HF_HUB_OFFLINE=1"),
     (["export-hf", "--checkpoint", "{file}", "-o", "hf", "--dtype", "float16"], {},
-     "--dtype must be one of bfloat16, float32, got 'float16'"),
+     "--dtype must be one of auto, bfloat16, float32, got 'float16'"),
     (["export-hf", "--checkpoint", "{file}", "-o", "hf", "--max-shard-size", "5XB"], {},
      "--max-shard-size must be a positive size like 5GB"),
     (["--version"], {}, None),

@@ -14,6 +14,7 @@ from torch import nn
 from ..distributed import broadcast, is_main, world_size
 from ..errors import ModelError, one_line
 from ..load import hf_buffers, hf_params, lacks_buffer
+from ..weights import ignored_on_load
 
 
 def local_dir(path: str) -> Path:
@@ -49,13 +50,12 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
         src, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code,
                                                          output_loading_info=True)
         full, arch = src.state_dict(), type(src).__name__
-        del src
         # from_pretrained initialises what the checkpoint lacks (less what the class says it computes on load) and
         # drops what the model has no place for (less what the class says to ignore): both would train another model
         absent = set(info["missing_keys"])
         missing = [key for key in uses if key not in full or key in absent]
         lost = [key for key, _ in buffers if key in absent]
-        unexpected = sorted(info["unexpected_keys"])
+        unexpected = sorted(k for k in info["unexpected_keys"] if not ignored_on_load(src, k))
         if missing:
             problem = f"checkpoint '{path}' lacks {len(missing)} parameters, e.g. {missing[0]}"
         elif lost:
@@ -63,6 +63,7 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
         elif unexpected:
             problem = (f"'{path}' holds {len(unexpected)} tensor(s) the model of its config.json has no place for, "
                        f"e.g. {unexpected[0]}")
+        del src
     if problem := broadcast(problem):  # every rank stops, not rank 0 alone
         raise ModelError(problem)
     for key, param in params:

@@ -108,10 +108,11 @@ def sft_task(cfg: Config, run: Run) -> Task:
 
 def export_hooks() -> dict:
     """export.export_hf's hooks: LoRA checkpoints merged or written as adapter dirs, the streamed check, the locks (also
-    the run's and its retention's: cli.py, train.open_outputs), the chat template's defaults, the live gather."""
-    from . import live, locks, lora_export, template_defaults, verify
+    the run's and its retention's: cli.py, train.open_outputs), the chat template's defaults, the live gather, the
+    source's dtypes and the tensors its class does not own."""
+    from . import live, locks, lora_export, passthrough, template_defaults, verify
     return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults,
-            "gather": live.open_live}
+            "gather": live.open_live, "passthrough": passthrough}
 
 
 def samples(cfg: Config, labellers: dict) -> dict:

@@ -3,6 +3,7 @@ source tensor): one tensor, or one decoder block in fp32, at a time, never the m
 """
 from __future__ import annotations
 
+import math
 import warnings
 from functools import partial
 from pathlib import Path
@@ -13,10 +14,11 @@ from torch import nn
 
 from ..distributed import is_main, is_my_file, print0
 from ..errors import FinetuneError, ModelError
+from ..export import Plan
 from ..metrics import peak_rss_mb
 from ..model import build_skeleton, find_layers
-from ..weights import (SAFETENSORS_CODES, SAFETENSORS_DTYPES, Entry, disk_to_memory, open_dir,
-                       out_dtype_of, persistent_buffers, read_tensor, to_disk)
+from ..weights import (SAFETENSORS_CODES, STORED_DTYPES, Entry, disk_to_memory, open_dir,
+                       persistent_buffers, read_tensor, to_disk)
 from .loader import local_dir
 
 
@@ -32,43 +34,52 @@ def open_safetensors(path: str, what: str = "model") -> tuple[dict, Callable[[st
     entries = open_dir(local_dir(path))
     if not entries:
         raise ModelError(f"the {what} '{path}' has no safetensors weights")
-    metas = {k: TensorStorageMetadata(TensorProperties(dtype=SAFETENSORS_DTYPES[e.dtype]), torch.Size(e.shape), [])
+    metas = {k: TensorStorageMetadata(TensorProperties(dtype=STORED_DTYPES[e.dtype]), torch.Size(e.shape), [])
              for k, e in entries.items()}
     return metas, lambda name: read_tensor(entries[name])
 
 
-def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, kept: dict,
-                  disk: dict, dtype: torch.dtype, shards: dict, *, live: bool = False,
-                  trust_remote_code: bool = False, source: str | None = None) -> float:
-    """`out` holds, bit for bit, what `kept`/`disk`/`shards` planned from `load` (a collective if `live`) and
-    config.json from hf_config, and reads back as the same model; says so and returns the max abs logit diff (0.0
-    off rank 0). `source`: the starting model, which the tensors a run never trains (untrained_keys) must match."""
-    entries = check_files(out, skeleton, load, kept, disk, dtype, shards, live)
+def verify_export(out: Path, skeleton: nn.Module, load: Callable[[str], torch.Tensor], hf_config, plan: Plan,
+                  shards: dict, *, live: bool = False, trust_remote_code: bool = False,
+                  source: str | None = None) -> float:
+    """`out` holds, bit for bit, what `plan`/`shards` planned from `load` (a collective if `live`) and the source's
+    files, and config.json from hf_config, and reads back as the same model; says so and returns the max abs logit
+    diff (0.0 off rank 0). `source`: the starting model, which the tensors a run never trains (untrained_keys) must
+    match."""
+    entries = check_files(out, skeleton, load, plan, shards, live)
     if not is_main():  # the other ranks checked their own files; rank 0 does the rest
         return 0.0
+    check_source(entries, plan)
     if source:
-        check_untrained(entries, skeleton, disk, source, untrained_keys(skeleton))
-    diff = check_logits(out, skeleton, load, hf_config, kept, disk, dtype, entries, trust_remote_code)
-    print0(f"verified: {len(kept)} tensors equal the checkpoint's; logits streamed from the files (fp32) max abs diff "
-           f"{diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
+        check_untrained(entries, skeleton, plan.disk, source, untrained_keys(skeleton))
+    diff = check_logits(out, skeleton, load, hf_config, plan, entries, trust_remote_code)
+    untouched = f", {len(plan.untouched)} copied through equal the source's" if plan.untouched else ""
+    print0(f"verified: {len(plan.kept)} tensors equal the checkpoint's{untouched}; logits streamed from the files "
+           f"(fp32) max abs diff {diff:.3g}; peak RSS {peak_rss_mb():.0f} MB")
     return diff
 
 
 @torch.no_grad()
-def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dtype: torch.dtype, shards: dict,
-                live: bool) -> dict[str, Entry]:
+def check_files(out: Path, skeleton: nn.Module, load, plan: Plan, shards: dict, live: bool) -> dict[str, Entry]:
     """The files and index hold exactly the planned tensors and dtypes, and those of this rank's files equal the
-    source's rounded to dtype (converted ones piece by piece); returns {stored name: Entry} of the export."""
+    checkpoint's rounded to their dtype (converted ones piece by piece); returns {stored name: Entry} of the
+    export."""
+    disk, dtypes = plan.disk, {**plan.dtypes, **{d: STORED_DTYPES[e.dtype] for d, e in plan.untouched.items()}}
     try:
         entries = open_dir(out) or {}  # strict: the index names existing files that hold what it lists
     except ModelError as e:
         raise VerifyError(f"export check: {e}") from e
     for filename, names in shards.items():
         held = {n: e.dtype for n, e in entries.items() if e.file.name == filename}
-        if held != {n: SAFETENSORS_CODES[out_dtype_of(kept[disk[n][0]], dtype)] for n in names}:
-            raise VerifyError(f"export check: {filename} does not hold the planned tensors and dtypes")
-    if set(entries) != set(disk):
-        raise VerifyError(f"export check: the exported files hold {len(entries)} tensors, {len(disk)} were planned")
+        planned = {n: SAFETENSORS_CODES[dtypes[n]] for n in names}
+        if held != planned:
+            wrong = next(n for n in {**held, **planned} if held.get(n) != planned.get(n))
+            raise VerifyError(f"export check: {filename} holds {wrong} as {held.get(wrong, 'nothing')}, the plan was "
+                              f"{planned.get(wrong, 'none')}")
+    if set(entries) != set(dtypes):
+        unplanned, missing = sorted(set(entries) - set(dtypes)), sorted(set(dtypes) - set(entries))
+        raise VerifyError(f"export check: the exported files hold {len(entries)} tensors, {len(dtypes)} were planned "
+                          f"(not planned: {unplanned[:2]}, missing: {missing[:2]})")
     pieces_of: dict[str, list[str]] = {}
     for d, (k, _) in disk.items():
         pieces_of.setdefault(k, []).append(d)
@@ -77,14 +88,35 @@ def check_files(out: Path, skeleton: nn.Module, load, kept: dict, disk: dict, dt
             if live:
                 load(k)  # take part in the owner's gather
             continue
-        want = load(k).to(out_dtype_of(kept[k], dtype))
+        want = load(k)
         want = to_disk(skeleton, {k: want}) if pieces != [k] else {k: want}
         for d in pieces:
-            got = read_tensor(entries[d])
+            got, want[d] = read_tensor(entries[d]), want[d].to(dtypes[d])
             if got.dtype != want[d].dtype or not torch.equal(got, want[d]):
                 raise VerifyError(f"export check: {d} in {entries[d].file.name} differs from the checkpoint's tensor")
         del want
     return entries
+
+
+def read_bytes(entry: Entry) -> bytes:
+    """The stored bytes of a tensor, as they are in its file."""
+    with open(entry.file, "rb", buffering=0) as f:
+        f.seek(entry.start)
+        return f.read(math.prod(entry.shape) * STORED_DTYPES[entry.dtype].itemsize)
+
+
+def check_source(entries: dict[str, Entry], plan: Plan) -> None:
+    """What the export copied through is the source's, byte for byte; with --dtype auto each tensor is in the dtype
+    the source stores it in, or fp32 (where transformers keeps it so)."""
+    for d, src in plan.untouched.items():
+        got = entries[d]
+        if (got.dtype, got.shape) != (src.dtype, src.shape) or read_bytes(got) != read_bytes(src):
+            raise VerifyError(f"export check: {d} in {got.file.name} is not the source's ({src.file}), which it "
+                              f"copies through untouched")
+    for d in plan.disk if plan.dtype is None else []:
+        if d in plan.source and entries[d].dtype not in (plan.source[d].dtype, "F32"):
+            raise VerifyError(f"export check: {d} is {entries[d].dtype} in the export, {plan.source[d].dtype} in the "
+                              f"source model ({plan.where})")
 
 
 def untrained_keys(skeleton: nn.Module) -> list[str]:
@@ -122,8 +154,8 @@ def check_untrained(entries: dict[str, Entry], skeleton: nn.Module, disk: dict, 
 
 
 @torch.no_grad()
-def check_logits(out: Path, skeleton: nn.Module, load, hf_config, kept: dict, disk: dict, dtype: torch.dtype,
-                 entries: dict[str, Entry], trust_remote_code: bool) -> float:
+def check_logits(out: Path, skeleton: nn.Module, load, hf_config, plan: Plan, entries: dict[str, Entry],
+                 trust_remote_code: bool) -> float:
     """The model config.json describes, its weights streamed from the files under the names from_pretrained gives
     them, has the logits of `skeleton`'s model on the same tensors; and config.json reads back as hf_config."""
     from transformers import AutoConfig
@@ -131,15 +163,19 @@ def check_logits(out: Path, skeleton: nn.Module, load, hf_config, kept: dict, di
     reloaded = build_skeleton(exported, None, trust_remote_code)
     to_memory = disk_to_memory(reloaded, entries)
     stored = {k: entries[d] for d, k in to_memory.items() if k is not None}
-    converted = {disk[d][0] for d, k in to_memory.items() if k is None}  # these enter from the source
+    # these enter from the checkpoint, in the dtype their pieces are written in
+    converted = {plan.disk[d][0]: plan.dtypes[d] for d, k in to_memory.items() if k is None and d in plan.disk}
 
     def fetch(name: str) -> torch.Tensor:
         if name in stored:
             return read_tensor(stored[name])
         if name in converted:
-            return load(name).to(out_dtype_of(kept[name], dtype))
-        raise VerifyError(f"export check: the exported files hold no {name}: from_pretrained would initialise it "
-                          f"itself")
+            return load(name).to(converted[name])
+        expected = reloaded.state_dict()
+        found = next((f"{d} -> {k}" for d, k in to_memory.items() if k is not None and k not in expected
+                      and d not in plan.untouched), "none")
+        raise VerifyError(f"export check: from_pretrained would find no {name} in the exported files and initialise "
+                          f"it itself (a stored tensor it reads as a name the model lacks: {found})")
     vocab_size = skeleton.get_input_embeddings().weight.shape[0]
     input_ids = torch.randint(vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     ref_logits = streamed_logits(skeleton, fetch, input_ids)
@@ -182,7 +218,7 @@ def streamed_logits(model: nn.Module, fetch, input_ids: torch.Tensor) -> torch.T
         handles += [unit.register_forward_pre_hook(partial(load, params)),
                     unit.register_forward_hook(partial(drop, params))]
     try:
-        return model.eval()(input_ids=input_ids).logits
+        return model.eval()(input_ids=input_ids, use_cache=False).logits
     finally:
         for h in handles:
             h.remove()
