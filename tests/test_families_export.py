@@ -17,7 +17,6 @@ from helpers import export_hf, run_ranks, sft
 TINY = dict(hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
             num_hidden_layers=2)
 MLA = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8)
-UNPACKED = ("data.packing=false",)  # the hybrids' packing: another issue's
 # name: (config class, its kwargs, the source's extra tensors: {"mtp": True} (an MTP layer after the last) or
 # {"extra": {name: shape}}, the run's overrides; "prepare" for a prepared checkpoint instead of a run)
 FAMILIES = {
@@ -28,7 +27,7 @@ FAMILIES = {
     "glm4_moe": (T.Glm4MoeConfig, dict(TINY, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                                        head_dim=8), {"mtp": True, "fp8": ["model.layers.2.eh_proj.weight"]}, ()),
     "lfm2_moe": (T.Lfm2MoeConfig, dict(TINY, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
-                                       layer_types=["conv", "full_attention"]), {}, UNPACKED),
+                                       layer_types=["conv", "full_attention"]), {}, ()),
     "ernie4_5_moe": (T.Ernie4_5_MoeConfig, dict(TINY, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
                                                 moe_layer_start_index=1),
                      {"extra": {"mtp_linear_proj.0.weight": (8, 8)}}, ("train.mixed_precision=bf16",)),
@@ -36,16 +35,15 @@ FAMILIES = {
                                            num_experts_per_tok=2, moe_shared_expert_intermediate_size=8,
                                            mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
                                            chunk_size=8), {"extra": {"mtp.layers.0.eh_proj.weight": (16, 32)}},
-                   UNPACKED),
-    # attention sinks: sdpa (the default's is another issue's)
+                   ()),
+    # attention sinks (varlen runs them under the default attention)
     "mimo_v2_flash": (T.MiMoV2FlashConfig, dict(TINY, head_dim=8, v_head_dim=8, n_routed_experts=4,
                                                 num_experts_per_tok=2, sliding_window=8),
-                      {"extra": {"model.mtp.layers.0.eh_proj.weight": (16, 32)}}, ("model.attn_implementation=sdpa",)),
+                      {"extra": {"model.mtp.layers.0.eh_proj.weight": (16, 32)}}, ()),
     # A_log, dt_bias and the conv1d weights kept in fp32
     "bailing_hybrid": (T.BailingHybridConfig, dict(TINY, **MLA, num_key_value_heads=2, head_dim=8, n_group=1,
                                                    topk_group=1, num_experts_per_tok=2, num_local_experts=4,
-                                                   first_k_dense_replace=1, layer_group_size=2), {"mtp": True},
-                       UNPACKED),
+                                                   first_k_dense_replace=1, layer_group_size=2), {"mtp": True}, ()),
     "deepseek_v4": (T.DeepseekV4Config, dict(TINY, head_dim=8, q_lora_rank=8, o_groups=1, o_lora_rank=8,
                                              n_routed_experts=4, num_experts_per_tok=2, index_n_heads=2,
                                              index_head_dim=8, index_topk=4, sliding_window=8, hc_mult=2),

@@ -52,7 +52,7 @@ def build_manifest(model, model_path: str, directory: Path, hf_config, keys: lis
 
 
 def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool = False,
-                       attn_implementation: str = "sdpa") -> Path:
+                       attn_implementation: str = "auto") -> Path:
     """Run on every rank: build the sharded fp32 model as sft does, DCP-save it, then config/tokenizer/manifest."""
     device, dims = init_distributed()
     out = Path(output_dir)
