@@ -152,3 +152,13 @@ def test_bad_qlora_input_is_one_line_and_exit_2(qlora_dir, chat_file, tmp_path):
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1 and expect in lines[0], (extra, result.stderr)
         assert not (tmp_path / "out").exists()
+
+
+def test_dpo_on_a_4bit_base_takes_its_reference_with_the_adapters_off(qlora_dir, tmp_path):
+    """The reference is the same NF4 base with the adapters off: at step 0 policy == reference (loss ln 2)."""
+    from test_dpo import dpo, make_pairs
+    pairs = helpers.write_jsonl(tmp_path / "pairs.jsonl", make_pairs(16))
+    records = dpo(qlora_dir, pairs, tmp_path / "dpo", *QLORA, "train.lr=1e-2", "train.max_steps=3",
+                  "train.micro_batch_size=2", "data.max_seq_len=512", nproc=2)
+    assert records[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
+    assert records[-1]["loss"] < records[0]["loss"]
