@@ -162,3 +162,28 @@ def test_dpo_on_a_4bit_base_takes_its_reference_with_the_adapters_off(qlora_dir,
                   "train.micro_batch_size=2", "data.max_seq_len=512", nproc=2)
     assert records[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_moe_experts_stay_unquantized_with_a_note_and_odd_shapes_are_named(capsys):
+    """On the meta skeleton of a Mixtral: attention NF4, the fused 3-D experts not (a note says so); a weight whose rows
+    do not split into whole factor blocks over the ranks is kept and named."""
+    from functools import partial
+    from transformers import MixtralConfig
+    from finetune.ext.lora import apply_lora
+    from finetune.ext.qlora import apply_nf4, is_nf4
+    from finetune.model import build_skeleton, find_layers
+    config = MixtralConfig(vocab_size=512, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
+                           **{**SIZES, "num_key_value_heads": 2})  # k_proj, v_proj: 128 x 256, one block a rank of 4
+    for shards, kept in ((1, 0), (4, 2)):
+        skeleton = build_skeleton(config)
+        capsys.readouterr()
+        apply_lora(skeleton, find_layers(skeleton), rank=4, alpha=8.0, dropout=0.0,
+                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], modules_to_save=[],
+                   base_dtype=torch.bfloat16, quantize=partial(apply_nf4, shards=shards))
+        out = capsys.readouterr().out
+        quantized = sorted(n for n, p in skeleton.named_parameters() if is_nf4(p))
+        assert len(quantized) == 4 - kept and all(".self_attn." in n for n in quantized), quantized
+        assert not any(is_nf4(p) for n, p in skeleton.named_parameters() if ".experts." in n)
+        assert "note: the MoE experts (1 layers of fused 3-D weights) are not NF4" in out, out
+        assert (f"note: {kept} frozen linear weights of the blocks are not NF4, e.g. layers.0.self_attn.k_proj."
+                f"base_layer.weight [128, 256] does not split into 4 row shards" in out) == bool(kept), out
