@@ -120,8 +120,10 @@ def built_shards(model_dir, data):
 
 
 def test_each_rank_holds_the_rows_of_the_whole_tensor_quantized_at_once_at_half_a_byte_a_param(qlora_dir, chat_file):
+    """And plan counts those bytes (its fake model is built unquantized)."""
     from torchao.quantization import to_nf4
     from test_lora import read_weights
+    from test_plan import planned
     stored = read_weights(qlora_dir)
     num_linear = sum(1 for k, t in stored.items() if ".layers." in k and t.dim() == 2)
     for world in (1, 2, 4):
@@ -139,6 +141,10 @@ def test_each_rank_holds_the_rows_of_the_whole_tensor_quantized_at_once_at_half_
                         n = theirs.size // world
                         theirs = theirs[rank * n:(rank + 1) * n]
                     assert mine.dtype == theirs.dtype and (mine == theirs).all(), (world, rank, name, attr)
+        if world == 2:  # plan's bf16 factors (a run in fp32 holds them in fp32): 2 bytes more per 16384 elements
+            plan = planned(qlora_dir, "fp32", [0.0], 1, 64, **{"lora.rank": 4, "lora.quantize_base": "nf4"})
+            assert plan["state"]["params nf4"] == pytest.approx(ranks[0][1], rel=1e-3)
+            assert plan["in_flight"]["nf4 dequantized"] > 0
 
 
 def test_bad_qlora_input_is_one_line_and_exit_2(qlora_dir, chat_file, tmp_path):

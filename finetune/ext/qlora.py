@@ -11,6 +11,7 @@ from ..distributed import print0
 BLOCK = 64  # elements per NF4 scale (torchao's default block_size)
 SCALER_BLOCK = 256  # scales per double-quantization factor (torchao's default scaler_block_size)
 GRANULE = BLOCK * SCALER_BLOCK  # a shard holding whole factors: its bytes need no other rank's
+NF4_BYTES = 0.5 + 1 / BLOCK + 2 / GRANULE  # per element: a 4-bit code, an int8 scale a block, a bf16 factor a granule
 
 
 def nf4_misfit(shape, shards: int) -> str | None:
@@ -30,14 +31,11 @@ def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch
     from torchao.quantization import to_nf4
     from .moe import find_experts
     kept, num_quantized = [], 0
-    for name, mod in layers.named_modules():
-        weight = getattr(mod, "weight", None)
-        if not isinstance(mod, nn.Linear) or weight is None or weight.requires_grad:
-            continue
-        if why := nf4_misfit(weight.shape, shards):
+    for name, mod in frozen_linears(layers):
+        if why := nf4_misfit(mod.weight.shape, shards):
             kept.append(f"{name}.weight {why}")
             continue
-        meta = torch.empty(weight.shape, dtype=dtype, device="meta")
+        meta = torch.empty(mod.weight.shape, dtype=dtype, device="meta")
         mod.weight = nn.Parameter(to_nf4(meta, BLOCK, SCALER_BLOCK), requires_grad=False)
         num_quantized += 1
     print0(f"qlora: {num_quantized} frozen linear weights of the blocks held as NF4 (blocks of {BLOCK}, scales "
@@ -49,6 +47,25 @@ def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch
         print0(f"note: the MoE experts ({len(experts)} layers of fused 3-D weights) are not NF4: it holds 2-D "
                f"linear weights only")
     return kept
+
+
+def frozen_linears(layers: nn.ModuleList) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of each Linear in the blocks `layers` whose weight is frozen (what apply_nf4 quantizes)."""
+    return [(n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad]
+
+
+def plan_nf4(model: nn.Module, shards: int, meter) -> dict:
+    """For plan (its fake model built unquantized): {id(weight): bytes per element} of the weights apply_nf4 would
+    hold as NF4 over `shards` ranks, and "dequantized": the bytes NF4's dequantization of the largest one allocates
+    (`meter`: a dispatch mode with the peak bytes of what ops create, measured on one granule)."""
+    from torchao.quantization import to_nf4
+    from ..model import find_layers
+    weights = [m.weight for _, m in frozen_linears(find_layers(model)) if nf4_misfit(m.weight.shape, shards) is None]
+    probe = to_nf4(torch.ones(1, GRANULE, dtype=torch.bfloat16), BLOCK, SCALER_BLOCK)
+    with meter() as peak:
+        probe.get_original_weight()
+    largest = max((w.numel() for w in weights), default=0)
+    return {**{id(w): NF4_BYTES for w in weights}, "dequantized": peak.peak / GRANULE * largest}
 
 
 def is_nf4(param) -> bool:
