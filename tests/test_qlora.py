@@ -35,6 +35,8 @@ def runs(qlora_dir, chat_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora_runs")
     sft(qlora_dir, chat_file, root / "one", "train.micro_batch_size=4")
     sft(qlora_dir, chat_file, root / "two", "train.micro_batch_size=2", nproc=2)
+    sft(qlora_dir, chat_file, root / "bf16", "train.micro_batch_size=4", "lora.quantize_base=none",
+        "train.max_steps=1")  # LoRA's bf16 base: the first loss, before any update, is the base's
     return root
 
 
@@ -44,6 +46,7 @@ def test_two_ranks_train_like_one_process_and_checkpoints_hold_only_the_adapters
     one, two = losses(runs / "one"), losses(runs / "two")
     assert len(one) == 4 and one[-1] < one[0] - 0.05  # it learns
     assert two == pytest.approx(one, rel=1e-5, abs=1e-5)
+    assert abs(one[0] - losses(runs / "bf16")[0]) > 1e-4  # the base it starts from is the 4-bit one
     step = runs / "two" / "checkpoints" / "step-4"
     metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
     keys = [k for k in metadata if k.startswith("model.")]
@@ -126,7 +129,7 @@ def test_each_rank_holds_the_rows_of_the_whole_tensor_quantized_at_once_at_half_
     from test_plan import planned
     stored = read_weights(qlora_dir)
     num_linear = sum(1 for k, t in stored.items() if ".layers." in k and t.dim() == 2)
-    for world in (1, 2, 4):
+    for world in (2, 4):  # one process holds the whole tensor quantized at once: the 2-ranks-vs-1 run compares it
         ranks = helpers.run_ranks(built_shards, world, qlora_dir, chat_file)
         for rank, (shards, frozen_bytes, frozen_numel) in enumerate(ranks):
             # all linear weights of the blocks, none kept bf16 (a bf16 base would be 2 bytes a param)
@@ -158,6 +161,14 @@ def test_bad_qlora_input_is_one_line_and_exit_2(qlora_dir, chat_file, tmp_path):
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1 and expect in lines[0], (extra, result.stderr)
         assert not (tmp_path / "out").exists()
+    from finetune.errors import ModelError
+    from finetune.ext.qlora import fill_nf4
+    from finetune.load import MANIFEST, load_hf_weights
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / MANIFEST).write_text("{}")  # a prepared checkpoint: no safetensors slices to quantize
+    with pytest.raises(ModelError, match="is a prepared checkpoint: lora.quantize_base quantizes the base as each "
+                                         "rank reads its slices of the safetensors files"):
+        load_hf_weights(None, None, str(tmp_path / "prepared"), fill=fill_nf4)
 
 
 def test_dpo_on_a_4bit_base_takes_its_reference_with_the_adapters_off(qlora_dir, tmp_path):

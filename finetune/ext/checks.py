@@ -60,9 +60,8 @@ def check_quantize_base(cfg: Config) -> None:
                           f"adapters, and lora.rank=0 trains every weight in full; set lora.rank (e.g. 16) or "
                           f"lora.quantize_base=none")
     if cfg.model.fp8 != "off":
-        raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} with model.fp8={cfg.model.fp8}: the base is "
-                          f"held 4-bit and the adapters compute in bf16, so there is nothing for fp8 to cast; set "
-                          f"model.fp8=off")
+        raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} with model.fp8={cfg.model.fp8}: the frozen "
+                          f"base is held 4-bit, which torchao's Float8Linear cannot take; set model.fp8=off")
 
 
 def probe(cfg: Config) -> None:

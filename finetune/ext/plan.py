@@ -174,10 +174,8 @@ def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], s
                  liger: bool) -> tuple[dict, dict]:
     """{(ratio, (micro-batch, tokens per rank)): measure_micro_batch} at every ratio and 0, and measure_state."""
     models = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0, *ratios}, liger)
-    nf4 = None
-    if cfg.lora.quantize_base == "nf4":
-        from .qlora import plan_nf4
-        nf4 = plan_nf4(models[max(models)], dims.mesh.shape[-1], LivePeak)
+    from .qlora import plan_nf4
+    nf4 = plan_nf4(models[max(models)], cfg.lora.quantize_base, dims.mesh.shape[-1], LivePeak)
     with fake_mode:
         runs = {(r, (mbs, seq)): measure_micro_batch(m, mbs, seq) for r, m in models.items() for mbs, seq in shapes}
         measured = measure_state(model := models[max(models)], nf4)
@@ -247,6 +245,7 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
     (within a node, dividing the heads). A rank's bytes depend on its S / cp tokens only: measured, never extrapolated
     (fake forwards from 1024 tokens per rank, doubled while they fit, then bisected to a multiple of 1024)."""
     from .liger import resolve_liger
+    from .qlora import plan_nf4
     world, unit = nnodes * nproc, 1024
     heads = hf_config.get_text_config().num_attention_heads
     cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if nproc % c == 0 and heads % c == 0]
@@ -266,7 +265,8 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
 
         with fake_mode:  # the state and the units in flight (after a forward: FSDP's lazy init decides resharding)
             runs[0.0, (1, unit)] = measure_micro_batch(models[0.0], 1, unit)
-            measured = measure_state(models[0.0])
+            measured = measure_state(models[0.0], plan_nf4(models[0.0], cfg.lora.quantize_base, dims.mesh.shape[-1],
+                                                            LivePeak))
         fixed = sum(measured["state"].values()) + sum(measured["in_flight"].values())
         longest, totals = {}, {}  # per ratio: the most tokens per rank measured to fit, and their bytes
         for ratio in ratios:

@@ -44,8 +44,8 @@ def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch
     if kept:
         print0(f"note: {len(kept)} frozen linear weights of the blocks are not NF4, e.g. layers.{kept[0]}")
     if experts := find_experts(model):
-        print0(f"note: the MoE experts ({len(experts)} layers of fused 3-D weights) are not NF4: it holds 2-D "
-               f"linear weights only")
+        print0(f"note: the MoE experts ({len(experts)} layers of fused 3-D weights) are not NF4 (it holds 2-D "
+               f"linear weights here): they stay {str(dtype).removeprefix('torch.')}")
     return kept
 
 
@@ -54,10 +54,12 @@ def frozen_linears(layers: nn.ModuleList) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad]
 
 
-def plan_nf4(model: nn.Module, shards: int, meter) -> dict:
-    """For plan (its fake model built unquantized): {id(weight): bytes per element} of the weights apply_nf4 would
-    hold as NF4 over `shards` ranks, and "dequantized": the bytes NF4's dequantization of the largest one allocates
-    (`meter`: a dispatch mode with the peak bytes of what ops create, measured on one granule)."""
+def plan_nf4(model: nn.Module, quantize_base: str, shards: int, meter) -> dict | None:
+    """For plan (its fake model built unquantized; None without QLoRA): {id(weight): bytes per element} of the weights
+    apply_nf4 would hold as NF4 over `shards` ranks, and "dequantized": the bytes NF4's dequantization of the largest
+    one allocates (`meter`: a dispatch mode with the peak bytes of what ops create, measured on one granule)."""
+    if quantize_base != "nf4":
+        return None
     from torchao.quantization import to_nf4
     from ..model import find_layers
     weights = [m.weight for _, m in frozen_linears(find_layers(model)) if nf4_misfit(m.weight.shape, shards) is None]
@@ -94,7 +96,8 @@ def fill_nf4(param, rows: torch.Tensor) -> bool:
         whole, rank = scalers, 0
     quantized_scalers, factors, mean = double_quantize(whole)
     n, k = scalers.numel(), scalers.numel() // SCALER_BLOCK
-    codes = to_nf4(rows, BLOCK, SCALER_BLOCK)  # its 4-bit codes depend on each block's own absmax only
+    # the 4-bit codes depend on each block's own absmax only: this rank's rows alone give them
+    codes = to_nf4(rows, BLOCK, SCALER_BLOCK)
     local.quantized_data.copy_(codes.quantized_data)
     local.quantized_scalers.copy_(quantized_scalers[rank * n:(rank + 1) * n])
     local.quantization_factor.copy_(factors[rank * k:(rank + 1) * k])
