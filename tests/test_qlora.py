@@ -13,6 +13,7 @@ import helpers
 from conftest import make_model_dir
 from helpers import export_hf, losses
 
+RUN = ["data.pad_to_max=true"]  # as bench sets it: the runs below and bench's point take the same batches
 QLORA = ["lora.rank=4", "lora.alpha=8", "lora.quantize_base=nf4", "train.lr=1e-2", "train.max_steps=4",
          "checkpoint.interval=2", "checkpoint.keep=0"]
 # every linear weight of the blocks splits into 1, 2 or 4 row shards of whole NF4 factor blocks (16384 elements)
@@ -33,9 +34,9 @@ def sft(model_dir, data, out, *extra, nproc=1):
 def runs(qlora_dir, chat_file, tmp_path_factory):
     """The same 4 QLoRA steps on 1 process (micro-batch 4) and on 2 ranks (2 each), checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("qlora_runs")
-    sft(qlora_dir, chat_file, root / "one", "train.micro_batch_size=4")
-    sft(qlora_dir, chat_file, root / "two", "train.micro_batch_size=2", nproc=2)
-    sft(qlora_dir, chat_file, root / "bf16", "train.micro_batch_size=4", "lora.quantize_base=none",
+    sft(qlora_dir, chat_file, root / "one", *RUN, "train.micro_batch_size=4")
+    sft(qlora_dir, chat_file, root / "two", *RUN, "train.micro_batch_size=2", nproc=2)
+    sft(qlora_dir, chat_file, root / "bf16", *RUN, "train.micro_batch_size=4", "lora.quantize_base=none",
         "train.max_steps=1")  # LoRA's bf16 base: the first loss, before any update, is the base's
     return root
 
@@ -65,7 +66,7 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, qlora_dir, chat_fil
     shutil.rmtree(resumed / "checkpoints" / "step-4")
     (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in (resumed / "metrics.jsonl").read_text()
                                                    .splitlines()[:2]))
-    sft(qlora_dir, chat_file, resumed, "train.micro_batch_size=4")
+    sft(qlora_dir, chat_file, resumed, *RUN, "train.micro_batch_size=4")
     assert losses(resumed)[2:] == pytest.approx(losses(runs / "one")[2:], rel=1e-5, abs=1e-5)
 
 
@@ -204,3 +205,11 @@ def test_moe_experts_stay_unquantized_with_a_note_and_odd_shapes_are_named(capsy
         assert "note: the MoE experts (1 layers of fused 3-D weights) are not NF4" in out, out
         assert (f"note: {kept} frozen linear weights of the blocks are not NF4, e.g. layers.0.self_attn.k_proj."
                 f"base_layer.weight [128, 256] does not split into 4 row shards" in out) == bool(kept), out
+
+
+def test_bench_runs_qlora_with_sfts_step(runs, qlora_dir, chat_file, tmp_path):
+    """bench's point on a 4-bit base, 2 ranks, with the settings of the fixture's 2-rank run: its first losses."""
+    from finetune.ext.bench import run_point
+    cfg = helpers.sft_config(qlora_dir, chat_file, tmp_path / "bench", *QLORA, *RUN, "train.micro_batch_size=2")
+    points = helpers.run_ranks(run_point, 2, cfg, 2, 0)
+    assert points[0]["losses"] == pytest.approx(losses(runs / "two")[:2], rel=1e-6)
