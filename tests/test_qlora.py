@@ -99,15 +99,16 @@ def test_exports_merge_into_the_original_base_and_peft_loads_the_adapter_onto_it
         assert (exported[name] - (dequantized + delta)).abs().max() > 1e-3, name
 
 
-def built_shards(model_dir, data):
-    """On each rank: the model built as sft builds it with QLoRA; its NF4 shards' inner tensors and byte counts."""
+def built_shards(model_dir, data, dp_replicate=1):
+    """On each rank: the model built as sft builds it with QLoRA (HSDP: `dp_replicate` groups); its NF4 shards'
+    inner tensors and byte counts."""
     from finetune.ext.qlora import is_nf4
     from finetune.ext.compat import local_tensor
     from finetune.ext.recipes import transforms
     from finetune.distributed import build_parallel_dims
     from finetune.model import build_model
     cfg = helpers.sft_config(model_dir, data, "unused", *QLORA)
-    dims = build_parallel_dims("cpu")
+    dims = build_parallel_dims("cpu", dp_replicate)
     model, _ = build_model(cfg.model.path, torch.device("cpu"), dims.mesh, transforms(cfg, dims, torch.device("cpu")),
                            mixed_precision=cfg.train.mixed_precision)
     shards, frozen_bytes, frozen_numel = {}, 0, 0
@@ -130,9 +131,12 @@ def test_each_rank_holds_the_rows_of_the_whole_tensor_quantized_at_once_at_half_
     from test_plan import planned
     stored = read_weights(qlora_dir)
     num_linear = sum(1 for k, t in stored.items() if ".layers." in k and t.dim() == 2)
-    for world in (2, 4):  # one process holds the whole tensor quantized at once: the 2-ranks-vs-1 run compares it
-        ranks = helpers.run_ranks(built_shards, world, qlora_dir, chat_file)
+    # one process holds the whole tensor quantized at once: the 2-ranks-vs-1 run compares it; HSDP 2 x 2 shards as 2
+    for world, replicas in ((2, 1), (4, 1), (4, 2)):
+        ranks = helpers.run_ranks(built_shards, world, qlora_dir, chat_file, replicas)
+        num_shards = world // replicas
         for rank, (shards, frozen_bytes, frozen_numel) in enumerate(ranks):
+            index = rank % num_shards  # the mesh is (replicate, shard), ranks in row-major order
             # all linear weights of the blocks, none kept bf16 (a bf16 base would be 2 bytes a param)
             assert len(shards) == num_linear == 14, sorted(shards)
             assert 0.5 < frozen_bytes / frozen_numel < 0.53, (world, frozen_bytes / frozen_numel)
@@ -142,9 +146,9 @@ def test_each_rank_holds_the_rows_of_the_whole_tensor_quantized_at_once_at_half_
                 for attr, mine in inner.items():
                     theirs = getattr(whole, attr).numpy()
                     if attr != "scaler_mean":
-                        n = theirs.size // world
-                        theirs = theirs[rank * n:(rank + 1) * n]
-                    assert mine.dtype == theirs.dtype and (mine == theirs).all(), (world, rank, name, attr)
+                        n = theirs.size // num_shards
+                        theirs = theirs[index * n:(index + 1) * n]
+                    assert mine.dtype == theirs.dtype and (mine == theirs).all(), (world, replicas, rank, name, attr)
         if world == 2:  # plan's bf16 factors (a run in fp32 holds them in fp32): 2 bytes more per 16384 elements
             plan = planned(qlora_dir, "fp32", [0.0], 1, 64, **{"lora.rank": 4, "lora.quantize_base": "nf4"})
             assert plan["state"]["params nf4"] == pytest.approx(ranks[0][1], rel=1e-3)
