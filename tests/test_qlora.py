@@ -1,6 +1,7 @@
 """QLoRA (lora.quantize_base="nf4"): the frozen linear weights of the blocks held as NF4, quantized on load shard by
-shard with the bytes of the whole tensor quantized at once; 2 ranks train like 1 process; about half a byte per
-frozen parameter; checkpoints hold the adapters only and resume exactly; exports use the original base; refusals."""
+shard with the bytes of the whole tensor quantized at once (2, 4 and HSDP 2 x 2 ranks) at about half a byte a
+parameter, as plan counts them; 2 ranks train like 1 process; checkpoints hold the adapters only and resume exactly;
+exports merge into the original base; dpo's reference and bench's point; MoE experts and refusals."""
 from __future__ import annotations
 
 import json
