@@ -94,6 +94,8 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapters' input
     target_modules: str | list = "all-linear"  # "all-linear" (every Linear in the decoder blocks) or module names
     modules_to_save: list = field(default_factory=list)  # modules trained in full beside the adapters, e.g. ["lm_head"]
+    # "nf4" (QLoRA): the frozen linear weights of the decoder blocks held as torchao's 4-bit NF4 (ext/qlora.py)
+    quantize_base: Literal["none", "nf4"] = "none"
 
 
 @dataclass

@@ -85,14 +85,17 @@ def locate_slices(model: nn.Module, skeleton: nn.Module, path: str, local_dir=Pa
 
 
 @torch.no_grad()
-def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
-    """Fill each parameter's local shard from its stored slice, cast to the parameter's dtype."""
+def load_slices(model: nn.Module, located: dict[str, Entry], fill=None) -> None:
+    """Fill each parameter's local shard from its stored slice, cast to the parameter's dtype (`fill`: QLoRA's)."""
     from torch.distributed.tensor import DTensor
     for key, param in hf_params(model):
         entry = located[key]
-        assert isinstance(param, DTensor), key  # fully_shard at the root makes every parameter a DTensor
-        local = param.to_local()
-        shape, offset = local_shape_and_offset(param)
+        # fully_shard at the root makes every parameter a DTensor, but those it was told to leave alone (QLoRA's NF4
+        # weights on one rank, which `fill` writes)
+        plain = not isinstance(param, DTensor)
+        assert not plain or fill is not None, key
+        local = param if plain else param.to_local()
+        shape, offset = (param.shape, [0] * param.dim()) if plain else local_shape_and_offset(param)
         assert tuple(local.shape) == tuple(shape), (key, local.shape, shape)
         if local.numel() == 0:
             continue
@@ -102,22 +105,27 @@ def load_slices(model: nn.Module, located: dict[str, Entry]) -> None:
         rows = read_rows(entry, offset[0], offset[0] + shape[0])
         for dim in range(1, rows.dim()):  # a layout sharded on other dims too: read the rows, keep the block
             rows = rows.narrow(dim, offset[dim], shape[dim])
-        local.copy_(rows)
+        if fill is None or not fill(param, rows):
+            local.copy_(rows)
     for key, buf in hf_buffers(model):
         if key in located:
             buf.copy_(read_tensor(located[key]))
 
 
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False,
-                    loader=None) -> None:
-    """Each rank reads its own slices (locate_slices), or `loader` (ext/loader) loads a prepared dir or on rank 0."""
-    if is_prepared(path) and loader is not None:
+                    loader=None, fill=None) -> None:
+    """Each rank reads its own slices (locate_slices), or `loader` (ext/loader) loads a prepared dir or on rank 0;
+    `fill` (QLoRA's) writes the slices of a base held quantized: only the slice reader loads one."""
+    if is_prepared(path) and loader is not None and fill is None:
         return loader.load_prepared_weights(model, path)
     located = locate_slices(model, skeleton, path, loader.local_dir if loader else Path)
+    if isinstance(located, str) and fill is not None:
+        raise ModelError(f"{located}: lora.quantize_base quantizes the base as each rank reads its slices of the "
+                         f"safetensors files, which this base cannot give; pass the HF model directory")
     if isinstance(located, str) and loader is None:
         raise ModelError(f"{located}: loading it needs finetune/ext/loader.py, which this installation lacks")
     if isinstance(located, str):
         print0(f"loading on rank 0 and scattering: {located}")
         return loader.load_hf_weights_rank0(model, path, trust_remote_code)
-    load_slices(model, located)
+    load_slices(model, located, fill)
 

@@ -38,6 +38,8 @@ class Transforms:
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
     loader: object = None  # ext/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
     samples_apart: Callable = lambda model, layers: None  # linear-attention/state-space layers run per sample (first)
+    fill: Callable | None = None  # (param, rows) -> bool: the load writes rows into a base held quantized (QLoRA)
+    unsharded: Callable | None = None  # (model) -> params that FSDP over one rank leaves alone (QLoRA's NF4)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -190,11 +192,14 @@ def shard_dim(shape, shards: int) -> int:
     return max((d for d in range(1, len(shape)) if shape[d] % shards == 0), key=lambda d: shape[d], default=0)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True) -> None:
-    """fully_shard each block, the embedding and lm_head (not tied, `lm_head_unit`), the root (2-D mesh: HSDP)."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True,
+               ignored: set | None = None) -> None:
+    """fully_shard each block, the embedding and lm_head (not tied, `lm_head_unit`), the root (2-D mesh: HSDP);
+    the parameters `ignored` stay plain tensors."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
-    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])))
+    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])),
+              ignored_params=ignored)
     layers = find_layers(model)
     for i, layer in enumerate(layers):
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
@@ -231,7 +236,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: Transforms, *, m
     settings = t.adapters(model, layers) if t.adapters is not None else None
     apply_ac(model, ac_ratio, ac_mode, t.ac_wrap, t.sac)
     apply_compile(model, compile)
-    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not t.lm_head_in_root)
+    ignored = t.unsharded(model) if t.unsharded is not None and mesh.shape[-1] == 1 else None
+    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not t.lm_head_in_root, ignored=ignored)
     return settings
 
 
@@ -259,7 +265,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     _materialize(model, device)
     # the name map comes from a clean skeleton (the model's own is wrapped by now); a prepared dir's load needs none
     skeleton = None if is_prepared(path) else build_skeleton(hf_config, None, trust_remote_code)
-    load_hf_weights(model, skeleton, path, trust_remote_code, transforms.loader)
+    load_hf_weights(model, skeleton, path, trust_remote_code, transforms.loader, transforms.fill)
     transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     # invariant: sharded trainable weights are fp32 masters; a frozen base is in base_dtype, and what the model class

@@ -23,6 +23,7 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.ep != 1:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not supported yet; leave it at 1 "
                           f"(FSDP shards the experts like every other weight)")
+    check_quantize_base(cfg)
     check_fp8(cfg)
     for j, src in enumerate(cfg.data.sources):
         how = [k for k in ("weight", "samples", "epochs") if getattr(src, k)]
@@ -48,6 +49,19 @@ def check_fp8(cfg: Config) -> None:
     if cfg.model.fp8 != "off" and getattr(cfg.parallel, "tp", 1) > 1:  # once TP exists: NaNs (torchtitan#3109)
         raise ConfigError(f"model.fp8={cfg.model.fp8} with tensor parallel (parallel.tp={cfg.parallel.tp}) is not "
                           f"supported yet; set model.fp8=off")
+
+
+def check_quantize_base(cfg: Config) -> None:
+    """lora.quantize_base="nf4" (QLoRA) needs adapters and a base in bf16 or fp32, not fp8."""
+    if cfg.lora.quantize_base == "none":
+        return
+    if not cfg.lora.rank:
+        raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} quantizes the frozen base under LoRA "
+                          f"adapters, and lora.rank=0 trains every weight in full; set lora.rank (e.g. 16) or "
+                          f"lora.quantize_base=none")
+    if cfg.model.fp8 != "off":
+        raise ConfigError(f"lora.quantize_base={cfg.lora.quantize_base} with model.fp8={cfg.model.fp8}: the frozen "
+                          f"base is held 4-bit, which torchao's Float8Linear cannot take; set model.fp8=off")
 
 
 def probe(cfg: Config) -> None:

@@ -12,6 +12,11 @@ def storage_key(storage) -> int:
     return storage._cdata
 
 
+def local_tensor(param):
+    """A DTensor's local tensor itself, not the view to_local() returns (torch 2.15 `_local_tensor`); else `param`."""
+    return getattr(param, "_local_tensor", param)
+
+
 def fsdp_param_group(module):
     """The FSDP2 parameter group of a fully_shard-ed module, or None (torch 2.15 `_get_fsdp_state()`)."""
     from torch.distributed.fsdp import FSDPModule

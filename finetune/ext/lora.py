@@ -45,9 +45,10 @@ def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:
 
 
 def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float, dropout: float, target_modules,
-               modules_to_save: list, base_dtype: torch.dtype) -> dict | None:
+               modules_to_save: list, base_dtype: torch.dtype, quantize=None) -> dict | None:
     """Inject peft LoRA layers (and trainable copies of modules_to_save) into the meta skeleton (decoder blocks
-    `layers`); freeze the rest, in base_dtype. Returns the settings a checkpoint records (None when rank is 0)."""
+    `layers`); freeze the rest, in base_dtype, then `quantize(model, layers)` it (QLoRA). Returns the settings a
+    checkpoint records (None when rank is 0)."""
     if rank == 0:
         return None
     from peft import inject_adapter_in_model
@@ -67,6 +68,8 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
     for p in model.parameters():  # frozen weights are never trained: no fp32 master copy of them
         if not p.requires_grad:
             p.data = p.data.to(base_dtype)
+    if quantize is not None:
+        quantize(model, layers)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     num_adapted = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))

@@ -64,6 +64,10 @@ def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tupl
     if head and head not in on_disk:  # a tied base stores its embedding once; an untied export's head starts there
         metas[head] = metas[embedding]
     scale = source.lora["alpha"] / source.lora["rank"]
+    # QLoRA: the adapters trained on a 4-bit copy of the base; the export keeps the base as stored
+    if (quantized := read_marker(source.weights).get("config", {}).get("lora", {}).get("quantize_base")) == "nf4":
+        print0(f"merged into the original base weights of {source.model_path} as stored (the adapters trained on "
+               f"them held as {quantized}; the export is not quantized)")
 
     def load(name: str) -> torch.Tensor:
         return merge_lora_tensor(name, load_base(name if name in on_disk else embedding),

@@ -72,8 +72,9 @@ def build_fake_models(hf_config, cfg: Config, mesh, fake_mode, ratios: set[float
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
     skeleton, models = build_skeleton(hf_config, attn, cfg.model.trust_remote_code), {}
-    t = replace(transforms(cfg, None, torch.device("cuda")), kernels=None, float8=None,  # fp8: plan_float8_bytes
-                lm_head_in_root=liger)
+    # fp8: plan_float8_bytes; nf4: plan_nf4 (NF4 weights do not run on fake tensors)
+    t = replace(transforms(replace(cfg, lora=replace(cfg.lora, quantize_base="none")), None, torch.device("cuda")),
+                kernels=None, float8=None, lm_head_in_root=liger)
     for ratio in sorted(ratios):
         models[ratio] = model = copy.deepcopy(skeleton)
         parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ratio, ac_mode=cfg.ac.mode)
@@ -129,17 +130,18 @@ def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     return {"activations": marks["activations"], "logits_loss": head.peak, "saved": marks["saved"]}
 
 
-def measure_state(model) -> dict:
+def measure_state(model, nf4: dict | None = None) -> dict:
     """Bytes per GPU of the sharded parameters, their gradients and AdamW state by dtype; each parameter's (rows,
-    numel, bytes per element) to re-shard for another world size; the units in flight (after a forward)."""
-    state, params = {}, []
+    numel, bytes per element) to re-shard for another world size; the units in flight (after a forward). `nf4`:
+    plan_nf4's bytes per element of the weights QLoRA holds as NF4."""
+    state, params, nf4 = {}, [], nf4 or {}
     for p in model.parameters():
         local = p.to_local()
         tensors = [("params", local)] + [("grads", local), ("optimizer", local), ("optimizer", local)] * p.requires_grad
         for kind, t in tensors:
-            key = f"{kind} {str(t.dtype).removeprefix('torch.')}"
-            state[key] = state.get(key, 0) + t.numel() * t.element_size()
-        params.append((tuple(p.shape), p.numel(), sum(t.element_size() for _, t in tensors)))
+            key = f"{kind} {'nf4' if id(p) in nf4 else str(t.dtype).removeprefix('torch.')}"
+            state[key] = state.get(key, 0) + t.numel() * nf4.get(id(p), t.element_size())
+        params.append((tuple(p.shape), p.numel(), nf4.get(id(p), sum(t.element_size() for _, t in tensors))))
     held, units, unit_grads = 0, [], 0
     for m in model.modules():
         group = fsdp_param_group(m)
@@ -147,14 +149,15 @@ def measure_state(model) -> dict:
             continue
         fps = [(math.prod(fp._orig_size), fp.param_dtype or fp.orig_dtype, fp.reduce_dtype, fp.sharded_param)
                for fp in group.fsdp_params]
-        unit = sum(n * dt.itemsize for n, dt, _, _ in fps)
+        unit = sum(n * nf4.get(id(p), dt.itemsize) for n, dt, _, p in fps)
         unit_grads = max(unit_grads, sum(n * (dt.itemsize + (rd.itemsize if rd not in (None, dt) else 0))
                                          for n, dt, rd, p in fps if p.requires_grad))
         if group.post_forward_mesh_info is None:  # not resharded after forward: unsharded until its backward
             held += unit
         else:
             units.append(unit)
-    in_flight = {"held": held, "current+next": sum(sorted(units)[-2:]), "grads+reduce": unit_grads}
+    in_flight = {"held": held, "current+next": sum(sorted(units)[-2:]), "grads+reduce": unit_grads,
+                 **({"nf4 dequantized": nf4["dequantized"]} if nf4 else {})}
     return {"state": state, "params": params, "in_flight": in_flight}
 
 
@@ -171,9 +174,11 @@ def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], s
                  liger: bool) -> tuple[dict, dict]:
     """{(ratio, (micro-batch, tokens per rank)): measure_micro_batch} at every ratio and 0, and measure_state."""
     models = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0, *ratios}, liger)
+    from .qlora import plan_nf4
+    nf4 = plan_nf4(models[max(models)], cfg.lora.quantize_base, dims.mesh.shape[-1], LivePeak)
     with fake_mode:
         runs = {(r, (mbs, seq)): measure_micro_batch(m, mbs, seq) for r, m in models.items() for mbs, seq in shapes}
-        measured = measure_state(model := models[max(models)])
+        measured = measure_state(model := models[max(models)], nf4)
     if cfg.model.fp8 != "off":  # fp8's weight copies in flight and scales (the fake model itself stays unconverted)
         from .float8 import plan_float8_bytes
         measured["in_flight"]["fp8"] = plan_float8_bytes(model, cfg.model.fp8, all_gather=cfg.model.fp8_all_gather,
@@ -240,6 +245,7 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
     (within a node, dividing the heads). A rank's bytes depend on its S / cp tokens only: measured, never extrapolated
     (fake forwards from 1024 tokens per rank, doubled while they fit, then bisected to a multiple of 1024)."""
     from .liger import resolve_liger
+    from .qlora import plan_nf4
     world, unit = nnodes * nproc, 1024
     heads = hf_config.get_text_config().num_attention_heads
     cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if nproc % c == 0 and heads % c == 0]
@@ -259,7 +265,8 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
 
         with fake_mode:  # the state and the units in flight (after a forward: FSDP's lazy init decides resharding)
             runs[0.0, (1, unit)] = measure_micro_batch(models[0.0], 1, unit)
-            measured = measure_state(models[0.0])
+            measured = measure_state(models[0.0], plan_nf4(models[0.0], cfg.lora.quantize_base, dims.mesh.shape[-1],
+                                                            LivePeak))
         fixed = sum(measured["state"].values()) + sum(measured["in_flight"].values())
         longest, totals = {}, {}  # per ratio: the most tokens per rank measured to fit, and their bytes
         for ratio in ratios:

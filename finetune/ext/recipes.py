@@ -38,7 +38,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     if cfg.lora.rank:
         from .lora import lora_settings
         t = lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
-                            mixed_precision=cfg.train.mixed_precision, into=t)
+                            mixed_precision=cfg.train.mixed_precision, into=t, quantize_base=cfg.lora.quantize_base,
+                            shards=dims.mesh.shape[-1] if dims is not None else 1)
     if cfg.ac.offload and not cuda:
         print0("note: ac.offload is a no-op on CPU: activations already live in host memory")
     elif cfg.ac.offload:
@@ -48,14 +49,19 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
 
 
 def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: str = "bf16",
-                    into: Transforms | None = None) -> Transforms:
+                    into: Transforms | None = None, quantize_base: str = "none", shards: int = 1) -> Transforms:
     """`into` (or empty transforms) with LoRA's slots filled: apply_lora's `settings` on a frozen base in bf16 (fp32
-    when mixed_precision is fp32), adapters initialised from `seed`, tied to the base weights at `path`."""
+    when mixed_precision is fp32; quantize_base "nf4": its linear weights NF4, sharded over `shards` ranks),
+    adapters initialised from `seed`, tied to the base weights at `path`."""
     from . import loader
     from .lora import apply_lora
     t = into or Transforms(loader=loader)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    t.adapters = partial(apply_lora, **settings, base_dtype=base_dtype)
+    quantize = None
+    if quantize_base == "nf4":
+        from .qlora import apply_nf4, fill_nf4, nf4_params
+        quantize, t.fill, t.unsharded = partial(apply_nf4, shards=shards, dtype=base_dtype), fill_nf4, nf4_params
+    t.adapters = partial(apply_lora, **settings, base_dtype=base_dtype, quantize=quantize)
     t.after_load = partial(_init_adapters, seed=seed, path=path)
     return t
 
