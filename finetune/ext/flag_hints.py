@@ -11,7 +11,8 @@ from ..args import FLAGS
 from ..config import Config
 from ..keys import closest_key, meant_key
 
-KEY_FLAGS = {**FLAGS, "checkpoint.resume_from": "--resume-from"}  # keys that a command may take as a flag
+# the keys that a command may take as a flag
+KEY_FLAGS = {**FLAGS, "checkpoint.resume_from": "--resume-from"}
 
 
 class Commands(typer.core.TyperGroup):
