@@ -428,3 +428,27 @@ def test_lora_all_linear_on_an_moe_model_stops_naming_the_choices(qwen3_moe_dir)
                             '"v_proj", "o_proj"] or the model\'s own names) or train in full (lora.rank=0)')
     apply_lora(model, find_layers(model), 4, 8.0, 0.0, ["q_proj", "v_proj"], [], torch.float32)  # named: allowed
     assert sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A")) == 4
+
+
+def test_lora_on_per_expert_weights_says_at_start_up_and_at_export_that_adapter_export_works(qwen3_moe_dir, chat_file,
+                                                                                             tmp_path, capfd):
+    """Issue 53 item 10: the merged export of LoRA over a base that stores its experts per expert (as save_pretrained
+    writes them) failed with "does not hold the model ... 24 unexpected" and no hint; --adapter exports it."""
+    from finetune.errors import ModelError
+    from finetune.ext.preflight import preflight
+    from helpers import export_hf, sft_config
+    out, lora = tmp_path / "run", ("train.max_steps=1", "lora.rank=4", 'lora.target_modules=["q_proj"]')
+    layout = "stores tensors in a layout that transformers converts on load (e.g. model.layers.0.mlp.experts.0."
+    preflight(sft_config(qwen3_moe_dir, chat_file, out, *lora))  # what `finetune sft` checks before the ranks start
+    assert capfd.readouterr().out.splitlines() == [
+        f"note: {qwen3_moe_dir} {layout}down_proj.weight), which a merged export of LoRA cannot read yet: export this "
+        f"run with `finetune export-hf --adapter`"]
+    sft(qwen3_moe_dir, chat_file, out, *lora)
+    with pytest.raises(ModelError) as e:
+        export_hf(str(out), str(tmp_path / "merged"), "float32")
+    assert str(e.value) == (f"the LoRA base model '{qwen3_moe_dir}' {layout}down_proj.weight), which a merged export "
+                            f"cannot read yet: export the adapter with --adapter (a PEFT dir that peft loads over the "
+                            f"base)")
+    assert not (tmp_path / "merged").exists()
+    export_hf(str(out), str(tmp_path / "adapter"), "float32", adapter=True)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
