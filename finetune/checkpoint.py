@@ -125,17 +125,38 @@ def find_resume(output_dir: Path, resume: bool, resume_from: str, report: bool =
     """The checkpoint this run starts from: --resume-from, else the newest intact one (none with --no-resume)."""
     if resume_from:
         check_intact(Path(resume_from), "checkpoint.resume_from")
+        if resume:
+            check_apart(Path(output_dir), Path(resume_from))
         return Path(resume_from)
     if not resume:  # a fresh run: the checkpoints already there are kept beside once it starts (keep_earlier_run)
         return None
     return latest_complete(Path(output_dir) / "checkpoints", report=report)
 
 
+def check_apart(output_dir: Path, resume_dir: Path) -> None:
+    """A run resumed from another run's checkpoint (--resume-from; or one kept as checkpoints.N) would write its
+    checkpoints and metrics.jsonl among those of the run that output_dir holds: a CheckpointError."""
+    root = output_dir / "checkpoints"
+    # this run's own checkpoint: it continues (or rewinds) the run output_dir holds
+    if resume_dir.resolve().parent == root.resolve():
+        return
+    held = [str(p.relative_to(output_dir)) for p in step_dirs(root)[-1:] + [output_dir / "metrics.jsonl"]
+            if p.exists()]
+    if held:
+        raise CheckpointError(f"output_dir {output_dir} holds another run ({', '.join(held)}) than the one of "
+                              f"checkpoint.resume_from {resume_dir}; their checkpoints and metrics would mix: to "
+                              f"continue the run in {output_dir}, leave out --resume-from; to keep it beside "
+                              f"(checkpoints.N, metrics.jsonl.N), pass --no-resume; or pass another --output-dir")
+
+
 def keep_earlier_run(root: Path, resume: bool) -> None:
-    """A fresh run: rank 0 moves an earlier run's checkpoints to `checkpoints.N`, kept from retention."""
-    if not resume and is_main() and step_dirs(root):
-        print0(f"checkpoint.resume=false: starting fresh; the checkpoints already in {root} were moved to "
-               f"{outdir.keep_beside(root)}")
+    """A fresh run (or one resumed from another run's checkpoint): rank 0 moves an earlier run's checkpoints to
+    `checkpoints.N`, kept from retention, and its metrics.jsonl to metrics.jsonl.N."""
+    if not resume and is_main():
+        if step_dirs(root):
+            print0(f"checkpoint.resume=false: starting fresh; the checkpoints already in {root} were moved to "
+                   f"{outdir.keep_beside(root)}")
+        outdir.keep_beside(root.parent / "metrics.jsonl")
 
 
 def asked_export(output_dir: Path, resume_dir: Path | None, resume_from: str) -> tuple[str, str]:

@@ -217,10 +217,11 @@ TEMPLATE_OWN_ARGS = ("messages tools documents add_generation_prompt conversatio
                      "return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs").split()
 RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key> must be <rule>"
     ("> 0", lambda v: v > 0, "train.max_steps train.micro_batch_size train.grad_accum_steps train.log_interval "
-                             "data.max_seq_len data.num_proc lora.alpha eval.max_new_tokens"),
+                             "data.max_seq_len data.num_proc lora.alpha eval.max_new_tokens train.eps"),
     (">= 0", lambda v: v >= 0, "train.lr train.warmup_steps train.weight_decay train.max_grad_norm"),
     (">= 0 (0 = no evaluation)", lambda v: v >= 0, "eval.num_samples"),
     (">= 0 (0 = off)", lambda v: v >= 0, "train.tokens_per_step lora.rank"),
+    ("in [0, 2**63)", lambda v: 0 <= v < 2**63, "train.seed"),
     (">= 0 (0 = launched ranks / dp_replicate / cp)", lambda v: v >= 0, "parallel.dp_shard"),
     (">= 0 (0 = no periodic checkpoint)", lambda v: v >= 0, "checkpoint.interval"),
     (">= 0 (0 = keep all)", lambda v: v >= 0, "checkpoint.keep"),

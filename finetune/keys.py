@@ -22,8 +22,36 @@ def _closest(name: str, options) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+# The names other tools (HF Trainer, torchrun, torchtune, axolotl, nanoGPT) give our settings, by meaning, before
+# spelling: by spelling alone `epochs` is train.eps (the optimizer's epsilon) and `out` is lora.dropout.
+MEANINGS = {
+    "train.max_steps": "epochs num_epochs num_train_epochs steps train_steps total_steps iters max_iters",
+    "train.lr": "learning_rate peak_lr", "train.micro_batch_size": "batch_size per_device_train_batch_size bs",
+    "train.grad_accum_steps": "gradient_accumulation_steps grad_accum accum_steps",
+    "train.warmup_steps": "warmup num_warmup_steps", "train.max_grad_norm": "grad_clip clip_grad gradient_clipping",
+    "train.weight_decay": "wd", "train.mixed_precision": "precision dtype bf16 fp16",
+    "data.max_seq_len": "seq_len max_length max_seq_length seq_length context_length cutoff_len block_size",
+    "lora.rank": "lora_r r", "ac.ratio": "gradient_checkpointing activation_checkpointing",
+    "checkpoint.interval": "save_steps save_interval", "checkpoint.keep": "save_total_limit",
+    "train.log_interval": "logging_steps log_every", "eval.path": "eval_file eval_data eval_dataset",
+    "log.wandb": "report_to use_wandb",
+    "output_dir": "out output output_path save_dir", "model.path": "model_name_or_path model_name base_model",
+    "data.path": "dataset_path train_file data_path", "checkpoint.resume_from": "resume_from_checkpoint",
+    "--nproc-per-node": "nproc nprocs nproc_per_node gpus num_gpus ngpus devices",
+}
+MEANT = {name: target for target, names in MEANINGS.items() for name in names.split()}
+
+
+def meant_key(name: str) -> str | None:
+    """The key (or a flag: '--nproc-per-node') that other tools' name `name` means: 'epochs' -> 'train.max_steps'."""
+    return MEANT.get(name.lower().replace("-", "_"))
+
+
 def closest_key(dotted: str, root: type) -> str:
-    """The hint " (did you mean 'train.lr'?)" for `lr`, `data.lr`, `trian.lr` or `lrr`; "" when none is close."""
+    """The hint " (did you mean 'train.lr'?)" for `lr`, `data.lr`, `trian.lr`, `lrr` or `learning_rate`; "" when none
+    is close."""
+    if meant := meant_key(dotted.split(".")[-1]):
+        return f" (did you mean '{meant}'?)"
     hints = get_type_hints(root)
     keys = [f.name for f in fields(root)] + [f"{f.name}.{g.name.rstrip('_')}" for f in fields(root)
                                              if dataclasses.is_dataclass(hints[f.name]) for g in fields(hints[f.name])]
@@ -66,6 +94,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     ok = isinstance(value, bool) if typ is bool else isinstance(value, typ) and not isinstance(value, bool)
     if not ok:
         raise ConfigError(f"{key} must be {typ.__name__}, got {value!r}")
+    # torch and numpy hold an int in 64 bits: a bigger one fails deep inside them, after the model has loaded
+    if typ is int and not -2**63 <= value < 2**63:
+        raise ConfigError(f"{key} must be below 2**63 in size, got {value!r}")
     if typ is float and not math.isfinite(value):  # TOML has inf and nan; no setting means them
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
     return value
@@ -79,7 +110,7 @@ def set_key(cfg, dotted: str, value: Any, prefix: str = "") -> None:
         names = {f.name.rstrip("_"): f.name for f in fields(target)}  # async_ is TOML's `async` (a Python keyword)
         if part not in names:
             where = (prefix + ".".join(parts[:i])).rstrip(".") or "the top level"
-            hint = _closest(part, names) if i else ""  # in its section first (train.lrr -> lr), then anywhere
+            hint = _closest(part, names) if i and not meant_key(part) else ""  # in its section (train.lrr -> lr)
             hint = hint or (closest_key(dotted, type(cfg)) if not prefix else "") or _closest(part, names)
             raise ConfigError(f"unknown config key '{full}'{hint}; keys in {where}: {', '.join(sorted(names))}")
         name = names[part]

@@ -99,6 +99,19 @@ def test_bad_flags_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path, flags
     assert not (tmp_path / "bench.json").exists()
 
 
+def test_an_fp8_sweep_that_sft_would_refuse_is_refused_before_any_point(llama_dir, chat_file, tmp_path):
+    """Issue 53 item 7: the tensorwise point died in its worker with a traceback, and bench exited 0."""
+    out = tmp_path / "bench"
+    result = invoke("bench", "--model", llama_dir, "--dataset", chat_file, "--sac-ratios", "0", "--steps", 1,
+                    "--warmup", 0, "--fp8", "off,tensorwise", "--output-dir", out, "data.max_seq_len=64",
+                    "lora.rank=4")
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.stderr.strip().splitlines() == [
+        "error: model.fp8=tensorwise with LoRA (lora.rank=4) is not supported yet (peft's adapters over torchao's "
+        "Float8Linear, their merge and adapter export are untested); set model.fp8=off or lora.rank=0"]
+    assert not out.exists()
+
+
 def test_list_flags_parse_or_name_the_flag():
     assert parse_list("0, 0.25,1", "--sac-ratios", float, lambda r: 0 <= r <= 1, "numbers") == [0.0, 0.25, 1.0]
     for bad in ("0", "1,x", ""):

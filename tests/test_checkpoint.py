@@ -204,6 +204,30 @@ def test_no_resume_starts_fresh_and_keeps_the_earlier_checkpoints_beside(llama_d
     assert ckpt.damage(kept) is None and ckpt.read_marker(kept) == before
 
 
+def test_a_kept_run_resumed_into_its_output_dir_keeps_the_runs_apart(llama_dir, chat_file, tmp_path):
+    """Issue 53 item 4: --resume-from a run kept as checkpoints.1 into its own output dir appended to the newer run's
+    metrics.jsonl (steps [1, 3]) and saved among its checkpoints; now refused, or with --no-resume kept apart."""
+    from helpers import invoke
+    out = tmp_path / "run"
+    sft(llama_dir, chat_file, out, "train.max_steps=2")
+    sft(llama_dir, chat_file, out, "train.max_steps=1", "checkpoint.resume=false")  # the first run: checkpoints.1
+    kept = out / "checkpoints.1" / "step-2"
+    result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "-o", out, "--resume-from", kept, *BASE,
+                    "train.max_steps=3")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: output_dir {out} holds another run (checkpoints/step-1, metrics.jsonl) than the one of "
+        f"checkpoint.resume_from {kept}; their checkpoints and metrics would mix: to continue the run in {out}, leave "
+        f"out --resume-from; to keep it beside (checkpoints.N, metrics.jsonl.N), pass --no-resume; or pass another "
+        f"--output-dir"]
+    assert steps(out) == [1] and [r["step"] for r in read_metrics(out)] == [1]  # nothing moved
+    resumed = sft(llama_dir, chat_file, out, "train.max_steps=3", "checkpoint.resume=false",
+                  f"checkpoint.resume_from={kept}")
+    assert [r["step"] for r in resumed] == [3] and steps(out) == [3]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl.2").open()] == [1]  # the newer run's, kept
+    assert step_dirs(out / "checkpoints.2") == [out / "checkpoints.2" / "step-1"]
+
+
 def model_tensors(step_dir) -> dict:
     """The model tensors a DCP checkpoint holds, read in this process."""
     import torch.distributed.checkpoint as dcp

@@ -323,3 +323,18 @@ def test_no_resume_moves_the_reference_aside_with_its_checkpoints(llama_dir, tmp
     assert torch.load(out / "checkpoints" / "ref_logps.pt", weights_only=False) == tables  # beside the new steps
     assert torch.load(out / "checkpoints.2" / "ref_logps.pt", weights_only=False) != tables  # the other run's
     assert read_marker(kept / "step-3")["task"] == "dpo"  # (test_a_run_continues_only_... refuses sft here)
+
+
+@pytest.mark.parametrize("override, line", [
+    ("dpo.label_smoothing=0.1", "dpo.label_smoothing=0.1 has no effect on dpo.loss=simpo (reference-free, no label "
+                                "smoothing): leave it at 0.0, or set dpo.loss=sigmoid"),
+    ('dpo.reference="precomputed"', "dpo.reference='precomputed' has no effect on dpo.loss=simpo (reference-free, no "
+                                    "label smoothing): leave it at 'auto', or set dpo.loss=sigmoid"),
+    ("dpo.simpo_gamma=-0.5", "dpo.simpo_gamma must be >= 0 (SimPO's target margin: a negative one rewards a chosen "
+                             "answer less likely than the rejected), got -0.5")])
+def test_simpo_refuses_what_it_would_ignore_or_invert(tmp_path, override, line):
+    """Issue 53: SimPO has no reference and no label smoothing; these trained as if unset, without a word."""
+    result = invoke("dpo", "-o", tmp_path / "run", "train.max_steps=1", "dpo.loss=simpo", override)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {line}"]
+    assert not (tmp_path / "run").exists()

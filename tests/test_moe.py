@@ -248,6 +248,34 @@ def test_aux_loss_over_the_global_batch_equals_transformers_at_any_split_and_wit
                                            atol=1e-7)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_the_aux_loss_counts_the_experts_the_tokens_were_routed_to(biased, arch):
+    """Issue 53 item 2: DeepSeek-V3's and GLM-4.5's routers pick among groups of experts after adding a bias; the
+    loss recounted a softmax top-k of the logits (e.g. [119, 148, 116, 129] for a routed load of [256, 256, 0, 0])."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.ext.moe import RouterLoss, find_experts
+    fused = arch == "glm4_moe"
+    model = AutoModelForCausalLM.from_pretrained(biased[arch, fused], dtype=torch.float32)
+    ids = aux_batches(1, 3)["input_ids"]
+    # no padding: transformers' DeepSeek-V3 attention fails on a padded batch of this tiny config
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    routed = []  # what each MoE layer's experts were handed: the real routing
+    for experts in find_experts(model):
+        experts.register_forward_pre_hook(lambda m, args: routed.append(args[1].reshape(len(batch["input_ids"]), -1,
+                                                                                          args[1].shape[-1])))
+    router = RouterLoss(model, COEF)
+    router.begin_step([batch], 10, "cpu")
+    with router.collect(batch):
+        model(**batch, use_cache=False)
+    router.micro_batch_loss()
+    num_experts = model.config.n_routed_experts
+    real = batch["attention_mask"].bool()
+    load = torch.bincount(torch.cat([r[real].reshape(-1) for r in routed]), minlength=num_experts).float()
+    assert load.sum() == real.sum() * 2 * len(routed) and (load == 0).sum() >= num_experts // 2  # one group of two
+    torch.testing.assert_close(router.step_sums[:num_experts].float(), load)
+
+
 def test_compiled_blocks_compile_once_with_the_router_loss(qwen3_moe_dir):
     """Regional compile of a 2-layer MoE whose config asks transformers for its router logits: one graph serves every
     block while RouterLoss records them (a list of them, growing by layer, was a guard: a recompile per layer, and
@@ -400,3 +428,27 @@ def test_lora_all_linear_on_an_moe_model_stops_naming_the_choices(qwen3_moe_dir)
                             '"v_proj", "o_proj"] or the model\'s own names) or train in full (lora.rank=0)')
     apply_lora(model, find_layers(model), 4, 8.0, 0.0, ["q_proj", "v_proj"], [], torch.float32)  # named: allowed
     assert sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A")) == 4
+
+
+def test_lora_on_per_expert_weights_says_at_start_up_and_at_export_that_adapter_export_works(qwen3_moe_dir, chat_file,
+                                                                                             tmp_path, capfd):
+    """Issue 53 item 10: the merged export of LoRA over a base that stores its experts per expert (as save_pretrained
+    writes them) failed with "does not hold the model ... 24 unexpected" and no hint; --adapter exports it."""
+    from finetune.errors import ModelError
+    from finetune.ext.preflight import preflight
+    from helpers import export_hf, sft_config
+    out, lora = tmp_path / "run", ("train.max_steps=1", "lora.rank=4", 'lora.target_modules=["q_proj"]')
+    layout = "stores tensors in a layout that transformers converts on load (e.g. model.layers.0.mlp.experts.0."
+    preflight(sft_config(qwen3_moe_dir, chat_file, out, *lora))  # what `finetune sft` checks before the ranks start
+    assert capfd.readouterr().out.splitlines() == [
+        f"note: {qwen3_moe_dir} {layout}down_proj.weight), which a merged export of LoRA cannot read yet: export this "
+        f"run with `finetune export-hf --adapter`"]
+    sft(qwen3_moe_dir, chat_file, out, *lora)
+    with pytest.raises(ModelError) as e:
+        export_hf(str(out), str(tmp_path / "merged"), "float32")
+    assert str(e.value) == (f"the LoRA base model '{qwen3_moe_dir}' {layout}down_proj.weight), which a merged export "
+                            f"cannot read yet: export the adapter with --adapter (a PEFT dir that peft loads over the "
+                            f"base)")
+    assert not (tmp_path / "merged").exists()
+    export_hf(str(out), str(tmp_path / "adapter"), "float32", adapter=True)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

@@ -263,3 +263,46 @@ def test_max_seq_len_search_claims_only_what_it_measured(llama_dir):
     for seq, fits in ((longest, True), (longest + 1024, False)):  # plain plan agrees
         cfg.data.max_seq_len = seq
         assert run_plan(cfg, load_arch(cfg, None), 1, 1, gpu_bytes, [0.0], [1])["points"][0]["fits"] is fits
+
+
+@pytest.mark.parametrize("override, line", [
+    ("train.eps=-1", "train.eps must be > 0, got -1.0"), ("train.eps=0", "train.eps must be > 0, got 0.0"),
+    ("train.seed=-1", "train.seed must be in [0, 2**63), got -1"),
+    (f"train.seed={2**63}", f"train.seed must be below 2**63 in size, got {2**63}"),
+    (f"train.max_steps={2**64}", f"train.max_steps must be below 2**63 in size, got {2**64}")])
+def test_numbers_torch_and_numpy_refuse_are_refused_at_start_up(override, line):
+    """Issue 53 item 8: these failed after the model and data had loaded, in a 67-82-line traceback."""
+    from finetune.args import build_config
+    from finetune.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        build_config(None, [override], check=False)
+    assert str(e.value) == line
+
+
+def test_a_negative_seed_is_one_line_before_loading(tmp_path, llama_dir, chat_file):
+    result = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "out",
+                    "train.max_steps=1", "data.max_seq_len=64", "train.seed=-1")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == ["error: train.seed must be in [0, 2**63), got -1"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, hint", [
+    ("--epochs", "'train.max_steps' as a key=value override"), ("--steps", "'train.max_steps' as a key=value "
+                                                                          "override"),
+    ("--learning-rate", "'train.lr' as a key=value override"), ("--out", "--output-dir"),
+    ("--output", "--output-dir"), ("--nproc", "--nproc-per-node"), ("--gpus", "--nproc-per-node")])
+def test_a_flag_of_another_tool_gets_the_key_or_flag_of_its_meaning(flag, hint):
+    """Issue 53 item 9: by spelling, --epochs and --steps got train.eps (the optimizer's epsilon), --out lora.dropout,
+    --nproc data.num_proc."""
+    result = invoke("sft", flag, "3")
+    assert result.exit_code == 2
+    assert f"No such option: {flag} (did you mean {hint}?)" in " ".join(result.output.replace("│", "").split())
+
+
+@pytest.mark.parametrize("key, hint", [("epochs", "train.max_steps"), ("train.epochs", "train.max_steps"),
+                                       ("out", "output_dir"), ("nproc", "--nproc-per-node")])
+def test_a_key_of_another_tool_gets_the_key_of_its_meaning(key, hint):
+    from finetune.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=rf"unknown config key '{key}' \(did you mean '{hint}'\?\)"):
+        load_config(None, {key: 1})

@@ -202,7 +202,13 @@ def launch_point(job: dict, nproc: int) -> int:
 def run_bench(cfg: Config, ratios: list[float], accums: list[int] | None, steps: int, warmup: int,
               out_dir: Path, budget_mb: float | None, nproc: int = 1, fp8s: list[str] | None = None) -> list[dict]:
     """Run every (model.fp8 of `fp8s`, accumulation, ratio) point (`nproc` ranks each); write bench.json/md/png."""
+    from dataclasses import replace
+
     from ..config import check_parallel
+    from .checks import check_fp8
+    # what sft refuses (fp8 with LoRA, ...), refused before any point runs
+    for fp8 in fp8s or []:
+        check_fp8(replace(cfg, model=replace(cfg.model, fp8=fp8)))
     p = cfg.parallel
     data_ranks = p.dp_replicate * check_parallel(p.dp_replicate, p.dp_shard, nproc, p.cp)
     if cfg.train.tokens_per_step:  # the rows of a step as sft takes them on these ranks, as accumulation

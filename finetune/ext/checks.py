@@ -11,6 +11,8 @@ from ..args import remote_paths
 from ..config import Config, ConfigError, get_key
 
 RANGES = (("dpo.beta", "> 0", lambda v: v > 0), ("dpo.label_smoothing", "in [0, 0.5)", lambda v: 0 <= v < 0.5),
+          ("dpo.simpo_gamma", ">= 0 (SimPO's target margin: a negative one rewards a chosen answer less likely than "
+                              "the rejected)", lambda v: v >= 0),
           ("moe.aux_loss_coef", ">= 0 (or -1: the architecture's)", lambda v: v >= 0 or v == -1))
 MAX_EPOCHS = 1_000_000  # passes over one source in an epoch of a mixture (beyond it: an OverflowError, or no memory)
 
@@ -25,6 +27,7 @@ def validate(cfg: Config) -> None:
                           f"(FSDP shards the experts like every other weight)")
     check_quantize_base(cfg)
     check_fp8(cfg)
+    check_simpo(cfg)
     for j, src in enumerate(cfg.data.sources):
         how = [k for k in ("weight", "samples", "epochs") if getattr(src, k)]
         for ok, why in ((src.path, ": path is not set"), (len(how) <= 1, f": sets {' and '.join(how)}; set one"),
@@ -38,6 +41,15 @@ def validate(cfg: Config) -> None:
     if cfg.data.path and cfg.data.sources:
         raise ConfigError("data.path (--dataset) and data.sources are both set; use one (data.path= clears a "
                           "preset's path)")
+
+
+def check_simpo(cfg: Config) -> None:
+    """dpo.loss=simpo with a setting of the sigmoid loss only (SimPO has no reference model and no label smoothing),
+    refused: the run would ignore it."""
+    for key, unset in (("dpo.label_smoothing", 0.0), ("dpo.reference", "auto")):
+        if cfg.dpo.loss == "simpo" and get_key(cfg, key) != unset:
+            raise ConfigError(f"{key}={get_key(cfg, key)!r} has no effect on dpo.loss=simpo (reference-free, no label "
+                              f"smoothing): leave it at {unset!r}, or set dpo.loss=sigmoid")
 
 
 def check_fp8(cfg: Config) -> None:

@@ -235,10 +235,6 @@ def reference_tables(model, train_samples, eval_samples, num_eval: int, micro_ba
         check_digests(tables, {"train": gathered((digests,))[0], "eval": held_out}, path, names)
         # from another checkpoints dir, or one moved aside (resume=false): kept beside this run's checkpoints too
         if not resume or path.resolve() != (root / REF_FILE).resolve():
-            if resume and (root / REF_FILE).is_file() and ckpt.step_dirs(root):
-                raise ConfigError(f"{root} holds another run's checkpoints and reference log-probs, and this run "
-                                  f"resumes from {resume_dir}: pass --no-resume (they are kept as checkpoints.N) or "
-                                  f"another --output-dir")
             save_tables(tables, root, resume)
         return tables
     local = reference_table(model, pair_batches(with_digests(iter(train_samples), digests), per_rank,

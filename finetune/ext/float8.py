@@ -112,9 +112,12 @@ def apply_float8(model: nn.Module, recipe: str, *, shards: int, all_gather: bool
     wanted = set(convert)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, name: name in wanted)
     how = ", fp8 all-gather" if config.enable_fsdp_float8_all_gather else ""
+    from .moe import find_experts
+    experts = len(find_experts(model))
+    fused = f"; the fused experts of {experts} MoE layers stay in bf16 (3-D weights, not Linear)" if experts else ""
     print0(f"fp8: {recipe}{how}{', emulated on CPU' if emulate else ''}: {len(convert)} of "
            f"{len(convert) + len(kept)} Linear layers in fp8; {len(kept)} kept in bf16"
-           f"{': ' + describe_kept(kept) if kept else ''}; embeddings in bf16")
+           f"{': ' + describe_kept(kept) if kept else ''}; embeddings in bf16{fused}")
     return convert
 
 

@@ -14,10 +14,19 @@ from ..errors import ModelError
 from ..export import Source, find_source
 from ..load import is_prepared
 from ..model import build_skeleton
-from ..weights import arch_diffs, open_dcp
+from ..weights import arch_diffs, disk_to_memory, open_dcp
 from .fingerprint import base_fingerprint
 from .lora import check_base as check_trained_base, merge_lora_tensor, peft_config, peft_key
 from .verify import open_safetensors
+
+
+CONVERTED = "stores tensors in a layout that transformers converts on load (e.g. {})"
+
+
+def converted_names(skeleton, names) -> list[str]:
+    """The stored `names` that transformers converts on load, not renames (MoE experts stored one by one, fused in
+    memory): the merge reads the base tensor by tensor, as the model holds them, and cannot read these yet."""
+    return sorted(name for name, key in disk_to_memory(skeleton, names).items() if key is None)
 
 
 def embedding_names(skeleton) -> tuple[str, str | None]:
@@ -59,6 +68,10 @@ def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tupl
         metas, load_base = open_dcp(find_source(source.model_path).weights)
     else:
         metas, load_base = open_safetensors(source.model_path, "LoRA base model")
+        if converted := converted_names(skeleton, metas):
+            raise ModelError(f"the LoRA base model '{source.model_path}' {CONVERTED.format(converted[0])}, which a "
+                             f"merged export cannot read yet: export the adapter with --adapter (a PEFT dir that "
+                             f"peft loads over the base)")
     on_disk = set(metas)
     embedding, head = embedding_names(skeleton)
     if head and head not in on_disk:  # a tied base stores its embedding once; an untied export's head starts there

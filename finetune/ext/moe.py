@@ -2,7 +2,8 @@
 implementation (grouped GEMM, batched or per-expert loop), and gradient clipping over the experts' own mesh.
 
 The load-balancing loss is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6, summed over the MoE
-layers): aux = E * sum_e f_e * P_e, f_e the share of top-k assignments to expert e, P_e its mean router probability,
+layers): aux = E * sum_e f_e * P_e, f_e the share of the router's own top-k assignments to expert e (DeepSeek-V3's
+grouped, bias-corrected ones; transformers recounts a softmax top-k), P_e its mean router probability (softmax),
 over the real tokens of the GLOBAL batch (counts all-reduced: the same value at any world size and micro-batch split).
 The gradient flows through each rank's own P_e; f_e counts every rank's tokens of the micro-batch (2 ranks == 1
 process, exactly), and across the micro-batches of a step each one's f_e is weighed by its share of the step's tokens
@@ -105,17 +106,33 @@ class RouterLoss:
         # router itself: a shared list's length would be a guard of the compiled block, a recompile per layer
         if self.active:
             module.routed_logits = output[self.index] if isinstance(output, tuple) else output
+            module.routed_experts = self.selection(output)
 
-    def _sums(self, name: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top-k assignment counts per expert, detached; router probability sums per expert) over the real tokens."""
+    def selection(self, output) -> torch.Tensor | None:
+        """The experts the router sent each token to: the integer (tokens, top_k) tensor of its output (DeepSeek-V3's
+        and GLM-4.5's pick groups, then adds a bias: no top-k of the logits recomputed here gives it); None where the
+        router hands out only logits, whose top-k (softmax and sigmoid keep their order) is then its selection."""
+        for t in output if isinstance(output, tuple) else ():
+            if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.shape[-1:] == (self.top_k,):
+                return t
+        return None
+
+    def _sums(self, name: str, logits: torch.Tensor, selected) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k assignment counts per expert of the router's own `selected`, detached; router probability sums per
+        expert) over the real tokens."""
         logits = logits.reshape(-1, logits.shape[-1])
         if logits.shape[0] != self.mask.numel():
             raise ModelError(f"the router of {name} saw {logits.shape[0]} tokens, the micro-batch has "
                              f"{self.mask.numel()}: moe.aux_loss_coef cannot run with this layout (set it to 0)")
         probs = torch.softmax(logits.float(), dim=-1)
-        selected = torch.topk(probs, self.top_k, dim=-1).indices
-        counts = torch.zeros(probs.shape[-1], device=probs.device).scatter_add_(
-            0, selected.reshape(-1), self.mask.repeat_interleave(self.top_k))
+        if selected is None:
+            selected = torch.topk(probs, self.top_k, dim=-1).indices
+        num_experts = probs.shape[-1]
+        # an index outside the experts (a token the router dropped) is counted in a slot that is cut off
+        selected = selected.reshape(-1).long()
+        selected = torch.where((selected >= 0) & (selected < num_experts), selected, num_experts)
+        counts = torch.zeros(num_experts + 1, device=probs.device).scatter_add_(
+            0, selected, self.mask.repeat_interleave(self.top_k))[:num_experts]
         return counts, (probs * self.mask[:, None]).sum(dim=0)
 
     def begin_step(self, micro_batches: list[dict], num_label_tokens: int, device) -> None:
@@ -137,10 +154,11 @@ class RouterLoss:
 
     def micro_batch_loss(self) -> torch.Tensor:
         """The differentiable term of this micro-batch (scaled by the global label count: see begin_step)."""
-        parts = [(type(g).__name__, vars(g).pop("routed_logits")) for g in self.gates if "routed_logits" in vars(g)]
+        parts = [(type(g).__name__, vars(g).pop("routed_logits"), vars(g).pop("routed_experts"))
+                 for g in self.gates if "routed_logits" in vars(g)]
         if not parts:
             raise ModelError("moe.aux_loss_coef: no router ran in this micro-batch")
-        sums = [self._sums(name, logits) for name, logits in parts]
+        sums = [self._sums(*part) for part in parts]
         counts = torch.stack([c for c, _ in sums]).sum(dim=0)
         probs = torch.stack([p for _, p in sums]).sum(dim=0)
         rows = self.mask.sum() * len(parts)

@@ -14,6 +14,7 @@ from ..config import Config, ConfigError
 from ..data import open_sources, require_chat_template
 from .fingerprint import base_fingerprint
 from .locks import hold_run_lock, release_lock
+from ..load import is_prepared
 from ..model import load_hf_config
 from .chat_template import run_tokenizer
 from .recipes import samples
@@ -64,11 +65,25 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
     if task == "dpo":
         from .dpo import reference_kind
         reference_kind(cfg)
+    if cfg.lora.rank and Path(cfg.model.path).is_dir() and not is_prepared(cfg.model.path):
+        note_converted_base(cfg.model.path, hf_config, cfg.model.trust_remote_code)
     step = read_marker(resume)["step"] if resume is not None else 0
     if step >= cfg.train.max_steps:
         return (f"nothing to do: checkpoint {resume} is at step {step} and train.max_steps is "
                 f"{cfg.train.max_steps}; raise train.max_steps to train on")
     return None
+
+
+def note_converted_base(path: str, hf_config, trust_remote_code: bool) -> None:
+    """A LoRA run on a base whose stored layout transformers converts on load: its merged export cannot read it yet
+    (ext/lora_export.py refuses it then); said now, with the export that works."""
+    from ..distributed import print0
+    from ..model import build_skeleton
+    from ..weights import open_dir
+    from .lora_export import CONVERTED, converted_names
+    if converted := converted_names(build_skeleton(hf_config, None, trust_remote_code), open_dir(Path(path)) or {}):
+        print0(f"note: {path} {CONVERTED.format(converted[0])}, which a merged export of LoRA cannot read yet: "
+               f"export this run with `finetune export-hf --adapter`")
 
 
 def check_model(output_dir: Path, resume_dir: Path | None, resume_from: str, model_path: str, fingerprint) -> None:
