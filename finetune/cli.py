@@ -13,7 +13,7 @@ from .ext import checks
 from .ext.commands import COMMANDS, options
 from .ext.console import setup as setup_console
 from .ext.flag_hints import Commands
-from .ext.locks import release_lock
+from .ext.locks import hold_run_lock, release_lock
 from .ext.rank_errors import rank_errors
 from .launch import guarded, launch as launch_ranks
 from .outdir import check_writable
@@ -61,13 +61,22 @@ def train_command(task: str):
                                   "checkpoint.resume_from": resume_from})  # the hub's probe: before torch is imported
             if no_resume:
                 cfg.checkpoint.resume = False
-            recipe = run_recipe(cfg, task)
-            num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
-            check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)  # each rank
             lock = Path(cfg.output_dir) / ".finetune.lock"  # the run's (ext/locks.py)
-            if "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve()):
+            launched = "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve())
+            if not launched:
+                check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
+            # a dir another run owns stops here, before torch and the recipe's modules load (~20 s on a busy CPU)
+            if not launched and (nnodes == 1 or "RANK" in os.environ) and lock.parent.is_dir():
+                hold_run_lock(lock, f"output dir {cfg.output_dir}")
+            try:
+                recipe = run_recipe(cfg, task)
+                num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
+                check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)
+            except BaseException:
+                release_lock(lock)
+                raise
+            if launched:
                 return cfg, recipe, None, None  # a rank our launcher started: it checked this and holds the lock
-            check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
             from .ext.preflight import preflight_locked

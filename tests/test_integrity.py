@@ -197,6 +197,26 @@ def test_a_released_lock_leaves_no_file_and_a_lock_on_a_removed_file_is_taken_ag
     assert not lock.exists()
 
 
+def test_a_run_into_a_locked_dir_is_refused_before_torch_loads(llama_dir, chat_file, tmp_path):
+    """The run's lock is taken before the recipe imports torch and transformers (which took ~20 s of a busy CPU
+    before the refusal): a fresh interpreter refused on a locked dir never imported torch."""
+    out = tmp_path / "out"
+    holder = lock_holder(out / ".finetune.lock")
+    try:
+        t0 = time.perf_counter()
+        refused = subprocess.run([sys.executable, "-X", "importtime", "-m", "finetune", *map(str, sft_args(
+            llama_dir, chat_file, out))], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+        seconds = time.perf_counter() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    error = [line for line in refused.stderr.splitlines() if not line.startswith("import time:")]
+    assert refused.returncode == 2 and error == [f"error: output dir {out} is in use by pid {holder.pid} on "
+                                                 f"{error[0].split(' on ', 1)[1]}"], refused.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in refused.stderr.splitlines() if line.startswith("import ti")}
+    assert "finetune.cli" in imported and "torch" not in imported, seconds
+
+
 def test_export_locks_its_output_dir(run_dir, tmp_path):
     holder = lock_holder(tmp_path / ".hf.lock")  # what a running export-hf -o hf holds
     try:
