@@ -7,11 +7,17 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
   finetune unpacked   (CPU) the same with data.packing=false (each micro-batch pads to its longest sample)
   finetune at DIR     (--baseline DIR) the defaults of another checkout (its own .venv), e.g. the commit before a
                       change: the same command, the same data and seed
-  HF Trainer          transformers' Trainer, its usual padding (DataCollatorForSeq2Seq: to the longest of the batch)
-  TRL SFTTrainer      its best documented setting: packing=True (the "bfd" strategy, padding-free), Liger kernels
-                      (use_liger_kernel=True) on CUDA; on CUDA its attention is torch's varlen kernel (Flash or cuDNN),
-                      registered by finetune/ext/varlen.py (flash-attn, which TRL's docs name, has no wheel to install
-                      offline), sdpa on CPU. TRL is not a dependency: `uv run --with trl` on CPU, a wheel on the GPU
+  HF Trainer          transformers' Trainer at its fastest that fits: padding-free batches
+                      (DataCollatorWithFlattening: the step's samples as one row, position_ids restart per sample),
+                      no gradient checkpointing, Liger kernels and bf16 on CUDA (as finetune's defaults there)
+  HF Trainer padded   (--systems hf_padded) its usual padding (DataCollatorForSeq2Seq: to the longest of the batch)
+  TRL SFTTrainer      at its fastest that fits: packing=True (the "bfd" strategy, padding-free), gradient
+                      checkpointing OFF (SFTConfig turns it on by default: every layer would be recomputed while
+                      finetune's defaults recompute none), Liger kernels (use_liger_kernel=True) and bf16 on CUDA,
+                      fp32 without Liger on CPU (as finetune there); on CUDA its attention (and the Trainer's) is
+                      torch's varlen kernel (Flash or cuDNN), registered by finetune/ext/varlen.py (flash-attn, which
+                      TRL's docs name, has no wheel to install offline), sdpa on CPU. TRL is not a dependency of the
+                      package: the dev group has it (python >= 3.11), else `uv run --with trl`; a wheel on the GPU
                       machine (benchmarks/gpu_check.sh wheels).
 All get the same samples (finetune's tokenization and labels), model (random, written offline: CPU a ~21M Llama
 with a 32k vocabulary, 1,024-token cap; CUDA the 886M Llama of RESULTS.md, 8,192-token cap and lognormal sample
@@ -150,7 +156,7 @@ def peer_worker(job: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     cuda = torch.cuda.is_available()
     attn = "sdpa"
-    if cuda and job["system"] == "trl":
+    if cuda and job["system"] in ("trl", "hf"):  # padding-free rows need a varlen kernel
         from finetune.attention import VARLEN
         from finetune.ext.varlen import register
         register()
@@ -183,7 +189,7 @@ def peer_worker(job: dict) -> None:
             batch = collate(features)
             mask = batch.get("attention_mask")
             tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
-            computed.append(batch["input_ids"].numel())  # TRL's padding-free packing: one row, no padding
+            computed.append(batch["input_ids"].numel())  # padding-free (TRL's packing, flattening): no padding
             return batch
         return run
 
@@ -195,13 +201,15 @@ def peer_worker(job: dict) -> None:
     if job["system"] == "trl":
         from trl import SFTConfig, SFTTrainer
         args = SFTConfig(**common, per_device_train_batch_size=job["rows"], packing=True, max_length=job["seq_len"],
-                         use_liger_kernel=cuda)
+                         gradient_checkpointing=False, use_liger_kernel=cuda)
         trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, callbacks=[StepTimer()])
     else:
-        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
-        args = TrainingArguments(**common, per_device_train_batch_size=job["samples"], remove_unused_columns=False)
-        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepTimer()],
-                          data_collator=DataCollatorForSeq2Seq(tok, padding=True))
+        from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainingArguments
+        args = TrainingArguments(**common, per_device_train_batch_size=job["samples"], remove_unused_columns=False,
+                                 gradient_checkpointing=False, use_liger_kernel=cuda)
+        collate = DataCollatorForSeq2Seq(tok, padding=True) if job["system"] == "hf_padded" else \
+            DataCollatorWithFlattening(return_flash_attn_kwargs=cuda)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepTimer()], data_collator=collate)
     trainer.data_collator = counted(trainer.data_collator)
     trainer.train()
     if cuda:
@@ -265,8 +273,9 @@ def epoch_efficiency(base: dict, systems: dict) -> dict:
     units = {p: build_samples(base["data"], tok, max_seq_len=base["seq_len"], packing=p).unit_lengths()
              for p in (True, False)}
     packed, padded = batch_efficiency(units[True], base["rows"], 1), batch_efficiency(units[False], base["samples"], 1)
-    return {name: 1.0 if "TRL" in name else packed if "finetune" in name and "unpacked" not in name else padded
-            for name in systems}
+    free = ("TRL", "padding-free")
+    return {name: 1.0 if any(f in name for f in free) else packed if "finetune" in name and "unpacked" not in name
+            else padded for name in systems}
 
 
 def flops_and_peak(base: dict) -> tuple[float, float | None]:
@@ -318,8 +327,8 @@ def main() -> None:
     p.add_argument("--overhead-steps", type=int, default=8, help="timed steps per overhead run")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every process (CPU)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="the profile (default: cuda when there is one)")
-    p.add_argument("--systems", default="defaults,unpacked,hf,trl",
-                   help="peers to run, of: defaults, unpacked, baseline, hf, trl")
+    p.add_argument("--systems", default="defaults,trl,hf",
+                   help="peers to run, of: defaults, unpacked, baseline, hf, hf_padded, trl")
     p.add_argument("--baseline", help="another finetune checkout (with its .venv) whose defaults run as 'baseline'")
     p.add_argument("--tiny", action="store_true", help="toy sizes (a dry run of the CUDA profile on any device)")
     p.add_argument("--append", action="store_true", help="add this call's rounds to the runs in the output's json")
@@ -353,8 +362,10 @@ def main() -> None:
         "unpacked": ("finetune unpacked", lambda j: run_finetune(j, env, [padded, "data.packing=false"])),
         "baseline": (f"finetune at {args.baseline}",
                      lambda j: run_finetune(j, env, [packed], Path(args.baseline or "."))),
-        "hf": ("HF Trainer (padding)", lambda j: run_peer({**j, "system": "hf"}, env, [sys.executable])),
-        "trl": ("TRL SFTTrainer (packing)", lambda j: run_peer({**j, "system": "trl"}, env, trl)),
+        "hf": ("HF Trainer (padding-free)", lambda j: run_peer({**j, "system": "hf"}, env, [sys.executable])),
+        "hf_padded": ("HF Trainer (padding)", lambda j: run_peer({**j, "system": "hf_padded"}, env,
+                                                                  [sys.executable])),
+        "trl": ("TRL SFTTrainer (packing, no grad ckpt)", lambda j: run_peer({**j, "system": "trl"}, env, trl)),
     }
     peers = dict(peers[k] for k in args.systems.split(","))
     seq, rows = 512, 4  # overhead: 4 rows of 512, fixed shapes
@@ -410,7 +421,8 @@ def tables(result: dict) -> list[str]:
     lines = [f"Machine: {result['machine']}."]
     if "peers" in result:
         s = result["peers"]["summary"]
-        refs = [n for n in ("HF Trainer (padding)", "TRL SFTTrainer (packing)", "finetune defaults (packed)") if n in s]
+        refs = [n for n in ("HF Trainer (padding-free)", "HF Trainer (padding)",
+                            "TRL SFTTrainer (packing, no grad ckpt)", "finetune defaults (packed)") if n in s]
         lines += ["", f"| system | real tokens/s: median (runs) | real tokens/step | vs {', '.join(refs)} | MFU "
                       f"| peak memory (MB) | loss, last step | computed tokens/s | real/computed, epoch "
                       f"| expected real tokens/s |", "|---|" + "---:|" * 9]
