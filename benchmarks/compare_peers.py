@@ -19,14 +19,16 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
                       TRL's docs name, has no wheel to install offline), sdpa on CPU. TRL is not a dependency of the
                       package: the dev group has it (python >= 3.11), else `uv run --with trl`; a wheel on the GPU
                       machine (benchmarks/gpu_check.sh wheels).
-All get the same samples (finetune's tokenization and labels), model (random, written offline: CPU a ~21M Llama
-with a 32k vocabulary, 1,024-token cap; CUDA the 886M Llama of RESULTS.md, 8,192-token cap and lognormal sample
-lengths up to 8k), AdamW settings (fused on CUDA), grad clipping, and about the same real tokens per optimizer step
-(packed rows, or padded samples). The figure is real (non-pad) tokens per second over the timed steps: sum of real
-tokens / sum of step times, medians over rounds; MFU from it (metrics.MFU_CONVENTION, T = sum(s^2)/sum(s) of
-the samples) on CUDA; peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of padded batches are
-luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s and the real
-tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's batches.
+All get the same samples (finetune's tokenization and labels), model (random, written offline: CPU a ~21M Llama with
+a 32k vocabulary, 1,024-token cap, lognormal one-turn rows; CUDA the 886M Llama of RESULTS.md, 8,192-token cap and
+chat_data.py's realistic rows: 2 packed rows or 17 samples, ~16k real tokens a step), AdamW settings (fused on
+CUDA), grad clipping, and about the same real tokens per optimizer step (packed rows, or padded samples). The figure
+is real (non-pad) tokens per second over the timed steps: sum of real tokens / sum of step times, medians over
+rounds; MFU from it on CUDA, by both counts of ext/mfu (MFU_CONVENTION, T = sum(s^2)/sum(s) of the samples, and
+MFU_RAN, lm_head at the label tokens only); peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of
+padded batches are luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s
+and the real tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's
+batches.
 
 Overhead (CPU): `finetune sft` with fixed shapes (packed rows padded to data.max_seq_len: data.pad_to_max) against a
 bare PyTorch loop (forward, backward, clip, AdamW) on the same model and the same batches; median step times.
@@ -53,6 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 TINY = REPO / "examples" / "tiny-llama"  # its chat tokenizer; the model's vocabulary is 32k all the same
 
 # per device: the model written offline, the data's lengths, rows of packed systems / samples of padded ones a step
@@ -60,7 +63,7 @@ PROFILES = {
     "cpu": dict(name="llama-21m", hidden=256, intermediate=768, layers=6, heads=4, kv_heads=4, seq_len=1024,
                 median=228, sigma=0.7, rows=4, samples=14, num_rows=3000, dtype="fp32"),
     "cuda": dict(name="llama-886m", hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=16, seq_len=8192,
-                 median=900, sigma=1.0, rows=2, samples=4, num_rows=1500, dtype="bf16"),
+                 median=900, sigma=1.0, rows=2, samples=17, num_rows=2000, dtype="bf16", realistic=True),
 }
 
 
@@ -82,7 +85,9 @@ def make_inputs(root: Path, profile: dict, seed: int = 0) -> tuple[Path, Path]:
     lengths are lognormal (the profile's median and sigma, capped by its seq_len when tokenized)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    model_dir, data = root / profile["name"], root / f"chat-{profile['median']}.jsonl"
+    model_dir = root / profile["name"]
+    data = root / (f"chat-realistic-{profile['seq_len']}.jsonl" if profile.get("realistic") else
+                   f"chat-{profile['median']}.jsonl")
     if model_dir.exists() and data.exists():
         return model_dir, data
     tok = AutoTokenizer.from_pretrained(TINY)
@@ -95,7 +100,11 @@ def make_inputs(root: Path, profile: dict, seed: int = 0) -> tuple[Path, Path]:
     LlamaForCausalLM(config).to(torch.bfloat16 if profile["dtype"] == "bf16" else torch.float32).save_pretrained(
         model_dir)
     tok.save_pretrained(model_dir)
-    make_chat_data(data, tok, profile["num_rows"], profile["median"], profile["sigma"], seed)
+    if profile.get("realistic"):  # chat_data.py's rows: several turns, median ~640 tokens, a tail into thousands
+        from chat_data import write_rows
+        write_rows(data, tok, profile["num_rows"], seed, profile["seq_len"])
+    else:
+        make_chat_data(data, tok, profile["num_rows"], profile["median"], profile["sigma"], seed)
     return model_dir, data
 
 
@@ -278,22 +287,25 @@ def epoch_efficiency(base: dict, systems: dict) -> dict:
             else padded for name in systems}
 
 
-def flops_and_peak(base: dict) -> tuple[float, float | None]:
-    """FLOPs per token (metrics.flops_per_token) of the model at the data's attention length (T = sum(s^2) / sum(s)
-    over its samples s, capped at the row length: metrics.MFU_CONVENTION), and the device's peak FLOP/s."""
+def flops_and_peak(base: dict) -> tuple[dict, float | None]:
+    """FLOPs per token (ext/mfu.flops_per_token) of the model at the data's attention length (T = sum(s^2) / sum(s)
+    over its samples s: MFU_CONVENTION), {"mfu": the convention's, "mfu_ran": lm_head at the data's fraction of
+    label tokens (MFU_RAN)}, and the device's peak FLOP/s."""
     import torch
 
-    from finetune.data import build_samples
     from finetune.ext.mfu import flops_per_token, peak_flops
-    from finetune.model import build_skeleton, load_hf_config, load_tokenizer
-    lengths = build_samples(base["data"], load_tokenizer(base["model"]), max_seq_len=base["seq_len"],
-                            packing=False).unit_lengths()
+    from finetune.model import build_skeleton, load_hf_config
+    samples = hf_samples(base)
+    lengths = [len(x["input_ids"]) for x in samples]
+    labels = sum(sum(t != -100 for t in x["labels"]) for x in samples)
     t = sum(s * s for s in lengths) / max(sum(lengths), 1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return flops_per_token(build_skeleton(load_hf_config(base["model"])), t), peak_flops(device)
+    model = build_skeleton(load_hf_config(base["model"]))
+    return {"mfu": flops_per_token(model, t), "mfu_ran": flops_per_token(model, t, labels / max(sum(lengths), 1))}, \
+        peak_flops(device)
 
 
-def summary(runs: list[dict], warmup: int, efficiency: dict, flops_tok: float, peak: float | None) -> dict:
+def summary(runs: list[dict], warmup: int, efficiency: dict, flops_tok: dict, peak: float | None) -> dict:
     """Per system: real and computed tokens/s of each run over its timed steps, their medians and range, the real
     tokens/s expected over a whole epoch (computed tokens/s x the epoch's real / computed tokens), MFU and peak
     memory (medians)."""
@@ -312,7 +324,7 @@ def summary(runs: list[dict], warmup: int, efficiency: dict, flops_tok: float, p
                   "real_tokens_per_step": statistics.median(x["real_tokens_per_step"] for x in rs),
                   "runs": [round(x["tokens_per_s"]) for x in rs], "computed_per_s": computed,
                   "epoch_efficiency": efficiency[s], "expected": computed * efficiency[s],
-                  "mfu": median * flops_tok / peak if peak else None,
+                  **{k: median * f / peak if peak else None for k, f in flops_tok.items()},
                   "peak_mem_mb": statistics.median(x["peak_mem_mb"] for x in rs),
                   "last_loss": rs[0]["losses"][-1] if rs[0].get("losses") else None}
     return out
@@ -423,12 +435,12 @@ def tables(result: dict) -> list[str]:
         s = result["peers"]["summary"]
         refs = [n for n in ("HF Trainer (padding-free)", "HF Trainer (padding)",
                             "TRL SFTTrainer (packing, no grad ckpt)", "finetune defaults (packed)") if n in s]
-        lines += ["", f"| system | real tokens/s: median (runs) | real tokens/step | vs {', '.join(refs)} | MFU "
+        lines += ["", f"| system | real tokens/s: median (runs) | real tokens/step | vs {', '.join(refs)} | MFU / ran "
                       f"| peak memory (MB) | loss, last step | computed tokens/s | real/computed, epoch "
                       f"| expected real tokens/s |", "|---|" + "---:|" * 9]
         for name, x in s.items():
             ratios = ", ".join(f"{x['median'] / s[ref]['median']:.2f}x" for ref in refs)
-            mfu = f"{x['mfu']:.1%}" if x.get("mfu") else "n/a"
+            mfu = f"{x['mfu']:.1%} / {x['mfu_ran']:.1%}" if x.get("mfu") else "n/a"
             loss = f"{x['last_loss']:.4f}" if x.get("last_loss") is not None else ""
             lines.append(f"| {name} | {x['median']:,.0f} ({', '.join(f'{v:,}' for v in x['runs'])}) | "
                          f"{x['real_tokens_per_step']:,.0f} | {ratios} | {mfu} | {x['peak_mem_mb']:,.0f} | {loss} | "

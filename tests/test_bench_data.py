@@ -61,3 +61,20 @@ def test_tables_are_generated_from_the_json_lines_and_the_typed_text_stays(tmp_p
     md.write_text(text + "\ntyped after\n")
     assert not results.write_tables(md, tmp_path)  # the same lines: the same tables, the rest untouched
     assert md.read_text().endswith("\ntyped after\n")
+
+
+def test_gpu_stages_dry_run_on_cpu_up_to_their_first_cuda_call(tmp_path):
+    """Every stage of issue 50's GPU figures, in order, builds its inputs and prints its commands, then stops in one
+    line where CUDA is first needed; nothing is written to the results."""
+    stages = ["peers", "fp8", "moe30b", "profile", "offload131k", "lora8b", "full"]
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_figures.py"), *stages, "--dry-run", "--rows", "40",
+                          "--work", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stops = [x.split(":")[0] for x in out.stdout.splitlines() if "needs a CUDA device from here on" in x]
+    assert stops == stages, out.stdout
+    assert "--fp8 off,tensorwise,rowwise" in out.stdout and "data.max_seq_len=131072" in out.stdout
+    assert "--systems defaults,trl" in out.stdout and "model.experts_implementation=grouped_mm" in out.stdout
+    assert (tmp_path / "work" / "llama3-8b-8layers" / "config.json").exists()  # the 8B slice's config, no weights
+    assert not (tmp_path / "work" / "llama3-8b-8layers" / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "results").exists()
