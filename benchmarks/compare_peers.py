@@ -172,6 +172,10 @@ def peer_worker(job: dict) -> None:
         attn = VARLEN
     tok = AutoTokenizer.from_pretrained(job["model"])
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation=attn)
+    # no KV cache in training: with one, transformers skips the padding-free rows' per-sample mask (masking_utils
+    # looks for packed position_ids only without past_key_values) and the Trainer's samples attend across each other;
+    # TRL sets it off itself
+    model.config.use_cache = False
     rows = datasets.Dataset.from_list(hf_samples(job))
     times, tokens, computed, losses, last = [], [], [], [], [None]
 
@@ -403,6 +407,8 @@ def main() -> None:
                 t = sum(run["tokens"][args.warmup:]) / sum(run["seconds"][args.warmup:])
                 print(f"round {r} {name}: {t:,.0f} real tokens/s, {statistics.median(run['seconds']):.2f} s/step, "
                       f"peak {run['peak_mem_mb']:,.0f} MB, wall {runs[-1]['wall_s']:.0f} s", flush=True)
+                # each run kept as it comes: a call cut off keeps its rounds (--append --rounds 0 summarises them)
+                out_json.write_text(json.dumps({**result, "peers": {"runs": runs}}, indent=1))
         flops_tok, peak = flops_and_peak(base)
         names = {r["system"] for r in runs}
         result["peers"] = {"runs": runs, "summary": summary(runs, args.warmup, epoch_efficiency(base, names),

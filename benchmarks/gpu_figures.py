@@ -120,13 +120,7 @@ def stage_peers(work: Path) -> None:
     if not cuda_or_stop("peers"):
         return
     run(cmd)
-    peers = json.loads((out / "compare_peers.json").read_text())["peers"]
-    lines = [{"kind": "run", **{k: r[k] for k in ("system", "round", "tokens", "seconds", "losses", "peak_mem_mb",
-                                                    "tokens_per_s", "real_tokens_per_step") if k in r}}
-             for r in peers["runs"]]
-    lines += [{"kind": "summary", "system": s, **{k: x[k] for k in ("median", "min", "max", "runs", "mfu", "mfu_ran",
-                                                                      "peak_mem_mb") if k in x}}
-              for s, x in peers["summary"].items()]
+    lines = results.peers_records(out / "compare_peers.json")
     results.append("peers", lines, shlex.join(cmd), ARGS.results_dir)
 
 

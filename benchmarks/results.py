@@ -3,6 +3,7 @@ device, torch, the command, the per-step figures) to benchmarks/results/<stage>.
 part of benchmarks/RESULTS.md (between the two GENERATED markers) is made from those files by `tables`, never typed.
 
     python3 benchmarks/results.py bench STAGE DIR/bench.json --command "..." [--variant NAME]  # a bench's points
+    python3 benchmarks/results.py peers STAGE DIR/compare_peers.json --command "..."   # its runs and summary
     python3 benchmarks/results.py json STAGE FILE.json --command "..."     # a JSON object: one line per entry
     python3 benchmarks/results.py tables [--results-dir D] [--markdown F]   # rewrite RESULTS.md's generated part
 
@@ -63,6 +64,17 @@ def bench_records(bench_json: Path, variant: str = "") -> list[dict]:
              **{k: p[k] for k in BENCH_KEYS if k in p}} for p in bench["points"]]
 
 
+def peers_records(compare_peers_json: Path) -> list[dict]:
+    """compare_peers.py's runs (per step: real tokens, seconds, loss) and its per-system summary (median, range)."""
+    peers = json.loads(compare_peers_json.read_text())["peers"]
+    runs = [{"kind": "run", **{k: r[k] for k in ("system", "round", "tokens", "seconds", "losses", "peak_mem_mb",
+                                                 "tokens_per_s", "real_tokens_per_step") if k in r}}
+            for r in peers["runs"]]
+    return runs + [{"kind": "summary", "system": s, **{k: x[k] for k in ("median", "min", "max", "runs", "mfu",
+                                                                         "mfu_ran", "peak_mem_mb") if k in x}}
+                   for s, x in peers["summary"].items()]
+
+
 def read(results_dir: Path) -> dict[str, list[dict]]:
     return {f.stem: [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
             for f in sorted(results_dir.glob("*.jsonl"))}
@@ -119,17 +131,23 @@ def main() -> None:
     b.add_argument("file", type=Path)
     b.add_argument("--command", required=True)
     b.add_argument("--variant", default="")
+    c = sub.add_parser("peers", help="append a compare_peers.json's runs and summary")
+    c.add_argument("stage")
+    c.add_argument("file", type=Path)
+    c.add_argument("--command", required=True)
     j = sub.add_parser("json", help="append a JSON object's entries (each a dict), the key as 'point'")
     j.add_argument("stage")
     j.add_argument("file", type=Path)
     j.add_argument("--command", required=True)
     t = sub.add_parser("tables", help="rewrite RESULTS.md's generated part from the results")
     t.add_argument("--markdown", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
-    for s in (b, j, t):
+    for s in (b, c, j, t):
         s.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args()
     if args.verb == "bench":
         lines = append(args.stage, bench_records(args.file, args.variant), args.command, args.results_dir)
+    elif args.verb == "peers":
+        lines = append(args.stage, peers_records(args.file), args.command, args.results_dir)
     elif args.verb == "json":
         data = json.loads(args.file.read_text())
         records = [{"point": k, **v} for k, v in data.items() if isinstance(v, dict)]
