@@ -139,7 +139,9 @@ def run_finetune(job: dict, env: dict, extra: list[str], checkout: Path = REPO) 
     cmd = [str(python), "-m", "finetune", "sft", "--model", job["model"], "--dataset", job["data"],
            "--output-dir", str(out), "--no-resume", f"data.max_seq_len={job['seq_len']}",
            f"train.max_steps={job['steps']}", "eval.path=", "log.progress=false", f"train.log_interval={job['steps']}",
-           "train.warmup_steps=0", f"train.mixed_precision={job['dtype']}", *extra]
+           "train.warmup_steps=0", f"train.mixed_precision={job['dtype']}",
+           # the peers' optimizer: lr 3e-3 constant, weight decay 0.01 (finetune's defaults are 2e-5, cosine, 0)
+           "train.lr=3e-3", "train.min_lr_ratio=1", "train.weight_decay=0.01", *extra]
     subprocess.run(cmd, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     real = [r["tokens_per_s"] * r["step_time_s"] for r in recs]
