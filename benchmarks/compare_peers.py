@@ -7,20 +7,28 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
   finetune unpacked   (CPU) the same with data.packing=false (each micro-batch pads to its longest sample)
   finetune at DIR     (--baseline DIR) the defaults of another checkout (its own .venv), e.g. the commit before a
                       change: the same command, the same data and seed
-  HF Trainer          transformers' Trainer, its usual padding (DataCollatorForSeq2Seq: to the longest of the batch)
-  TRL SFTTrainer      its best documented setting: packing=True (the "bfd" strategy, padding-free), Liger kernels
-                      (use_liger_kernel=True) on CUDA; on CUDA its attention is torch's varlen kernel (Flash or cuDNN),
-                      registered by finetune/ext/varlen.py (flash-attn, which TRL's docs name, has no wheel to install
-                      offline), sdpa on CPU. TRL is not a dependency: `uv run --with trl` on CPU, a wheel on the GPU
+  HF Trainer          transformers' Trainer at its fastest that fits: padding-free batches
+                      (DataCollatorWithFlattening: the step's samples as one row, position_ids restart per sample),
+                      no gradient checkpointing, Liger kernels and bf16 on CUDA (as finetune's defaults there)
+  HF Trainer padded   (--systems hf_padded) its usual padding (DataCollatorForSeq2Seq: to the longest of the batch)
+  TRL SFTTrainer      at its fastest that fits: packing=True (the "bfd" strategy, padding-free), gradient
+                      checkpointing OFF (SFTConfig turns it on by default: every layer would be recomputed while
+                      finetune's defaults recompute none), Liger kernels (use_liger_kernel=True) and bf16 on CUDA,
+                      fp32 without Liger on CPU (as finetune there); on CUDA its attention (and the Trainer's) is
+                      torch's varlen kernel (Flash or cuDNN), registered by finetune/ext/varlen.py (flash-attn, which
+                      TRL's docs name, has no wheel to install offline), sdpa on CPU. TRL is not a dependency of the
+                      package: the dev group has it (python >= 3.11), else `uv run --with trl`; a wheel on the GPU
                       machine (benchmarks/gpu_check.sh wheels).
-All get the same samples (finetune's tokenization and labels), model (random, written offline: CPU a ~21M Llama
-with a 32k vocabulary, 1,024-token cap; CUDA the 886M Llama of RESULTS.md, 8,192-token cap and lognormal sample
-lengths up to 8k), AdamW settings (fused on CUDA), grad clipping, and about the same real tokens per optimizer step
-(packed rows, or padded samples). The figure is real (non-pad) tokens per second over the timed steps: sum of real
-tokens / sum of step times, medians over rounds; MFU from it (metrics.MFU_CONVENTION, T = sum(s^2)/sum(s) of
-the samples) on CUDA; peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of padded batches are
-luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s and the real
-tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's batches.
+All get the same samples (finetune's tokenization and labels), model (random, written offline: CPU a ~21M Llama with
+a 32k vocabulary, 1,024-token cap, lognormal one-turn rows; CUDA the 886M Llama of RESULTS.md, 8,192-token cap and
+chat_data.py's realistic rows: 2 packed rows or 17 samples, ~16k real tokens a step), AdamW settings (fused on
+CUDA), grad clipping, and about the same real tokens per optimizer step (packed rows, or padded samples). The figure
+is real (non-pad) tokens per second over the timed steps: sum of real tokens / sum of step times, medians over
+rounds; MFU from it on CUDA, by both counts of ext/mfu (MFU_CONVENTION, T = sum(s^2)/sum(s) of the samples, and
+MFU_RAN, lm_head at the label tokens only); peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of
+padded batches are luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s
+and the real tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's
+batches.
 
 Overhead (CPU): `finetune sft` with fixed shapes (packed rows padded to data.max_seq_len: data.pad_to_max) against a
 bare PyTorch loop (forward, backward, clip, AdamW) on the same model and the same batches; median step times.
@@ -47,6 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 TINY = REPO / "examples" / "tiny-llama"  # its chat tokenizer; the model's vocabulary is 32k all the same
 
 # per device: the model written offline, the data's lengths, rows of packed systems / samples of padded ones a step
@@ -54,7 +63,7 @@ PROFILES = {
     "cpu": dict(name="llama-21m", hidden=256, intermediate=768, layers=6, heads=4, kv_heads=4, seq_len=1024,
                 median=228, sigma=0.7, rows=4, samples=14, num_rows=3000, dtype="fp32"),
     "cuda": dict(name="llama-886m", hidden=2048, intermediate=5632, layers=16, heads=32, kv_heads=16, seq_len=8192,
-                 median=900, sigma=1.0, rows=2, samples=4, num_rows=1500, dtype="bf16"),
+                 median=900, sigma=1.0, rows=2, samples=17, num_rows=2000, dtype="bf16", realistic=True),
 }
 
 
@@ -76,7 +85,9 @@ def make_inputs(root: Path, profile: dict, seed: int = 0) -> tuple[Path, Path]:
     lengths are lognormal (the profile's median and sigma, capped by its seq_len when tokenized)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    model_dir, data = root / profile["name"], root / f"chat-{profile['median']}.jsonl"
+    model_dir = root / profile["name"]
+    data = root / (f"chat-realistic-{profile['seq_len']}.jsonl" if profile.get("realistic") else
+                   f"chat-{profile['median']}.jsonl")
     if model_dir.exists() and data.exists():
         return model_dir, data
     tok = AutoTokenizer.from_pretrained(TINY)
@@ -89,7 +100,11 @@ def make_inputs(root: Path, profile: dict, seed: int = 0) -> tuple[Path, Path]:
     LlamaForCausalLM(config).to(torch.bfloat16 if profile["dtype"] == "bf16" else torch.float32).save_pretrained(
         model_dir)
     tok.save_pretrained(model_dir)
-    make_chat_data(data, tok, profile["num_rows"], profile["median"], profile["sigma"], seed)
+    if profile.get("realistic"):  # chat_data.py's rows: several turns, median ~640 tokens, a tail into thousands
+        from chat_data import write_rows
+        write_rows(data, tok, profile["num_rows"], seed, profile["seq_len"])
+    else:
+        make_chat_data(data, tok, profile["num_rows"], profile["median"], profile["sigma"], seed)
     return model_dir, data
 
 
@@ -124,7 +139,9 @@ def run_finetune(job: dict, env: dict, extra: list[str], checkout: Path = REPO) 
     cmd = [str(python), "-m", "finetune", "sft", "--model", job["model"], "--dataset", job["data"],
            "--output-dir", str(out), "--no-resume", f"data.max_seq_len={job['seq_len']}",
            f"train.max_steps={job['steps']}", "eval.path=", "log.progress=false", f"train.log_interval={job['steps']}",
-           "train.warmup_steps=0", f"train.mixed_precision={job['dtype']}", *extra]
+           "train.warmup_steps=0", f"train.mixed_precision={job['dtype']}",
+           # the peers' optimizer: lr 3e-3 constant, weight decay 0.01 (finetune's defaults are 2e-5, cosine, 0)
+           "train.lr=3e-3", "train.min_lr_ratio=1", "train.weight_decay=0.01", *extra]
     subprocess.run(cmd, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     real = [r["tokens_per_s"] * r["step_time_s"] for r in recs]
@@ -150,13 +167,17 @@ def peer_worker(job: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     cuda = torch.cuda.is_available()
     attn = "sdpa"
-    if cuda and job["system"] == "trl":
+    if cuda and job["system"] in ("trl", "hf"):  # padding-free rows need a varlen kernel
         from finetune.attention import VARLEN
         from finetune.ext.varlen import register
         register()
         attn = VARLEN
     tok = AutoTokenizer.from_pretrained(job["model"])
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation=attn)
+    # no KV cache in training: with one, transformers skips the padding-free rows' per-sample mask (masking_utils
+    # looks for packed position_ids only without past_key_values) and the Trainer's samples attend across each other;
+    # TRL sets it off itself
+    model.config.use_cache = False
     rows = datasets.Dataset.from_list(hf_samples(job))
     times, tokens, computed, losses, last = [], [], [], [], [None]
 
@@ -183,7 +204,7 @@ def peer_worker(job: dict) -> None:
             batch = collate(features)
             mask = batch.get("attention_mask")
             tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
-            computed.append(batch["input_ids"].numel())  # TRL's padding-free packing: one row, no padding
+            computed.append(batch["input_ids"].numel())  # padding-free (TRL's packing, flattening): no padding
             return batch
         return run
 
@@ -195,13 +216,15 @@ def peer_worker(job: dict) -> None:
     if job["system"] == "trl":
         from trl import SFTConfig, SFTTrainer
         args = SFTConfig(**common, per_device_train_batch_size=job["rows"], packing=True, max_length=job["seq_len"],
-                         use_liger_kernel=cuda)
+                         gradient_checkpointing=False, use_liger_kernel=cuda)
         trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, callbacks=[StepTimer()])
     else:
-        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
-        args = TrainingArguments(**common, per_device_train_batch_size=job["samples"], remove_unused_columns=False)
-        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepTimer()],
-                          data_collator=DataCollatorForSeq2Seq(tok, padding=True))
+        from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainingArguments
+        args = TrainingArguments(**common, per_device_train_batch_size=job["samples"], remove_unused_columns=False,
+                                 gradient_checkpointing=False, use_liger_kernel=cuda)
+        collate = DataCollatorForSeq2Seq(tok, padding=True) if job["system"] == "hf_padded" else \
+            DataCollatorWithFlattening(return_flash_attn_kwargs=cuda)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepTimer()], data_collator=collate)
     trainer.data_collator = counted(trainer.data_collator)
     trainer.train()
     if cuda:
@@ -265,26 +288,30 @@ def epoch_efficiency(base: dict, systems: dict) -> dict:
     units = {p: build_samples(base["data"], tok, max_seq_len=base["seq_len"], packing=p).unit_lengths()
              for p in (True, False)}
     packed, padded = batch_efficiency(units[True], base["rows"], 1), batch_efficiency(units[False], base["samples"], 1)
-    return {name: 1.0 if "TRL" in name else packed if "finetune" in name and "unpacked" not in name else padded
-            for name in systems}
+    free = ("TRL", "padding-free")
+    return {name: 1.0 if any(f in name for f in free) else packed if "finetune" in name and "unpacked" not in name
+            else padded for name in systems}
 
 
-def flops_and_peak(base: dict) -> tuple[float, float | None]:
-    """FLOPs per token (metrics.flops_per_token) of the model at the data's attention length (T = sum(s^2) / sum(s)
-    over its samples s, capped at the row length: metrics.MFU_CONVENTION), and the device's peak FLOP/s."""
+def flops_and_peak(base: dict) -> tuple[dict, float | None]:
+    """FLOPs per token (ext/mfu.flops_per_token) of the model at the data's attention length (T = sum(s^2) / sum(s)
+    over its samples s: MFU_CONVENTION), {"mfu": the convention's, "mfu_ran": lm_head at the data's fraction of
+    label tokens (MFU_RAN)}, and the device's peak FLOP/s."""
     import torch
 
-    from finetune.data import build_samples
     from finetune.ext.mfu import flops_per_token, peak_flops
-    from finetune.model import build_skeleton, load_hf_config, load_tokenizer
-    lengths = build_samples(base["data"], load_tokenizer(base["model"]), max_seq_len=base["seq_len"],
-                            packing=False).unit_lengths()
+    from finetune.model import build_skeleton, load_hf_config
+    samples = hf_samples(base)
+    lengths = [len(x["input_ids"]) for x in samples]
+    labels = sum(sum(t != -100 for t in x["labels"]) for x in samples)
     t = sum(s * s for s in lengths) / max(sum(lengths), 1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return flops_per_token(build_skeleton(load_hf_config(base["model"])), t), peak_flops(device)
+    model = build_skeleton(load_hf_config(base["model"]))
+    return {"mfu": flops_per_token(model, t), "mfu_ran": flops_per_token(model, t, labels / max(sum(lengths), 1))}, \
+        peak_flops(device)
 
 
-def summary(runs: list[dict], warmup: int, efficiency: dict, flops_tok: float, peak: float | None) -> dict:
+def summary(runs: list[dict], warmup: int, efficiency: dict, flops_tok: dict, peak: float | None) -> dict:
     """Per system: real and computed tokens/s of each run over its timed steps, their medians and range, the real
     tokens/s expected over a whole epoch (computed tokens/s x the epoch's real / computed tokens), MFU and peak
     memory (medians)."""
@@ -303,7 +330,7 @@ def summary(runs: list[dict], warmup: int, efficiency: dict, flops_tok: float, p
                   "real_tokens_per_step": statistics.median(x["real_tokens_per_step"] for x in rs),
                   "runs": [round(x["tokens_per_s"]) for x in rs], "computed_per_s": computed,
                   "epoch_efficiency": efficiency[s], "expected": computed * efficiency[s],
-                  "mfu": median * flops_tok / peak if peak else None,
+                  **{k: median * f / peak if peak else None for k, f in flops_tok.items()},
                   "peak_mem_mb": statistics.median(x["peak_mem_mb"] for x in rs),
                   "last_loss": rs[0]["losses"][-1] if rs[0].get("losses") else None}
     return out
@@ -318,8 +345,8 @@ def main() -> None:
     p.add_argument("--overhead-steps", type=int, default=8, help="timed steps per overhead run")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every process (CPU)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="the profile (default: cuda when there is one)")
-    p.add_argument("--systems", default="defaults,unpacked,hf,trl",
-                   help="peers to run, of: defaults, unpacked, baseline, hf, trl")
+    p.add_argument("--systems", default="defaults,trl,hf",
+                   help="peers to run, of: defaults, unpacked, baseline, hf, hf_padded, trl")
     p.add_argument("--baseline", help="another finetune checkout (with its .venv) whose defaults run as 'baseline'")
     p.add_argument("--tiny", action="store_true", help="toy sizes (a dry run of the CUDA profile on any device)")
     p.add_argument("--append", action="store_true", help="add this call's rounds to the runs in the output's json")
@@ -353,8 +380,10 @@ def main() -> None:
         "unpacked": ("finetune unpacked", lambda j: run_finetune(j, env, [padded, "data.packing=false"])),
         "baseline": (f"finetune at {args.baseline}",
                      lambda j: run_finetune(j, env, [packed], Path(args.baseline or "."))),
-        "hf": ("HF Trainer (padding)", lambda j: run_peer({**j, "system": "hf"}, env, [sys.executable])),
-        "trl": ("TRL SFTTrainer (packing)", lambda j: run_peer({**j, "system": "trl"}, env, trl)),
+        "hf": ("HF Trainer (padding-free)", lambda j: run_peer({**j, "system": "hf"}, env, [sys.executable])),
+        "hf_padded": ("HF Trainer (padding)", lambda j: run_peer({**j, "system": "hf_padded"}, env,
+                                                                  [sys.executable])),
+        "trl": ("TRL SFTTrainer (packing, no grad ckpt)", lambda j: run_peer({**j, "system": "trl"}, env, trl)),
     }
     peers = dict(peers[k] for k in args.systems.split(","))
     seq, rows = 512, 4  # overhead: 4 rows of 512, fixed shapes
@@ -380,6 +409,8 @@ def main() -> None:
                 t = sum(run["tokens"][args.warmup:]) / sum(run["seconds"][args.warmup:])
                 print(f"round {r} {name}: {t:,.0f} real tokens/s, {statistics.median(run['seconds']):.2f} s/step, "
                       f"peak {run['peak_mem_mb']:,.0f} MB, wall {runs[-1]['wall_s']:.0f} s", flush=True)
+                # each run kept as it comes: a call cut off keeps its rounds (--append --rounds 0 summarises them)
+                out_json.write_text(json.dumps({**result, "peers": {"runs": runs}}, indent=1))
         flops_tok, peak = flops_and_peak(base)
         names = {r["system"] for r in runs}
         result["peers"] = {"runs": runs, "summary": summary(runs, args.warmup, epoch_efficiency(base, names),
@@ -410,13 +441,14 @@ def tables(result: dict) -> list[str]:
     lines = [f"Machine: {result['machine']}."]
     if "peers" in result:
         s = result["peers"]["summary"]
-        refs = [n for n in ("HF Trainer (padding)", "TRL SFTTrainer (packing)", "finetune defaults (packed)") if n in s]
-        lines += ["", f"| system | real tokens/s: median (runs) | real tokens/step | vs {', '.join(refs)} | MFU "
+        refs = [n for n in ("HF Trainer (padding-free)", "HF Trainer (padding)",
+                            "TRL SFTTrainer (packing, no grad ckpt)", "finetune defaults (packed)") if n in s]
+        lines += ["", f"| system | real tokens/s: median (runs) | real tokens/step | vs {', '.join(refs)} | MFU / ran "
                       f"| peak memory (MB) | loss, last step | computed tokens/s | real/computed, epoch "
                       f"| expected real tokens/s |", "|---|" + "---:|" * 9]
         for name, x in s.items():
             ratios = ", ".join(f"{x['median'] / s[ref]['median']:.2f}x" for ref in refs)
-            mfu = f"{x['mfu']:.1%}" if x.get("mfu") else "n/a"
+            mfu = f"{x['mfu']:.1%} / {x['mfu_ran']:.1%}" if x.get("mfu") else "n/a"
             loss = f"{x['last_loss']:.4f}" if x.get("last_loss") is not None else ""
             lines.append(f"| {name} | {x['median']:,.0f} ({', '.join(f'{v:,}' for v in x['runs'])}) | "
                          f"{x['real_tokens_per_step']:,.0f} | {ratios} | {mfu} | {x['peak_mem_mb']:,.0f} | {loss} | "

@@ -5,10 +5,21 @@
 #   bash benchmarks/gpu_check.sh [stage...]        on the GPU machine; logs and results under ${OUT:-/tmp/gpu}, each
 #                                                  written as it comes (a call cut off at its limit keeps what it had)
 # Each stage fits one 10-minute call on an H100 (estimates; what ran, and its figures: benchmarks/RESULTS.md). Without
-# CUDA a stage stops, in one line, where CUDA is first needed (a dry run). The whole check, in order:
-#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | moe | moesft | peers | lora8b | full
+# CUDA a stage stops, in one line, where CUDA is first needed (a dry run). The figures of issue 50 first, in order,
+# one call each (benchmarks/gpu_figures.py; JSON lines to benchmarks/results/<stage>.jsonl, packed into
+# $OUT/results.tgz at the end: untar it here, commit, `python3 benchmarks/results.py tables`):
+#   FINETUNE_COMMIT=<hash> bash benchmarks/gpu_check.sh peers | fp8 | moe30b | profile | offload131k | lora8b | full
+# then the checks of the GPU path:
+#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | moe | moesft
 set -uo pipefail
 STAGES=(
+  "peers        9 min  gpu_figures.py: finetune defaults vs TRL at its fastest, alternated, realistic rows, MFU"
+  "fp8          8 min  gpu_figures.py: model.fp8 off / tensorwise / rowwise at Llama-3-8B widths (8 layers, 2.8B)"
+  "moe30b       8 min  gpu_figures.py: grouped_mm vs eager experts at Qwen3-30B-A3B widths (4 layers, 3.1B), recompiles"
+  "profile      4 min  gpu_figures.py: the defaults (886M), one step under torch.profiler: device time by kind"
+  "offload131k  6 min  gpu_figures.py: 886M at 131,072-token packed rows, all blocks AC, compiled: ac.offload off / on"
+  "lora8b       6 min  gpu_figures.py -> gpu_points.py lora8b: 8B + LoRA r16 at plan's point vs plan's memory"
+  "full         8 min  gpu_figures.py -> gpu_points.py full: the largest full fine-tune plan says fits, vs plan"
   "env          1 min  versions, the GPU, torch's varlen_attn signature"
   "varlen       1 min  varlen path vs a per-sample fp32 reference: GQA 32/8 d128, MHA d64 at 4k, window 256, d16, fp32 cast"
   "evalcompile  2 min  held-out eval (loss + generate) on compiled blocks compiles 0 graphs; training then compiles"
@@ -22,9 +33,6 @@ STAGES=(
   "bench        6 min  finetune bench, 886M Llama, 8 packed rows x 2048: VARIANTS (default: auto and sdpa; +fp8: model.fp8=tensorwise)"
   "moe          3 min  finetune bench, a random 892M Qwen3-MoE (8 layers, 64 experts of 512, 8 a token): grouped_mm vs eager"
   "moesft       2 min  finetune sft, a random 193M Qwen3-MoE of 12 layers (> dynamo's recompile limit), compiled blocks: recompiles"
-  "peers        8 min  compare_peers.py: one round of finetune defaults, TRL (packing, its best), HF Trainer"
-  "lora8b       6 min  gpu_points.py lora8b: 8B + LoRA r16 at plan's point (bench, no checkpoint) vs plan's memory"
-  "full         8 min  gpu_points.py full: the largest full fine-tune plan says fits (bench, no checkpoint) vs plan"
 )
 if [ "${1:-}" = --list ]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
 set -uo pipefail
@@ -41,6 +49,7 @@ if [ -z "${NO_WHL:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 FT="python3 -m finetune"
+export FINETUNE_COMMIT=${FINETUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 model_dir() {  # model_dir PATH 'ARGS': a random model at PATH (once), load_and_export.make_model_dir(PATH, ARGS)
   [ -d "$1" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from load_and_export import make_model_dir; print('params', make_model_dir(Path('$1'), $2))"
@@ -103,12 +112,9 @@ moesft)
     train.max_steps=10 data.packing=true data.max_seq_len=2048 train.micro_batch_size=4 train.mixed_precision=bf16 \
     model.compile=true eval.path= 2>&1 | tee $OUT/moesft.log | grep -E "step  |Recompiling|guard failure|    - |recompile_limit"
   echo "recompiles: $(grep -c 'Recompiling function' $OUT/moesft.log) (one for the packed rows' dynamic shapes is expected; one a layer is the bug of bcfc2cc)";;
-peers)
-  cuda $s || continue
-  mkdir -p /tmp/peers && cp outputs/peers/compare_peers.json /tmp/peers/ 2>/dev/null
-  python3 benchmarks/compare_peers.py --only peers --device cuda --rounds 1 --steps ${STEPS:-8} --warmup 3 \
-    --systems defaults,trl,hf --append --output-dir /tmp/peers 2>&1 | tee -a $OUT/peers.log | tail -12
-  mkdir -p $OUT/peers && cp /tmp/peers/compare_peers.json $OUT/peers/;;
+peers|fp8|moe30b|profile|offload131k|lora8b|full)
+  python3 benchmarks/gpu_figures.py $s --work /tmp/gpu-figures 2>&1 | tee -a $OUT/$s.log | tail -25
+  tar -czf $OUT/results.tgz benchmarks/results 2>/dev/null;;
 offload)
   python3 benchmarks/gpu_stages.py offload --out $OUT 2>&1 | tee -a $OUT/offload.log | tail -3
   cuda $s || continue
@@ -119,8 +125,5 @@ offload)
       model.compile=$comp ac.offload=$off -o /tmp/offload-$comp-$off 2>&1 | tee -a $OUT/offload.log | tail -4
     cp /tmp/offload-$comp-$off/bench.md $OUT/offload-compile_$comp-offload_$off.md 2>/dev/null
   done; done;;
-lora8b|full)
-  cuda $s || continue
-  python3 benchmarks/gpu_points.py $s --output-dir $OUT/points-$s 2>&1 | tee -a $OUT/$s.log | grep -v "^step";;
 *) echo "unknown stage '$s' (bash benchmarks/gpu_check.sh --list)"; exit 2;;
 esac; done

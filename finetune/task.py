@@ -54,7 +54,7 @@ class Recipe:
     samples: dict = field(default_factory=dict)  # build_samples' labellers= (formats labelled otherwise), stream=
     tokenizer: Callable = lambda cfg, resume_dir: (load_tokenizer(cfg.model.path, cfg.model.trust_remote_code), None)
     accum: Callable | None = None  # (cfg, data ranks) -> micro-batches per rank per step, for train.tokens_per_step
-    mfu: Callable | None = None  # (model, device) -> (micro-batches -> FLOPs per token, peak FLOP/s or None): MFU
+    mfu: Callable | None = None  # (model, device) -> (micro-batches -> {key: FLOPs per token}, peak FLOP/s or None)
     logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
     report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:
     # prints the start-up lines; a context (the progress bar) whose value is called with each step's record

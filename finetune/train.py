@@ -219,8 +219,9 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
         if device.type == "cuda":
             record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
         record.update((k, x) for k, x in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
+        # ext/mfu: "mfu" by MFU_CONVENTION, "mfu_ran" with lm_head at the label positions (MFU_RAN)
         if peak:
-            record["mfu"] = tokens_per_s * timing["flops_tok"] / (peak * world_size())  # ext/mfu.MFU_CONVENTION
+            record.update((k, tokens_per_s * f / (peak * world_size())) for k, f in timing["flops_tok"].items())
         logger.log(record)
         show(record)
     pending.clear()

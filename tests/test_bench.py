@@ -28,7 +28,8 @@ def test_small_sweep_writes_table_plot_and_saved_bytes_fall(llama_dir, chat_file
     assert hi["saved_mb"] < 0.5 * lo["saved_mb"], (lo["saved_mb"], hi["saved_mb"])
     for p in (lo, hi):
         assert p["step_time_s"] > 0 and p["tokens_per_s"] > 0 and p["peak_mem_mb"] > 0
-        assert p["tokens_per_s"] == pytest.approx(4 * 64 / p["step_time_s"])
+        assert 0.5 * 4 * 64 < p["real_tokens_per_step"] <= 4 * 64  # real tokens only (sft's count: the test below)
+        assert p["tokens_per_s"] == pytest.approx(p["real_tokens_per_step"] / p["step_time_s"])
         assert len(p["step_times_s"]) == 3
     assert lo["losses"] == hi["losses"]  # checkpointing changes memory and time, not the step
     assert lo["overhead"] == 0.0 and "overhead" in hi
@@ -46,8 +47,13 @@ def test_bench_and_sft_give_the_same_loss_for_the_same_step(llama_dir, chat_file
     cfg = sft_config(llama_dir, chat_file, tmp_path / "bench", *overrides)
     points = run_ranks(run_point, nproc, cfg, 2, 0)
     assert points[0]["losses"] == points[-1]["losses"]
-    sft_losses = [r["loss"] for r in sft(llama_dir, chat_file, tmp_path / "sft", *overrides, nproc=nproc)]
-    assert points[0]["losses"] == sft_losses
+    records = sft(llama_dir, chat_file, tmp_path / "sft", *overrides, nproc=nproc)
+    assert points[0]["losses"] == [r["loss"] for r in records]
+    # tokens/s of real tokens, per device: each rank's, summing to sft's count, not the rows x 96 with padding
+    real = [r["tokens_per_s"] * r["step_time_s"] for r in records]
+    assert any(r["padding_fraction"] > 0.05 for r in records)
+    assert sum(p["real_tokens_per_step"] for p in points) == pytest.approx(sum(real) / len(real))
+    assert points[0]["tokens_per_s"] == pytest.approx(points[0]["real_tokens_per_step"] / points[0]["step_time_s"])
 
 
 def test_offload_sweeps_from_ratio_0(llama_dir, chat_file, tmp_path, monkeypatch):

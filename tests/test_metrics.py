@@ -54,3 +54,33 @@ def test_mfu_counts_the_experts_a_token_runs():
     dense = sum(p.numel() for n, p in params.items() if "embed_tokens" not in n) - experts
     assert experts > dense
     assert flops_per_token(model, 10) == pytest.approx(6 * (dense + experts * 2 / 8) + 12 * 2 * 32 * 10)
+
+
+def test_flops_per_token_against_a_hand_count_with_lm_head_at_the_label_positions():
+    """A tiny untied Llama counted by hand, weight by weight: the convention (6N + 12*L*H*Q*T) runs lm_head at every
+    token; MFU ran counts its 6*V*D at the label positions only, which the loss gathers before projecting. One packed
+    row of samples 3 and 5 (labels on 2 and 3 of their positions) and 2 tokens of padding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.ext.mfu import flops_per_token, step_flops_per_token
+    from finetune.loss import collate_labelled
+    vocab, hidden, inter, layers, heads, kv, head_dim = 50, 16, 24, 3, 4, 2, 4
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                         num_hidden_layers=layers, num_attention_heads=heads,
+                                         num_key_value_heads=kv, tie_word_embeddings=False))
+    # per layer: q, o (D x D), k, v (D x kv*Q), gate, up, down (D x I), two RMSNorm weights; then the final norm
+    block = 2 * hidden * hidden + 2 * hidden * kv * head_dim + 3 * hidden * inter + 2 * hidden
+    body, head = layers * block + hidden, vocab * hidden
+    attention = 12 * layers * heads * head_dim
+    assert flops_per_token(model, 7.0) == 6 * (body + head) + attention * 7.0
+    assert flops_per_token(model, 7.0, label_fraction=0.25) == pytest.approx(6 * (body + head / 4) + attention * 7.0)
+
+    ignore = -100
+    row = {"input_ids": list(range(1, 9)), "position_ids": [0, 1, 2, 0, 1, 2, 3, 4],
+           "labels": [ignore, 5, 6, ignore, ignore, 9, 9, 9]}
+    batch = collate_labelled([row], 0, 10)
+    assert batch["input_ids"].shape == (1, 10) and batch["label_index"].numel() == 5
+    counts = step_flops_per_token(model, [batch])
+    t = (3 * 3 + 5 * 5) / 8
+    assert counts["mfu"] == pytest.approx(6 * (body + head) + attention * t)
+    assert counts["mfu_ran"] == pytest.approx(6 * (body + head * 5 / 8) + attention * t)

@@ -2,7 +2,8 @@
 model.fp8), a fresh process (or N launched ranks) per point; writes bench.json, bench.md and bench.png.
 
 Each point builds the real model, times optimizer steps on fixed-shape batches (data.pad_to_max) and reports the
-median step time, tokens/s (padding included), MFU, peak memory and the bytes one forward keeps for backward.
+median step time, real (non-pad) tokens/s, MFU (both counts of ext/mfu), peak memory and the bytes one forward
+keeps for backward.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from ..config import Config, ConfigError, load_config, to_toml
 from ..errors import one_line
 from .compat import storage_key
-from .mfu import MFU_CONVENTION
+from .mfu import MFU_CONVENTION, MFU_RAN
 from .offload import Offloaded
 
 
@@ -94,7 +95,7 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from ..train import Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, train_step
     from . import dpo
     from .chat_template import run_tokenizer
-    from .mfu import attention_length, flops_per_token, peak_flops
+    from .mfu import peak_flops, step_flops_per_token
     from .recipes import recipe, samples
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
     tc, dc = cfg.train, cfg.data
@@ -124,16 +125,19 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     step_time = statistics.median(times[warmup:])
-    tokens_per_s = tc.micro_batch_size * tc.grad_accum_steps * dc.max_seq_len / step_time / dims.cp  # per device
+    # per device: the real tokens of a timed step (next_micro_batches: this rank's, split by cp), not the padding
+    real_tokens_per_step = statistics.mean(n for _, n in steps_data[warmup:])
+    tokens_per_s = real_tokens_per_step / step_time
     num_layers = model.config.num_hidden_layers  # (find_layers cannot tell mixed FSDP/AC blocks apart yet)
     num_params = sum(p.numel() for p in model.parameters())
     peak = peak_flops(device)
-    flops_tok = flops_per_token(model, attention_length([b for mbs, _ in steps_data[warmup:] for b in mbs]))
+    flops_tok = step_flops_per_token(model, [b for mbs, _ in steps_data[warmup:] for b in mbs])
     result = {"ac_ratio": cfg.ac.ratio, "ac_mode": cfg.ac.mode, "ac_blocks": ac_layer_ids(num_layers, cfg.ac.ratio),
               "num_layers": num_layers, "num_params": num_params, "micro_batch_size": tc.micro_batch_size,
               "grad_accum_steps": tc.grad_accum_steps, "seq_len": dc.max_seq_len, "step_time_s": step_time,
-              "step_times_s": times, "tokens_per_s": tokens_per_s, "num_ranks": dims.mesh.size(), "cp": dims.cp,
-              "mfu": tokens_per_s * flops_tok / peak if peak else None,
+              "step_times_s": times, "real_tokens_per_step": real_tokens_per_step, "tokens_per_s": tokens_per_s,
+              "num_ranks": dims.mesh.size(), "cp": dims.cp,
+              **{k: tokens_per_s * f / peak if peak else None for k, f in flops_tok.items()},
               "peak_mem_mb": peak_mem_mb(device),
               "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None,
               "device": device_name(), "device_memory_mb": default_budget_mb(),
@@ -292,8 +296,9 @@ def format_table(rows: list[dict], meta: dict) -> str:
     ranks = "one device" if meta["ranks"] == 1 else f"{meta['ranks']} ranks (cp {meta['cp']}), rank 0's memory"
     lines = [f"AC sweep: {meta['model']} on {meta['device']}; seq {meta['seq_len']}, global batch "
              f"{meta['global_batch']}, {meta['mixed_precision']}, ac.mode={meta['ac_mode']}, median of "
-             f"{meta['steps']} steps after {meta['warmup']} warm-up; {ranks}; {MFU_CONVENTION}", "",
-             f"| ac.ratio | fp8 | blocks | micro x accum | step time (s) | tokens/s per device | MFU | {mem} "
+             f"{meta['steps']} steps after {meta['warmup']} warm-up; {ranks}; tokens/s: real (non-pad) tokens; "
+             f"{MFU_CONVENTION}; {MFU_RAN}", "",
+             f"| ac.ratio | fp8 | blocks | micro x accum | step time (s) | tokens/s per device | MFU / MFU ran | {mem} "
              f"| saved for backward (MB) | overhead vs ratio {base:g} |", "|---:" * 10 + "|"]
     for r in rows:
         if "error" in r:
@@ -301,7 +306,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
                          f"| | | | | |")
             continue
         peak = f"{r['peak_mem_mb']:,.0f}" + (f" / {r['peak_reserved_mb']:,.0f}" if meta["cuda"] else "")
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        mfu = f"{r['mfu']:.1%} / {r['mfu_ran']:.1%}" if r.get("mfu") is not None else "n/a"
         lines.append(f"| {r['ac_ratio']:g} | {r['fp8']} | {len(r['ac_blocks'])}/{r['num_layers']} | "
                      f"{r['micro_batch_size']} x {r['grad_accum_steps']} | {r['step_time_s']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {peak} | {r['saved_mb']:,.1f}"
