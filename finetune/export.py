@@ -23,7 +23,7 @@ from .load import MANIFEST, is_prepared
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .weights import INDEX, STORED_DTYPES, open_dcp, read_tensor, to_disk, write_safetensors
+from .weights import INDEX, STORED_DTYPES, Plan, open_dcp, read_tensor, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 
@@ -38,18 +38,6 @@ class Source:
     lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
     chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
     chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What an export writes, and from where (ext/passthrough plans it from the source's files, plain_plan without)."""
-    kept: dict  # {in-memory name: checkpoint metadata} of what it writes from the checkpoint
-    disk: dict  # {on-disk name: (in-memory name, shape)} of those, as save_pretrained names them
-    dtypes: dict  # {on-disk name: the dtype it is written in}
-    untouched: dict  # {stored name: weights.Entry}: the source's tensors the model class does not own, copied as stored
-    source: dict  # {stored name: weights.Entry} of the source's files ({}: none at hand)
-    where: str  # their dir
-    dtype: torch.dtype | None  # --dtype; None: auto
 
 
 def plain_plan(kept: dict, disk: dict, dtype: torch.dtype | None) -> Plan:

@@ -127,6 +127,18 @@ class Entry:
     start: int  # absolute byte offset of its data in the file
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What an export writes, and from where (planned by ext/passthrough from the source, else export.plain_plan)."""
+    kept: dict  # {in-memory name: checkpoint metadata} of what it writes from the checkpoint
+    disk: dict  # {on-disk name: (in-memory name, shape)} of those, as save_pretrained names them
+    dtypes: dict  # {on-disk name: the dtype it is written in}
+    untouched: dict  # {stored name: weights.Entry}: the source's tensors the model class does not own, copied as stored
+    source: dict  # {stored name: weights.Entry} of the source's files ({}: none at hand)
+    where: str  # their dir
+    dtype: torch.dtype | None  # --dtype; None: auto
+
+
 def read_header(file: Path) -> dict[str, Entry]:
     """{name: Entry} of a safetensors file; a file shorter than its header describes is refused here, at once."""
     with open(file, "rb") as f:

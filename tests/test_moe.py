@@ -121,7 +121,8 @@ def test_lr0_export_equals_the_source_and_the_check_compares_untrained_tensors_w
     from test_export import export, read_weights
     source = make_moe_dir(tmp_path / "source", "deepseek_v3", bias_dtype=torch.bfloat16)
     sft(source, chat_file, tmp_path / "run", *LR0, nproc=2)
-    printed = export(tmp_path / "run", tmp_path / "hf")
+    # --dtype auto: each tensor as the source stores it (a bf16 bias too, which transformers keeps in fp32 on load)
+    printed = export(tmp_path / "run", tmp_path / "hf", "auto")
     assert "verified" in printed, printed
     original, exported = read_weights(source), read_weights(tmp_path / "hf")
     assert set(exported) == set(original)
@@ -132,7 +133,7 @@ def test_lr0_export_equals_the_source_and_the_check_compares_untrained_tensors_w
     original[bias] = original[bias] + 1
     save_file(original, source / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(VerifyError, match=f"export check: {bias} differs from the source model's"):
-        export(tmp_path / "run", tmp_path / "hf2")
+        export(tmp_path / "run", tmp_path / "hf2", "auto")
     assert not (tmp_path / "hf2").exists()
 
 

@@ -11,9 +11,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..export import Plan
 from ..load import MANIFEST, is_prepared
-from ..weights import SAFETENSORS_DTYPES, STORED_DTYPES, Entry, ignored_on_load, open_dir, renamed_on_load
+from ..weights import (SAFETENSORS_DTYPES, STORED_DTYPES, Entry, Plan, ignored_on_load, open_dir,
+                       renamed_on_load)
 from .fingerprint import fingerprint
 
 
@@ -52,9 +52,10 @@ def keeps_fp32(skeleton: nn.Module, dtype: torch.dtype) -> Callable[[str], bool]
 
 def plan_dtypes(skeleton: nn.Module, disk: dict, kept: dict, source: dict[str, Entry], dtype: torch.dtype | None,
                 default: torch.dtype) -> dict[str, torch.dtype]:
-    """{on-disk name: the dtype it is written in}: with `dtype` (--dtype), that for every floating-point tensor; else
-    (auto) the dtype the source stores it in, `default` (the config's) where the source has none. Either way fp32
-    where transformers keeps it so on load (a router's bias), and non-floating tensors as stored."""
+    """{on-disk name: the dtype it is written in}: auto (no `dtype`) the dtype the source stores it in (an lr=0
+    export is the source, byte and dtype), else fp32 where transformers keeps it so on load (a router's bias), else
+    `default` (the config's); with `dtype` (--dtype), that for every floating-point tensor but those transformers
+    keeps in fp32. Non-floating tensors as stored."""
     fp32 = keeps_fp32(skeleton, dtype or default)
     dtypes = {}
     for d, (k, _) in disk.items():
@@ -62,10 +63,10 @@ def plan_dtypes(skeleton: nn.Module, disk: dict, kept: dict, source: dict[str, E
         from_source = SAFETENSORS_DTYPES.get(source[d].dtype) if d in source else None
         if not stored.is_floating_point:
             dtypes[d] = stored
-        elif fp32(k):
-            dtypes[d] = torch.float32
         elif dtype is None and from_source is not None and from_source.is_floating_point:
             dtypes[d] = from_source
+        elif fp32(k):
+            dtypes[d] = torch.float32
         else:
             dtypes[d] = dtype or default
     return dtypes

@@ -14,10 +14,9 @@ from torch import nn
 
 from ..distributed import is_main, is_my_file, print0
 from ..errors import FinetuneError, ModelError
-from ..export import Plan
 from ..metrics import peak_rss_mb
 from ..model import build_skeleton, find_layers
-from ..weights import (SAFETENSORS_CODES, STORED_DTYPES, Entry, disk_to_memory, open_dir,
+from ..weights import (SAFETENSORS_CODES, STORED_DTYPES, Entry, Plan, disk_to_memory, open_dir,
                        persistent_buffers, read_tensor, to_disk)
 from .loader import local_dir
 
