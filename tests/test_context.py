@@ -76,7 +76,10 @@ def test_bench_on_cp_ranks_measures_the_same_steps_with_half_the_activations_per
     assert two[0]["losses"] == pytest.approx(one["losses"], rel=1e-5) and two[0]["cp"] == 2
     for rank in two:
         assert 0.45 < rank["saved_mb"] / one["saved_mb"] < 0.55, (rank["saved_mb"], one["saved_mb"])
-    assert two[0]["tokens_per_s"] == pytest.approx(512 / two[0]["step_time_s"] / 2)  # per device
+    # per device: its half of each row's real tokens (the padding to 512 not counted)
+    assert two[0]["real_tokens_per_step"] == pytest.approx(one["real_tokens_per_step"] / 2)
+    assert two[0]["real_tokens_per_step"] < 512 / 2
+    assert two[0]["tokens_per_s"] == pytest.approx(two[0]["real_tokens_per_step"] / two[0]["step_time_s"])
 
 
 def test_split_keeps_every_target_and_pads_a_width_n_does_not_divide():
