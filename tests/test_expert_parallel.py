@@ -1,0 +1,83 @@
+"""Expert parallelism (finetune/ext/expert.py): ranks with different batches, the experts split over them, against
+one process on the concatenation; tiny MoE models built offline (test_moe.make_moe_dir), ranks in-process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_ranks
+from test_moe import aux_batches, cat, make_moe_dir
+
+
+def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"):
+    """On each rank: its own batch (batches[rank]) through build_model's model with parallel.ep=`ep`: (the global
+    loss, every parameter's full gradient, the experts' local rows and mesh dims, all-to-all calls made)."""
+    from functools import partial
+
+    import torch.distributed as dist
+
+    from finetune.distributed import all_reduce, init_distributed
+    from finetune.ext import loader
+    from finetune.ext.expert import apply_ep
+    from finetune.ext.moe import apply_experts_implementation, find_experts
+    from finetune.model import Transforms, build_model
+    from finetune.weights import clean_fqn
+    device, dims = init_distributed(ep=ep)
+    t = Transforms(loader=loader, kernels=lambda model, layers: apply_experts_implementation(model, experts))
+    if ep > 1:
+        t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
+    model = build_model(str(model_dir), device, dims.mesh, t, mixed_precision="fp32")[0]
+    calls, exchange = [], dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: calls.append(1) or exchange(*a, **k)
+    batch = batches[dist.get_rank()]
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)[:, 1:]
+    num_labels = sum(int((b["attention_mask"][:, 1:] != 0).sum()) for b in batches)
+    logits = model(**batch, use_cache=False).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_labels
+    loss.backward()
+    dist.all_to_all_single = exchange
+    grads = {clean_fqn(n): p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
+    weight = find_experts(model)[0].gate_up_proj
+    return (all_reduce(loss.detach()).item(), grads, weight.to_local().shape[0], weight.device_mesh.mesh_dim_names,
+            len(calls))
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    return make_moe_dir(tmp_path_factory.mktemp("qwen3_moe_ep"), "qwen3_moe", num_layers=1)
+
+
+def batches(world_size: int) -> list[dict]:
+    return [aux_batches(seed, 2) for seed in range(1, world_size + 1)]
+
+
+def assert_same(got, want, ep: int):
+    """`got` (one rank's ep_step) equals one process's `want` in loss and every gradient."""
+    (loss, grads, *_), (want_loss, want_grads, *_) = got, want
+    assert abs(loss - want_loss) < 1e-6, (ep, loss, want_loss)
+    assert set(grads) == set(want_grads) and any("experts" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(want_grads[name]), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{name} (ep {ep}): {m}")
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_ep2_on_two_ranks_with_their_own_batches_equals_one_process(qwen3_moe_dir, experts):
+    """Each rank holds 4 of the 8 experts (FSDP over 1 rank: 4 rows) and exchanges rows with the other; the batches
+    differ, so a rank computing its tokens with its own experts only (or a replicated expert set) cannot agree."""
+    parts = batches(2)
+    want = run_ranks(ep_step, 1, qwen3_moe_dir, 1, [cat(*parts)], experts)[0]
+    for got in run_ranks(ep_step, 2, qwen3_moe_dir, 2, parts, experts):
+        assert got[2:4] == (4, ("efsdp", "ep")), got[2:4]
+        assert got[4] >= 2 * 2, got[4]  # counts and rows there, rows back (one MoE layer)
+        assert_same(got, want, 2)
+
+
+def test_ep2_by_fsdp2_and_ep4_on_four_ranks_equal_one_process(qwen3_moe_dir):
+    """ep 2 x FSDP 2 (each rank 2 of its group's 4 experts' rows) and ep 4 (each rank 2 experts, whole)."""
+    parts = batches(4)
+    want = run_ranks(ep_step, 1, qwen3_moe_dir, 1, [cat(*parts)])[0]
+    for ep in (2, 4):
+        for got in run_ranks(ep_step, 4, qwen3_moe_dir, ep, parts):
+            assert got[2:4] == (2, ("efsdp", "ep")), (ep, got[2:4])
+            assert_same(got, want, ep)
