@@ -11,11 +11,13 @@ from test_moe import aux_batches, cat, make_moe_dir
 
 def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"):
     """On each rank: its own batch (batches[rank]) through build_model's model with parallel.ep=`ep`: (the global
-    loss, every parameter's full gradient, the experts' local rows and mesh dims, all-to-all calls made)."""
+    loss, every parameter's full gradient, the experts' local rows and mesh dims, all-to-all calls made, the rows
+    of the experts' (3-D) tensors this rank read from the safetensors)."""
     from functools import partial
 
     import torch.distributed as dist
 
+    import finetune.load
     from finetune.distributed import all_reduce, init_distributed
     from finetune.ext import loader
     from finetune.ext.expert import apply_ep
@@ -26,7 +28,11 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
     t = Transforms(loader=loader, kernels=lambda model, layers: apply_experts_implementation(model, experts))
     if ep > 1:
         t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
+    reads, read_rows = [], finetune.load.read_rows
+    finetune.load.read_rows = lambda entry, start, stop: (len(entry.shape) == 3 and reads.append((start, stop))) or \
+        read_rows(entry, start, stop)
     model = build_model(str(model_dir), device, dims.mesh, t, mixed_precision="fp32")[0]
+    finetune.load.read_rows = read_rows
     calls, exchange = [], dist.all_to_all_single
     dist.all_to_all_single = lambda *a, **k: calls.append(1) or exchange(*a, **k)
     batch = batches[dist.get_rank()]
@@ -39,12 +45,13 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
     grads = {clean_fqn(n): p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
     weight = find_experts(model)[0].gate_up_proj
     return (all_reduce(loss.detach()).item(), grads, weight.to_local().shape[0], weight.device_mesh.mesh_dim_names,
-            len(calls))
+            len(calls), sorted(set(reads)))
 
 
 @pytest.fixture(scope="module")
 def qwen3_moe_dir(tmp_path_factory):
-    return make_moe_dir(tmp_path_factory.mktemp("qwen3_moe_ep"), "qwen3_moe", num_layers=1)
+    """Fused experts on disk: each rank reads its slices (save_pretrained's per-expert layout: rank 0 reads it)."""
+    return make_moe_dir(tmp_path_factory.mktemp("qwen3_moe_ep"), "qwen3_moe", fused=True, num_layers=1)
 
 
 def batches(world_size: int) -> list[dict]:
@@ -67,9 +74,10 @@ def test_ep2_on_two_ranks_with_their_own_batches_equals_one_process(qwen3_moe_di
     differ, so a rank computing its tokens with its own experts only (or a replicated expert set) cannot agree."""
     parts = batches(2)
     want = run_ranks(ep_step, 1, qwen3_moe_dir, 1, [cat(*parts)], experts)[0]
-    for got in run_ranks(ep_step, 2, qwen3_moe_dir, 2, parts, experts):
+    for rank, got in enumerate(run_ranks(ep_step, 2, qwen3_moe_dir, 2, parts, experts)):
         assert got[2:4] == (4, ("efsdp", "ep")), got[2:4]
         assert got[4] >= 2 * 2, got[4]  # counts and rows there, rows back (one MoE layer)
+        assert got[5] == [(4 * rank, 4 * rank + 4)], got[5]  # its own experts' rows only
         assert_same(got, want, 2)
 
 
@@ -78,6 +86,9 @@ def test_ep2_by_fsdp2_and_ep4_on_four_ranks_equal_one_process(qwen3_moe_dir):
     parts = batches(4)
     want = run_ranks(ep_step, 1, qwen3_moe_dir, 1, [cat(*parts)])[0]
     for ep in (2, 4):
-        for got in run_ranks(ep_step, 4, qwen3_moe_dir, ep, parts):
+        for rank, got in enumerate(run_ranks(ep_step, 4, qwen3_moe_dir, ep, parts)):
             assert got[2:4] == (2, ("efsdp", "ep")), (ep, got[2:4])
+            # rank = efsdp index x ep + ep index: its ep group's block of experts, its FSDP shard of that block
+            first = (rank % ep) * 8 // ep + (rank // ep) * 2
+            assert got[5] == [(first, first + 2)], (ep, rank, got[5])
             assert_same(got, want, ep)
