@@ -120,3 +120,39 @@ def test_sft_at_ep2_equals_one_process_resumes_without_ep_and_exports_the_source
     assert set(exported) == set(original) and any(".experts.7." in k for k in original)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+# ------------------------------------------------------------------------------------------------- refused
+
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.ep=0",), "parallel.ep must be >= 1, got 0"),
+    (("parallel.ep=2", "lora.rank=8"), "parallel.ep=2 with LoRA (lora.rank > 0) is not supported yet; set "
+                                       "parallel.ep=1"),
+    (("parallel.ep=2", "parallel.cp=2"), "parallel.ep=2 with context parallel (parallel.cp > 1) is not supported "
+                                         "yet; set parallel.ep=1"),
+    (("parallel.ep=2", "model.fp8=tensorwise"), "parallel.ep=2 with model.fp8=tensorwise is not supported yet; set "
+                                                "parallel.ep=1"),
+    (("parallel.ep=2",), "parallel.ep=2 does not divide the 1 data-parallel ranks (parallel.dp_shard)"),
+])
+def test_ep_settings_it_does_not_compose_with_are_one_line_and_exit_2(qwen3_moe_dir, chat_file, tmp_path, overrides,
+                                                                      message):
+    from helpers import BASE, invoke
+    result = invoke("sft", "--model", qwen3_moe_dir, "--dataset", chat_file, "--output-dir", tmp_path / "run", *BASE,
+                    "train.max_steps=1", *overrides)
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.output
+
+
+def test_ep_on_a_dense_model_or_an_expert_count_it_does_not_divide_is_refused(llama_dir, chat_file, tmp_path):
+    from finetune.config import ConfigError
+    from helpers import run_ranks, sft_config, train_rank
+    three = make_moe_dir(tmp_path / "three", "mixtral", num_layers=1, num_local_experts=3)
+    for model_dir, message in ((llama_dir, "parallel.ep=2: LlamaForCausalLM is a dense model; set parallel.ep=1"),
+                               (three, "parallel.ep=2 does not divide the 3 experts of MixtralForCausalLM's MoE "
+                                       "layers")):
+        cfg = sft_config(model_dir, chat_file, tmp_path / model_dir.name, "parallel.ep=2", "train.max_steps=1")
+        with pytest.raises(ConfigError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+            run_ranks(train_rank, 2, cfg)
+    # dpo: refused by the recipe (the command's config checks do not know the task)
+    from finetune.ext.recipes import recipe
+    with pytest.raises(ConfigError, match=r"^parallel.ep=2 with finetune dpo is not supported yet"):
+        recipe(sft_config(three, chat_file, tmp_path / "dpo", "parallel.ep=2"), "dpo")
