@@ -122,6 +122,21 @@ def test_sft_at_ep2_equals_one_process_resumes_without_ep_and_exports_the_source
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_ep2_equals_one_process_for_mixtral_deepseek_v3_and_gpt_oss(arch, tmp_path):
+    """Mixtral (4 experts), DeepSeek-V3 (shared experts beside the routed ones, grouped routing with its bias kept,
+    a dense first layer), gpt-oss (biases on the experts, their own gate)."""
+    # DeepSeek-V3's attention (MLA) has as many key-value heads as heads: sdpa with a mask needs it
+    sizes = dict(num_layers=2, num_key_value_heads=4) if arch == "deepseek_v3" else dict(num_layers=1)
+    model_dir = make_moe_dir(tmp_path / arch, arch, fused=True, **sizes)
+    parts = batches(2)
+    want = run_ranks(ep_step, 1, model_dir, 1, [cat(*parts)])[0]
+    for got in run_ranks(ep_step, 2, model_dir, 2, parts):
+        assert got[2] == (4 if arch == "deepseek_v3" else 2), got[2]
+        assert_same(got, want, 2)
+
+
 # ------------------------------------------------------------------------------------------------- refused
 
 @pytest.mark.parametrize("overrides, message", [
