@@ -95,7 +95,8 @@ def test_ep2_by_fsdp2_and_ep4_on_four_ranks_equal_one_process(qwen3_moe_dir):
 
 
 def test_sft_at_ep2_equals_one_process_resumes_without_ep_and_exports_the_source(chat_file, tmp_path, capfd):
-    """The whole run at ep 2 on 2 ranks (per-expert layout on disk: rank 0 reads and scatters): the losses, router
+    """The whole run at ep 2 on 2 ranks (per-expert layout on disk: rank 0 reads and scatters; every block
+    checkpointed: its all-to-alls re-run in backward): the losses, router
     aux losses and grad norms (clipped over both meshes, AdamW grouped by mesh) of one process; its step-2 checkpoint
     resumed without EP gives one process's step 3; at lr 0 the export is the source, byte for byte."""
     from helpers import sft
@@ -103,7 +104,7 @@ def test_sft_at_ep2_equals_one_process_resumes_without_ep_and_exports_the_source
     model_dir = make_moe_dir(tmp_path / "model", "qwen3_moe", num_layers=1)
     common = ("train.max_steps=3", "train.lr=1e-2", "train.max_grad_norm=0.5")
     one = sft(model_dir, chat_file, tmp_path / "one", *common, "train.micro_batch_size=4")
-    ep = sft(model_dir, chat_file, tmp_path / "ep", *common, "train.micro_batch_size=2", "parallel.ep=2",
+    ep = sft(model_dir, chat_file, tmp_path / "ep", *common, "train.micro_batch_size=2", "parallel.ep=2", "ac.ratio=1",
              "checkpoint.interval=2", "checkpoint.keep=0", nproc=2)
     assert "moe: expert parallel over 2 ranks (4 of 8 experts a rank, FSDP-sharded over 1)" in capfd.readouterr().out
     for key in ("loss", "aux_loss", "grad_norm"):
