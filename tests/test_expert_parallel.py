@@ -158,6 +158,13 @@ def test_ep_settings_it_does_not_compose_with_are_one_line_and_exit_2(qwen3_moe_
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.output
 
 
+def test_plan_refuses_ep_in_one_line(qwen3_moe_dir):
+    from helpers import invoke
+    result = invoke("plan", "--model", qwen3_moe_dir, "parallel.ep=2")
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "error: parallel.ep must be 1 (plan does not model expert parallel yet), got 2"], result.output
+
+
 def test_ep_on_a_dense_model_or_an_expert_count_it_does_not_divide_is_refused(llama_dir, chat_file, tmp_path):
     from finetune.config import ConfigError
     from helpers import run_ranks, sft_config, train_rank
