@@ -68,17 +68,29 @@ def assert_same(got, want, ep: int):
                                    msg=lambda m: f"{name} (ep {ep}): {m}")
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
-def test_ep2_on_two_ranks_with_their_own_batches_equals_one_process(qwen3_moe_dir, experts):
+def prepare(source, out) -> None:
+    from finetune.distributed import init_distributed
+    from finetune.ext.prepare import prepare_checkpoint
+    init_distributed()
+    prepare_checkpoint(str(source), str(out))
+
+
+def test_ep2_on_two_ranks_with_their_own_batches_equals_one_process(qwen3_moe_dir, tmp_path):
     """Each rank holds 4 of the 8 experts (FSDP over 1 rank: 4 rows) and exchanges rows with the other; the batches
-    differ, so a rank computing its tokens with its own experts only (or a replicated expert set) cannot agree."""
+    differ, so a rank computing its tokens with its own experts only (or a replicated expert set) cannot agree.
+    Grouped GEMM and eager experts; the fused safetensors (each rank reads its experts' rows) and a prepared
+    checkpoint (DCP reads them)."""
     parts = batches(2)
-    want = run_ranks(ep_step, 1, qwen3_moe_dir, 1, [cat(*parts)], experts)[0]
-    for rank, got in enumerate(run_ranks(ep_step, 2, qwen3_moe_dir, 2, parts, experts)):
-        assert got[2:4] == (4, ("efsdp", "ep")), got[2:4]
-        assert got[4] >= 2 * 2, got[4]  # counts and rows there, rows back (one MoE layer)
-        assert got[5] == [(4 * rank, 4 * rank + 4)], got[5]  # its own experts' rows only
-        assert_same(got, want, 2)
+    want = run_ranks(ep_step, 1, qwen3_moe_dir, 1, [cat(*parts)])[0]
+    run_ranks(prepare, 1, qwen3_moe_dir, tmp_path / "prepared")
+    for model_dir, experts in ((qwen3_moe_dir, "grouped_mm"), (qwen3_moe_dir, "eager"),
+                               (tmp_path / "prepared", "grouped_mm")):
+        for rank, got in enumerate(run_ranks(ep_step, 2, model_dir, 2, parts, experts)):
+            assert got[2:4] == (4, ("efsdp", "ep")), got[2:4]
+            assert got[4] >= 2 * 2, got[4]  # counts and rows there, rows back (one MoE layer)
+            # its own experts' rows only (DCP reads a prepared dir)
+            assert got[5] == ([(4 * rank, 4 * rank + 4)] if model_dir == qwen3_moe_dir else []), got[5]
+            assert_same(got, want, 2)
 
 
 def test_ep2_by_fsdp2_and_ep4_on_four_ranks_equal_one_process(qwen3_moe_dir):
