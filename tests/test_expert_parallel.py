@@ -9,10 +9,10 @@ from helpers import run_ranks
 from test_moe import aux_batches, cat, make_moe_dir
 
 
-def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"):
+def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm", fold: int = 0):
     """On each rank: its own batch (batches[rank]) through build_model's model with parallel.ep=`ep`: (the global
     loss, every parameter's full gradient, the experts' local rows and mesh dims, all-to-all calls made, the rows
-    of the experts' (3-D) tensors this rank read from the safetensors)."""
+    of the experts' (3-D) tensors this rank read from the safetensors). `fold`: the routers pick expert i % fold."""
     from functools import partial
 
     import torch.distributed as dist
@@ -21,7 +21,7 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
     from finetune.distributed import all_reduce, init_distributed
     from finetune.ext import loader
     from finetune.ext.expert import apply_ep
-    from finetune.ext.moe import apply_experts_implementation, find_experts
+    from finetune.ext.moe import apply_experts_implementation, find_experts, router_recorder
     from finetune.model import Transforms, build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed(ep=ep)
@@ -33,6 +33,8 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
         read_rows(entry, start, stop)
     model = build_model(str(model_dir), device, dims.mesh, t, mixed_precision="fp32")[0]
     finetune.load.read_rows = read_rows
+    for gate in (m for m in model.modules() if fold and isinstance(m, router_recorder(model)[0])):
+        gate.register_forward_hook(lambda module, args, out: (*out[:2], out[2] % fold))
     calls, exchange = [], dist.all_to_all_single
     dist.all_to_all_single = lambda *a, **k: calls.append(1) or exchange(*a, **k)
     batch = batches[dist.get_rank()]
@@ -91,6 +93,16 @@ def test_ep2_on_two_ranks_with_their_own_batches_equals_one_process(qwen3_moe_di
             # its own experts' rows only (DCP reads a prepared dir)
             assert got[5] == ([(4 * rank, 4 * rank + 4)] if model_dir == qwen3_moe_dir else []), got[5]
             assert_same(got, want, 2)
+
+
+def test_a_rank_whose_experts_no_token_chose_still_gets_their_zero_gradients(qwen3_moe_dir):
+    """Every token routed to experts 0-3 (rank 0's): rank 1 receives no row, its eager experts compute nothing, and
+    their gradients are zeros (FSDP reduce-scatters them on every rank: absent ones hang it), as one process's are."""
+    parts = batches(2)
+    want = run_ranks(ep_step, 1, qwen3_moe_dir, 1, [cat(*parts)], "eager", 4)[0]
+    assert not want[1]["model.layers.0.mlp.experts.gate_up_proj"][4:].any()
+    for got in run_ranks(ep_step, 2, qwen3_moe_dir, 2, parts, "eager", 4):
+        assert_same(got, want, 2)
 
 
 def test_ep2_by_fsdp2_and_ep4_on_four_ranks_equal_one_process(qwen3_moe_dir):

@@ -71,8 +71,9 @@ def ep_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
     out = forward(_LocalExperts(module, tensors, num_local), rows, local_ids[:, None],
                   torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device))
     if rows.shape[0] == 0:
-        # no row came: the experts' gradients are zeros, not absent (FSDP reduce-scatters them on every rank)
-        out = out + sum(t.sum() for t in tensors.values()) * 0
+        # no row came (an eager loop then uses neither the rows nor the experts): every rank's backward must still
+        # run the rows' all-to-all, and the experts' gradients be zeros, not absent (FSDP reduce-scatters them)
+        out = out + (rows.sum() + sum(t.sum() for t in tensors.values())) * 0
     back = _AllToAll.apply(out, sent_splits, received_splits, group)
     pairs = back[torch.argsort(order)].view(num_tokens, top_k, -1)
     return (pairs * top_k_weights[..., None]).sum(dim=1).to(hidden_states.dtype)
