@@ -54,10 +54,12 @@ def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int =
         ((dp_shard * cp,), (name,))
     experts = None
     if ep > 1:
-        # ext/checks refuses ep with dp_replicate or cp (for API callers: again here)
-        if dp_replicate > 1 or cp > 1 or dp_shard % ep:
-            raise ConfigError(f"parallel.ep={ep} does not divide the {dp_shard} data-parallel ranks (parallel.dp_shard"
-                              f"{', with dp_replicate or cp: not supported' if dp_replicate * cp > 1 else ''})")
+        # ext/checks refuses these first (API callers: here)
+        if dp_replicate > 1 or cp > 1:
+            raise ConfigError(f"parallel.ep={ep} with parallel.dp_replicate or parallel.cp is not supported yet")
+        if dp_shard % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the {dp_shard} data-parallel ranks "
+                              f"(parallel.dp_shard)")
         experts = init_device_mesh(device_type, (dp_shard // ep, ep), mesh_dim_names=("efsdp", "ep"))
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return ParallelDims(dp_replicate, dp_shard, mesh, cp, ep, experts)
