@@ -122,22 +122,29 @@ def test_sft_at_ep2_equals_one_process_resumes_without_ep_and_exports_the_source
     """The whole run at ep 2 on 2 ranks (per-expert layout on disk: rank 0 reads and scatters; every block
     checkpointed: its all-to-alls re-run in backward): the losses, router
     aux losses and grad norms (clipped over both meshes, AdamW grouped by mesh) of one process; its step-2 checkpoint
-    resumed without EP gives one process's step 3; at lr 0 the export is the source, byte for byte."""
+    resumed without EP (2 ranks, 1 process) and one process's resumed at ep 2 give one process's step 3; at lr 0 the
+    export is the source, byte for byte."""
     from helpers import sft
     from test_export import export, read_weights
     model_dir = make_moe_dir(tmp_path / "model", "qwen3_moe", num_layers=1)
     common = ("train.max_steps=3", "train.lr=1e-2", "train.max_grad_norm=0.5")
-    one = sft(model_dir, chat_file, tmp_path / "one", *common, "train.micro_batch_size=4")
+    saves = ("checkpoint.interval=2", "checkpoint.keep=0")
+    one = sft(model_dir, chat_file, tmp_path / "one", *common, "train.micro_batch_size=4", *saves)
     ep = sft(model_dir, chat_file, tmp_path / "ep", *common, "train.micro_batch_size=2", "parallel.ep=2", "ac.ratio=1",
-             "checkpoint.interval=2", "checkpoint.keep=0", nproc=2)
+             *saves, nproc=2)
     assert "moe: expert parallel over 2 ranks (4 of 8 experts a rank, FSDP-sharded over 1)" in capfd.readouterr().out
     for key in ("loss", "aux_loss", "grad_norm"):
         assert [r[key] for r in ep] == pytest.approx([r[key] for r in one], rel=1e-5), key
     assert one[-1]["loss"] < one[0]["loss"] and all(r["grad_norm"] > 0.5 for r in one)  # clipped at every step
-    moved = sft(model_dir, chat_file, tmp_path / "moved", *common, "train.micro_batch_size=2",
-                f"checkpoint.resume_from={tmp_path / 'ep' / 'checkpoints' / 'step-2'}", nproc=2)
-    assert [r["step"] for r in moved] == [3]
-    assert moved[0]["loss"] == pytest.approx(one[2]["loss"], rel=1e-5)
+    # from ep 2 to FSDP on 2 ranks and to one process; from one process to ep 2 (DCP reshards weights and AdamW state)
+    for name, start, layout, nproc in (("moved", "ep", ("train.micro_batch_size=2",), 2),
+                                       ("alone", "ep", ("train.micro_batch_size=4",), 1),
+                                       ("into", "one", ("train.micro_batch_size=2", "parallel.ep=2"), 2)):
+        moved = sft(model_dir, chat_file, tmp_path / name, *common, *layout,
+                    f"checkpoint.resume_from={tmp_path / start / 'checkpoints' / 'step-2'}", nproc=nproc)
+        assert [r["step"] for r in moved] == [3]
+        assert [moved[0][k] for k in ("loss", "grad_norm")] == pytest.approx([one[2][k] for k in ("loss", "grad_norm")],
+                                                                              rel=1e-5), name
     sft(model_dir, chat_file, tmp_path / "lr0", "train.lr=0", "train.max_steps=1", "train.micro_batch_size=2",
         "parallel.ep=2", nproc=2)
     assert "verified" in export(tmp_path / "lr0", tmp_path / "hf")
