@@ -223,7 +223,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, 
     sd = train_state_dict(model, optimizer, scheduler, state)
     check_compatible(path, lora, set(sd["model"]), hf_config)
     run_settings = settings(optimizer)  # the checkpoint gives the state; the run's config, its settings
+    # so the groups are this run's too: their number follows the meshes (expert parallel adds the experts' own)
+    groups = sd["optim"].pop("param_groups")
     dcp.load(sd, checkpoint_id=str(path))
+    sd["optim"]["param_groups"] = groups
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],  # frozen keys absent
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
     scheduler.load_state_dict(sd["scheduler"])

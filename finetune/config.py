@@ -117,7 +117,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: replicate the model over this many groups of ranks (1 = plain FSDP over all)
     dp_shard: int = 0  # ranks that shard the model in each group (0 = launched ranks / dp_replicate / cp)
     cp: int = 1  # context parallelism: each row's tokens split over this many ranks (FSDP shards over dp_shard x cp)
-    ep: int = 1  # expert parallelism (MoE experts split over ranks): not supported yet, only 1
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over this many of the dp_shard ranks
 
 
 @dataclass

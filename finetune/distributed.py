@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import check_parallel
+from .config import ConfigError, check_parallel
 
 
 def free_port() -> int:
@@ -27,6 +27,10 @@ class ParallelDims:
     dp_shard: int
     mesh: DeviceMesh  # FSDP's: ("dp_replicate", "dp_shard_cp"), replicate outermost; 1-D when dp_replicate == 1
     cp: int = 1
+    ep: int = 1
+    # ep > 1: the data-parallel ranks as ("efsdp", "ep"), ep innermost: an "ep" row holds all the experts of a layer
+    # (each rank its share), an "efsdp" column the ranks holding the same experts (FSDP shards them over it)
+    expert_mesh: DeviceMesh | None = None
 
     @property
     def dp_size(self) -> int:
@@ -38,20 +42,31 @@ class ParallelDims:
 
     def __str__(self) -> str:
         dp = f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.dp_shard}"
-        return dp + (f" x cp {self.cp}" if self.cp > 1 else "")
+        return dp + (f" x cp {self.cp}" if self.cp > 1 else "") + (f", experts ep {self.ep}" if self.ep > 1 else "")
 
 
-def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1) -> ParallelDims:
-    """The FSDP mesh over the default process group's ranks."""
+def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1,
+                        ep: int = 1) -> ParallelDims:
+    """The FSDP mesh over the default process group's ranks (and with ep > 1 the experts' mesh)."""
     dp_shard = check_parallel(dp_replicate, dp_shard, dist.get_world_size(), cp)
     name = "dp_shard_cp" if cp > 1 else "dp_shard"
     shape, names = ((dp_replicate, dp_shard * cp), ("dp_replicate", name)) if dp_replicate > 1 else \
         ((dp_shard * cp,), (name,))
-    return ParallelDims(dp_replicate, dp_shard, init_device_mesh(device_type, shape, mesh_dim_names=names), cp)
+    experts = None
+    if ep > 1:
+        # ext/checks refuses these first (API callers: here)
+        if dp_replicate > 1 or cp > 1:
+            raise ConfigError(f"parallel.ep={ep} with parallel.dp_replicate or parallel.cp is not supported yet")
+        if dp_shard % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the {dp_shard} data-parallel ranks "
+                              f"(parallel.dp_shard)")
+        experts = init_device_mesh(device_type, (dp_shard // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return ParallelDims(dp_replicate, dp_shard, mesh, cp, ep, experts)
 
 
 def init_distributed(dp_replicate: int = 1, dp_shard: int = 0, timeout_s: int = 1800,
-                     cp: int = 1) -> tuple[torch.device, ParallelDims]:
+                     cp: int = 1, ep: int = 1) -> tuple[torch.device, ParallelDims]:
     """Init the default process group (nccl on CUDA, gloo on CPU) and return (device, parallel dims)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python`/`finetune` without torchrun: a group of one
@@ -63,7 +78,7 @@ def init_distributed(dp_replicate: int = 1, dp_shard: int = 0, timeout_s: int = 
         dist.init_process_group("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return device, build_parallel_dims(device.type, dp_replicate, dp_shard, cp)
+    return device, build_parallel_dims(device.type, dp_replicate, dp_shard, cp, ep)
 
 
 def world_size() -> int:

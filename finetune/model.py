@@ -1,5 +1,5 @@
 """Build the sharded training model: skeleton -> `parallelize` -> weights. The transforms' one order: kernels ->
-(tensor parallel) -> context parallel -> (expert parallel) -> float8 -> adapters (on the plain HF modules, so later
+(tensor parallel) -> context parallel -> expert parallel -> float8 -> adapters (on the plain HF modules, so later
 wrappers and FSDP units hold them) -> activation checkpointing (with offload) -> compile (each block) -> FSDP."""
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from .load import check_manifest, is_prepared, load_hf_weights
 class Transforms:
     """What extensions do to the model, by slot: each fn(model, layers) on the meta skeleton, unless noted."""
     kernels: Callable | None = None  # fused kernels patched into the plain HF modules (Liger; see loss.token_loss_sum)
-    context_parallel: Callable | None = None  # each row split over the cp ranks (tensor, expert parallel: not built)
+    context_parallel: Callable | None = None  # each row split over the cp ranks (tensor parallel: not built)
+    expert_parallel: Callable | None = None  # MoE experts split over the ep ranks (their FSDP mesh: `fsdp_mesh`)
     float8: Callable | None = None  # Linear layers swapped for float8 ones
     adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
     ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
@@ -198,10 +199,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head
     the parameters `ignored` stay plain tensors."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
-    kw = dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])),
-              ignored_params=ignored)
+    def over(mesh: DeviceMesh) -> dict:
+        return dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])))
+    kw = dict(over(mesh), ignored_params=ignored)
     layers = find_layers(model)
     for i, layer in enumerate(layers):
+        # expert parallel: a rank's experts are an FSDP unit of their own, over the ranks holding the same experts
+        for sub in (m for m in layer.modules() if getattr(m, "fsdp_mesh", None) is not None):
+            fully_shard(sub, reshard_after_forward=i < len(layers) - 1, **over(sub.fsdp_mesh))
         # the last block is resharded right after backward begins anyway; keeping it avoids one all-gather
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kw)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -230,7 +235,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: Transforms, *, m
                 ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False) -> dict | None:
     """The transforms in their order (module docstring); returns the adapters slot's settings (None without)."""
     t, layers = transforms, find_layers(model)
-    for slot in (t.kernels, t.context_parallel, t.float8):
+    for slot in (t.kernels, t.context_parallel, t.expert_parallel, t.float8):
         if slot is not None:
             slot(model, layers)
     settings = t.adapters(model, layers) if t.adapters is not None else None

@@ -100,7 +100,8 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transform
 def train(cfg: Config, recipe: Recipe) -> dict:
     """Run the recipe (`finetune.ext.recipes.recipe(cfg, task)`); returns the final metrics record and held-out
     results."""
-    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
+    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp,
+                                    ep=cfg.parallel.ep)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     if tc.tokens_per_step and recipe.accum is None:
         raise ConfigError("train.tokens_per_step needs the extension finetune/ext/tokens_per_step.py (Recipe.accum)")

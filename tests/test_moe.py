@@ -310,8 +310,6 @@ def test_compiled_blocks_compile_once_with_the_router_loss(qwen3_moe_dir):
 @pytest.mark.parametrize("override, message", [
     ("model.experts_implementation=loop", "error: model.experts_implementation must be one of 'grouped_mm', 'eager', "
                                           "'batched_mm', got 'loop'"),
-    ("parallel.ep=2", "error: parallel.ep=2: expert parallelism is not supported yet; leave it at 1 (FSDP shards the "
-                      "experts like every other weight)"),
     ("moe.aux_loss_coef=-0.5", "error: moe.aux_loss_coef must be >= 0 (or -1: the architecture's), got -0.5"),
 ])
 def test_bad_moe_settings_are_one_line_and_exit_2(qwen3_moe_dir, chat_file, tmp_path, override, message):

@@ -97,7 +97,8 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from .chat_template import run_tokenizer
     from .mfu import peak_flops, step_flops_per_token
     from .recipes import recipe, samples
-    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp)
+    device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp,
+                                    ep=cfg.parallel.ep)
     tc, dc = cfg.train, cfg.data
     torch.manual_seed(tc.seed)
     tok, _ = run_tokenizer(cfg)

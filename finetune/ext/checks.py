@@ -17,14 +17,13 @@ RANGES = (("dpo.beta", "> 0", lambda v: v > 0), ("dpo.label_smoothing", "in [0, 
 MAX_EPOCHS = 1_000_000  # passes over one source in an epoch of a mixture (beyond it: an OverflowError, or no memory)
 
 
-def validate(cfg: Config) -> None:
-    """After config.validate: dpo.*, moe.* and parallel.ep, model.fp8's combinations, data.sources (one line each)."""
+def validate(cfg: Config, task: str = "sft") -> None:
+    """After config.validate: dpo.*, moe.* and parallel.ep, model.fp8's combinations, data.sources (one line each);
+    `task`: the command's (recipes.recipe checks again with it)."""
     for key, rule, holds in RANGES:
         if not holds(get_key(cfg, key)):
             raise ConfigError(f"{key} must be {rule}, got {get_key(cfg, key)!r}")
-    if cfg.parallel.ep != 1:
-        raise ConfigError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not supported yet; leave it at 1 "
-                          f"(FSDP shards the experts like every other weight)")
+    check_ep(cfg, task)
     check_quantize_base(cfg)
     check_fp8(cfg)
     check_simpo(cfg)
@@ -50,6 +49,20 @@ def check_simpo(cfg: Config) -> None:
         if cfg.dpo.loss == "simpo" and get_key(cfg, key) != unset:
             raise ConfigError(f"{key}={get_key(cfg, key)!r} has no effect on dpo.loss=simpo (reference-free, no label "
                               f"smoothing): leave it at {unset!r}, or set dpo.loss=sigmoid")
+
+
+def check_ep(cfg: Config, task: str) -> None:
+    """parallel.ep with what it does not compose with yet, refused (the model's: ext/expert.py; the ranks':
+    distributed.py)."""
+    p, ep = cfg.parallel, cfg.parallel.ep
+    if ep < 1:
+        raise ConfigError(f"parallel.ep must be >= 1, got {ep!r}")
+    other = next((name for name, on in (
+        ("LoRA (lora.rank > 0)", cfg.lora.rank), ("context parallel (parallel.cp > 1)", p.cp > 1),
+        ("HSDP (parallel.dp_replicate > 1)", p.dp_replicate > 1),
+        (f"model.fp8={cfg.model.fp8}", cfg.model.fp8 != "off"), (f"finetune {task}", task != "sft")) if on), None)
+    if ep > 1 and other:
+        raise ConfigError(f"parallel.ep={ep} with {other} is not supported yet; set parallel.ep=1")
 
 
 def check_fp8(cfg: Config) -> None:

@@ -35,6 +35,9 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     if dims is not None and dims.cp > 1:
         from .context import apply_cp, cp_group
         t.context_parallel = partial(apply_cp, group=cp_group(dims, device.type))
+    if dims is not None and dims.ep > 1:
+        from .expert import apply_ep
+        t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
     if cfg.lora.rank:
         from .lora import lora_settings
         t = lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
@@ -93,11 +96,12 @@ def _float8(model, layers, *, cfg: Config, device: torch.device, shards: int) ->
 
 
 def sft_task(cfg: Config, run: Run) -> Task:
-    """sft's task with its extensions: cp's row split, held-out evaluation before and after, an MoE router's loss."""
+    """sft's task with its extensions: cp's row split, held-out evaluation before and after, an MoE router's loss;
+    with expert parallel the gradients clipped over both meshes."""
     from .float8 import float8_scales
-    from .moe import build_router_loss, router_task
+    from .moe import build_router_loss, clip_grad_norm_by_mesh, router_task
     float8_scales(cfg, run)
-    task = Task()
+    task = Task(clip=clip_grad_norm_by_mesh if run.dims.ep > 1 else None)
     if run.dims.cp > 1:
         from .context import collate_split, cp_rank
         task.collate = partial(collate_split, rank=cp_rank(run.dims), n=run.dims.cp)
@@ -132,7 +136,7 @@ def samples(cfg: Config, labellers: dict) -> dict:
 def recipe(cfg: Config, task: str = "sft") -> Recipe:
     """What a run of `task` ("sft", "dpo") passes to train.train (cfg checked again by ext/checks: API callers)."""
     from .checks import validate
-    validate(cfg)
+    validate(cfg, task)
     labellers, setup = {}, sft_task
     if task == "dpo":
         from . import dpo
