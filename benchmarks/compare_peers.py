@@ -15,7 +15,7 @@ Peers (each run a fresh process; runs alternate system by system, round after ro
                       checkpointing OFF (SFTConfig turns it on by default: every layer would be recomputed while
                       finetune's defaults recompute none), Liger kernels (use_liger_kernel=True) and bf16 on CUDA,
                       fp32 without Liger on CPU (as finetune there); on CUDA its attention (and the Trainer's) is
-                      torch's varlen kernel (Flash or cuDNN), registered by finetune/ext/varlen.py (flash-attn, which
+                      torch's varlen kernel (Flash or cuDNN), registered by kernels/varlen.py (flash-attn, which
                       TRL's docs name, has no wheel to install offline), sdpa on CPU. TRL is not a dependency of the
                       package: the dev group has it (python >= 3.11), else `uv run --with trl`; a wheel on the GPU
                       machine (benchmarks/gpu_check.sh wheels).
@@ -24,7 +24,7 @@ a 32k vocabulary, 1,024-token cap, lognormal one-turn rows; CUDA the 886M Llama 
 chat_data.py's realistic rows: 2 packed rows or 17 samples, ~16k real tokens a step), AdamW settings (fused on
 CUDA), grad clipping, and about the same real tokens per optimizer step (packed rows, or padded samples). The figure
 is real (non-pad) tokens per second over the timed steps: sum of real tokens / sum of step times, medians over
-rounds; MFU from it on CUDA, by both counts of ext/mfu (MFU_CONVENTION, T = sum(s^2)/sum(s) of the samples, and
+rounds; MFU from it on CUDA, by both counts of run/mfu (MFU_CONVENTION, T = sum(s^2)/sum(s) of the samples, and
 MFU_RAN, lm_head at the label tokens only); peak memory (CUDA: max allocated; CPU: peak RSS). A few timed steps of
 padded batches are luck (one long sample pads its whole batch), so the table also gives computed (padded) tokens/s
 and the real tokens/s to expect over an epoch: computed tokens/s x real / computed tokens of the whole epoch's
@@ -169,7 +169,7 @@ def peer_worker(job: dict) -> None:
     attn = "sdpa"
     if cuda and job["system"] in ("trl", "hf"):  # padding-free rows need a varlen kernel
         from finetune.attention import VARLEN
-        from finetune.ext.varlen import register
+        from finetune.kernels.varlen import register
         register()
         attn = VARLEN
     tok = AutoTokenizer.from_pretrained(job["model"])
@@ -282,7 +282,7 @@ def epoch_efficiency(base: dict, systems: dict) -> dict:
     are luck: one long sample pads its whole batch). The Trainer's random batches have the expectation of finetune's
     unpacked ones; TRL's padding-free rows compute no padding."""
     from finetune.data import build_samples
-    from finetune.ext.report import batch_efficiency
+    from finetune.run.report import batch_efficiency
     from finetune.model import load_tokenizer
     tok = load_tokenizer(base["model"])
     units = {p: build_samples(base["data"], tok, max_seq_len=base["seq_len"], packing=p).unit_lengths()
@@ -294,12 +294,12 @@ def epoch_efficiency(base: dict, systems: dict) -> dict:
 
 
 def flops_and_peak(base: dict) -> tuple[dict, float | None]:
-    """FLOPs per token (ext/mfu.flops_per_token) of the model at the data's attention length (T = sum(s^2) / sum(s)
+    """FLOPs per token (run/mfu.flops_per_token) of the model at the data's attention length (T = sum(s^2) / sum(s)
     over its samples s: MFU_CONVENTION), {"mfu": the convention's, "mfu_ran": lm_head at the data's fraction of
     label tokens (MFU_RAN)}, and the device's peak FLOP/s."""
     import torch
 
-    from finetune.ext.mfu import flops_per_token, peak_flops
+    from finetune.run.mfu import flops_per_token, peak_flops
     from finetune.model import build_skeleton, load_hf_config
     samples = hf_samples(base)
     lengths = [len(x["input_ids"]) for x in samples]

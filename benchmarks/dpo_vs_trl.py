@@ -29,10 +29,10 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
 
     from finetune.config import load_config
     from finetune.distributed import init_distributed
-    from finetune.ext.dpo import LABELLERS, MEANS, collate_pairs, make_loss
+    from finetune.tasks.dpo import LABELLERS, MEANS, collate_pairs, make_loss
     from finetune.model import Transforms
     from finetune.train import Task
-    from finetune.ext.chat_template import run_tokenizer
+    from finetune.data.chat_template import run_tokenizer
     from finetune.train import build_model_and_optimizer, build_run_samples, next_micro_batches, train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
                              "data.packing": False, "data.max_seq_len": 256, "train.micro_batch_size": pairs,

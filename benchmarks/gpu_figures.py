@@ -6,7 +6,7 @@ on any device where it can (peers, moe30b, profile on CPU), its lines under <wor
 
   peers        compare_peers.py: finetune defaults vs TRL at its fastest (packing, padding-free, Liger, bf16, no
                gradient checkpointing), alternated for ROUNDS rounds (2), on the realistic rows of chat_data.py;
-               MFU by both counts (ext/mfu: the convention, and lm_head at the label positions)
+               MFU by both counts (run/mfu: the convention, and lm_head at the label positions)
   fp8          finetune bench --fp8 off,tensorwise,rowwise on an 8-layer slice of Llama-3-8B's widths (2.8B params),
                packed realistic rows of 8,192 tokens, no AC, compiled blocks
   moe30b       finetune bench at Qwen3-30B-A3B's widths (a 4-layer slice: 128 experts of 768, 8 a token, hidden 2048,
@@ -179,7 +179,7 @@ def profile_worker(cfg, warmup: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import finetune.train as train
-    from finetune.ext.bench import run_point
+    from finetune.tools.bench import run_point
     cuda = torch.cuda.is_available()
     step, calls, prof = train.train_step, [], {}
 

@@ -52,7 +52,7 @@ def tiny_llama(layers: int = 2, hidden: int = 256, heads: int = 8, kv: int = 2, 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from finetune.attention import resolve_attn_implementation
-    from finetune.ext.varlen import register
+    from finetune.kernels.varlen import register
     cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096)
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def packed_batch(lengths: list[int], device, vocab: int = 1024) -> dict:
 
 
 def stage_varlen() -> None:
-    from finetune.ext import varlen as attention
+    from finetune.kernels import varlen as attention
     from finetune.data.collate import sample_boundaries
     attention.register()
     k = attention._VARLEN
@@ -121,7 +121,7 @@ def stage_evalcompile() -> None:
     from helpers import write_jsonl
     from torch._dynamo.utils import counters
 
-    from finetune.ext.evaluate import evaluate
+    from finetune.tasks.evaluate import evaluate
     from finetune.model import apply_compile, load_tokenizer
     root = Path("/tmp/gpu-evalcompile")
     model_dir = root / "llama" if (root / "llama" / "config.json").exists() else make_model_dir(
@@ -131,7 +131,7 @@ def stage_evalcompile() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.attention import resolve_attn_implementation
-    from finetune.ext.varlen import register
+    from finetune.kernels.varlen import register
     attn = resolve_attn_implementation(AutoConfig.from_pretrained(model_dir), "auto", register)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attn).to(dev)
     apply_compile(model, True)
@@ -155,8 +155,8 @@ def stage_offload() -> None:
 
     from functools import partial
 
-    from finetune.ext.compat import storage_key
-    from finetune.ext.offload import HostOffload, Offloaded
+    from finetune.compat import storage_key
+    from finetune.memory.offload import HostOffload, Offloaded
     from finetune.model import apply_ac, apply_compile, find_layers
     base = tiny_llama()
     dev = need_cuda("offload")
@@ -196,7 +196,7 @@ def stage_offload() -> None:
 def stage_flce() -> None:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
 
-    from finetune.ext.liger import FUSED_ACCUM_DTYPE
+    from finetune.kernels.liger import FUSED_ACCUM_DTYPE
     emit("flce", finetune_accum_dtype=str(FUSED_ACCUM_DTYPE))
     dev = need_cuda("flce")
     torch.manual_seed(0)
@@ -220,8 +220,8 @@ def stage_flce() -> None:
 def stage_opac() -> None:
     import copy
 
-    from finetune.ext.compat import TorchDispatchMode
-    from finetune.ext.sac import checkpoint_kwargs
+    from finetune.compat import TorchDispatchMode
+    from finetune.memory.sac import checkpoint_kwargs
     from finetune.model import apply_ac
     base = tiny_llama(layers=4)
     dev = need_cuda("opac")

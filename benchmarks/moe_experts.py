@@ -1,6 +1,6 @@
 """CPU: a small Qwen3-MoE-shaped model (4 blocks, hidden 256, 32 experts of 128, 4 per token), forward + backward
 through the loss on one packed micro-batch, per model.experts_implementation, interleaved: median tokens/s and the
-bytes the forward keeps for backward (finetune.ext.bench.count_saved, parameters excluded).
+bytes the forward keeps for backward (finetune.tools.bench.count_saved, parameters excluded).
 
     uv run python benchmarks/moe_experts.py [--reps 5] [--tokens 1024]
 """
@@ -17,8 +17,8 @@ def main() -> None:
     import transformers as T
     from transformers import AutoModelForCausalLM
 
-    from finetune.ext.moe import apply_experts_implementation
-    from finetune.ext.bench import count_saved
+    from finetune.kernels.moe import apply_experts_implementation
+    from finetune.tools.bench import count_saved
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1024)

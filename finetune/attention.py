@@ -47,8 +47,8 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
                           f"(uv sync --extra gpu); use sdpa otherwise")
     if requested == VARLEN:
         if varlen is None:
-            raise ConfigError(f"model.attn_implementation={VARLEN} needs the extension finetune/ext/varlen.py, which "
-                              f"this installation lacks")
+            raise ConfigError(f"model.attn_implementation={VARLEN} needs kernels/varlen.py's register "
+                              f"(model.Transforms.varlen), which this model build was not given")
         varlen()
     if requested not in (None, "sdpa"):
         return requested
@@ -100,7 +100,7 @@ def mixing_problem(model: nn.Module, layers: nn.ModuleList) -> str | None:
 
 def check_packing(model: nn.Module, layers: nn.ModuleList, attn_implementation: str) -> None:
     """Refuse (one line) a packed run whose samples would mix: mixing_problem, or flash/varlen kwargs a class drops."""
-    # keeps_samples_apart: its mixing layers run per packed sample (ext/linear_attention.py)
+    # keeps_samples_apart: its mixing layers run per packed sample (kernels/linear_attention.py)
     if (why := mixing_problem(model, layers)) and not getattr(model, "keeps_samples_apart", False):
         raise ConfigError(f"{type(model).__name__} cannot keep packed samples apart: {why} ignore position_ids "
                           f"restarts; set data.packing=false")

@@ -160,7 +160,7 @@ def keep_earlier_run(root: Path, resume: bool) -> None:
 
 
 def asked_export(output_dir: Path, resume_dir: Path | None, resume_from: str) -> tuple[str, str]:
-    """(the checkpoint a refusal names, how to export it) for check_run's and ext/preflight's refusals."""
+    """(the checkpoint a refusal names, how to export it) for check_run's and preflight's refusals."""
     return (f"checkpoint.resume_from: {resume_dir}" if resume_from else f"output_dir {output_dir}",
             f"export it (finetune export-hf --checkpoint {resume_dir if resume_from else output_dir} -o DIR)")
 
@@ -204,7 +204,7 @@ def check_arch(path: Path, hf_config) -> None:
 def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) -> None:
     """Same architecture, LoRA settings (`run`) and parameter names (`want`) as the checkpoint, or a CheckpointError."""
     saved = read_marker(path).get("lora")
-    if saved and run:  # `run`: ext/lora.LoraSettings, which check a LoRA checkpoint's settings and base
+    if saved and run:  # `run`: adapters/lora.LoraSettings, which check a LoRA checkpoint's settings and base
         run.check(path, saved, hf_config)
     elif saved or run:
         kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
@@ -234,10 +234,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, 
 
 
 class Checkpointer:
-    """Saves step-N checkpoints and prunes older ones (ext/saving.py's: in the background, a failure in one line)."""
+    """Saves step-N checkpoints and prunes older ones (run/saving.py's: in the background, a failure in one line)."""
 
     def __init__(self, root: Path, keep: int, lora: dict | None = None, run: dict | None = None, locks=None):
-        # lora: the run's LoRA settings; run: what else the marker records; locks: prune's hook (ext/locks)
+        # lora: the run's LoRA settings; run: what else the marker records; locks: prune's hook (run/locks)
         self.root, self.keep, self.lora, self.run, self.locks = Path(root), keep, lora, run or {}, locks
 
     def save(self, step: int, model, optimizer, scheduler, state: TrainState, hf_config) -> Path:
@@ -272,7 +272,7 @@ class Checkpointer:
 
 
 def prune(root: Path, keep: int, locks=None) -> None:
-    """Keep the newest `keep` intact checkpoints (0: all; damaged ones are left) and those `locks` (ext/locks) pin."""
+    """Keep the newest `keep` intact checkpoints (0: all; damaged ones are left) and those `locks` (run/locks) pin."""
     intact = [p for p in step_dirs(root) if damage(p) is None]
     for old in intact[:-keep] if keep > 0 else []:
         with locks.unpinned(old) if locks else nullcontext(True) as free:

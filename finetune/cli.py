@@ -9,12 +9,12 @@ import typer
 
 from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
 from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, parse_shard_size)
-from .ext import checks
-from .ext.commands import COMMANDS, options
-from .ext.console import setup as setup_console
-from .ext.flag_hints import Commands
-from .ext.locks import hold_run_lock, release_lock
-from .ext.rank_errors import rank_errors
+from .run import checks
+from .tools.commands import COMMANDS, options
+from .run.console import setup as setup_console
+from .run.flag_hints import Commands
+from .run.locks import hold_run_lock, release_lock
+from .run.rank_errors import rank_errors
 from .launch import guarded, launch as launch_ranks
 from .outdir import check_writable
 
@@ -26,13 +26,13 @@ app.callback()(options)
 
 
 def launch(*args, **kwargs):
-    """launch.launch with the ranks' errors as one line (ext/rank_errors.py)."""
+    """launch.launch with the ranks' errors as one line (run/rank_errors.py)."""
     return launch_ranks(*args, errors=rank_errors, **kwargs)
 
 
 def run_recipe(cfg: Config, task: str):
-    """What a run of `task` passes to train.train (ext/recipes.py: torch is imported here, after the checks)."""
-    from .ext.recipes import recipe
+    """What a run of `task` passes to train.train (build.py: torch is imported here, after the checks)."""
+    from .build import recipe
     return recipe(cfg, task)
 
 
@@ -61,7 +61,7 @@ def train_command(task: str):
                                   "checkpoint.resume_from": resume_from})  # the hub's probe: before torch is imported
             if no_resume:
                 cfg.checkpoint.resume = False
-            lock = Path(cfg.output_dir) / ".finetune.lock"  # the run's (ext/locks.py)
+            lock = Path(cfg.output_dir) / ".finetune.lock"  # the run's (run/locks.py)
             launched = "RANK" in os.environ and os.environ.get("FINETUNE_LOCK") == str(lock.resolve())
             if not launched:
                 check_writable(Path(cfg.output_dir), f"output_dir {cfg.output_dir}")
@@ -79,7 +79,7 @@ def train_command(task: str):
                 return cfg, recipe, None, None  # a rank our launcher started: it checked this and holds the lock
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
-            from .ext.preflight import preflight_locked
+            from .preflight import preflight_locked
             return cfg, recipe, preflight_locked(cfg, task, lock, nnodes), lock
         cfg, recipe, nothing_to_do, lock = guarded(prepare, debug)
         try:  # the lock goes with the process anyway; released here for callers that run commands in-process
@@ -136,7 +136,7 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
         out = Path(output_dir).resolve()
         check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
     guarded(check, debug)
-    from .ext.recipes import export_hooks
+    from .build import export_hooks
     hooks = export_hooks()
     from .export import export_hf as export  # VerifyError: exit 1, nothing written
     launch(lambda *args: export(*args, **hooks), (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),

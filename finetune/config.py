@@ -10,7 +10,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
-from .keys import ConfigError, _flatten, get_key, set_key
+from .keys import ConfigError, flatten, get_key, set_key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PRESET = REPO_ROOT / "configs" / "tiny.toml"
@@ -94,12 +94,12 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapters' input
     target_modules: str | list = "all-linear"  # "all-linear" (every Linear in the decoder blocks) or module names
     modules_to_save: list = field(default_factory=list)  # modules trained in full beside the adapters, e.g. ["lm_head"]
-    # "nf4" (QLoRA): the frozen linear weights of the decoder blocks held as torchao's 4-bit NF4 (ext/qlora.py)
+    # "nf4" (QLoRA): the frozen linear weights of the decoder blocks held as torchao's 4-bit NF4 (adapters/qlora.py)
     quantize_base: Literal["none", "nf4"] = "none"
 
 
 @dataclass
-class MoEConfig:  # mixture-of-experts models (finetune/ext/moe.py)
+class MoEConfig:  # mixture-of-experts models (finetune/kernels/moe.py)
     # router load-balancing loss weight over the global batch; -1: the architecture's router_aux_loss_coef (0 when
     # it has none: DeepSeek-V3-style routers balance with a bias)
     aux_loss_coef: float = -1.0
@@ -145,7 +145,7 @@ class LogConfig:
 
 
 @dataclass
-class DPOConfig:  # `finetune dpo` (finetune/ext/dpo.py)
+class DPOConfig:  # `finetune dpo` (finetune/tasks/dpo.py)
     loss: Literal["sigmoid", "simpo"] = "sigmoid"  # DPO's sigmoid loss, or SimPO (reference-free, length-normalised)
     beta: float = 0.1  # scale of the log-prob ratios (SimPO: of the mean log-probs; its paper uses ~2)
     label_smoothing: float = 0.0  # sigmoid: the chance a label is flipped (conservative DPO)
@@ -185,7 +185,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             table = tomllib.loads(preset.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{preset}: invalid TOML ({e})") from e
-        for key, value in _flatten(table).items():
+        for key, value in flatten(table).items():
             set_key(cfg, key, value)
         for key in PATH_KEYS:  # the preset's relative paths (overrides are relative to the cwd)
             if value := get_key(cfg, key):
@@ -233,7 +233,7 @@ RANGES = [  # (rule, test, the keys it holds for): validate's messages say "<key
 
 
 def validate(cfg: Config) -> None:
-    """Range checks that types cannot express; each error names the key (the extensions' keys: ext/checks)."""
+    """Range checks that types cannot express; each error names the key (the extensions' keys: run/checks)."""
     for rule, holds, keys in RANGES:
         for key in keys.split():
             if not holds(get_key(cfg, key)):
@@ -241,7 +241,7 @@ def validate(cfg: Config) -> None:
     tc, dc = cfg.train, cfg.data
     if cfg.ac.offload and not cfg.ac.ratio:
         raise ConfigError("ac.offload=true moves what checkpointed blocks keep to host memory: set ac.ratio > 0")
-    if tc.tokens_per_step:  # a step is a number of packed rows: see ext/tokens_per_step.py
+    if tc.tokens_per_step:  # a step is a number of packed rows: see run/tokens_per_step.py
         for ok, why in ((dc.packing, "needs data.packing=true (a step of unpacked samples has no token size)"),
                         (tc.tokens_per_step % dc.max_seq_len == 0, f"must be a multiple of data.max_seq_len "
                                                                     f"({dc.max_seq_len}): rows of that many tokens"),

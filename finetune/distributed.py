@@ -54,7 +54,7 @@ def build_parallel_dims(device_type: str, dp_replicate: int = 1, dp_shard: int =
         ((dp_shard * cp,), (name,))
     experts = None
     if ep > 1:
-        # ext/checks refuses these first (API callers: here)
+        # run/checks refuses these first (API callers: here)
         if dp_replicate > 1 or cp > 1:
             raise ConfigError(f"parallel.ep={ep} with parallel.dp_replicate or parallel.cp is not supported yet")
         if dp_shard % ep:

@@ -41,7 +41,7 @@ class Source:
 
 
 def plain_plan(kept: dict, disk: dict, dtype: torch.dtype | None) -> Plan:
-    """Without ext/passthrough: each floating-point tensor in `dtype` (auto: bfloat16), nothing copied through."""
+    """Without hf/passthrough: each floating-point tensor in `dtype` (auto: bfloat16), nothing copied through."""
     dtypes = {d: (dtype or torch.bfloat16) if kept[k].properties.dtype.is_floating_point else kept[k].properties.dtype
               for d, (k, _) in disk.items()}
     return Plan(kept, disk, dtypes, {}, {}, "", dtype)
@@ -177,7 +177,7 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
                       templates and templates.with_template_defaults)
     if kwargs:  # what a request that passes none now gets
         print0(templates.template_kwargs_note(kwargs) if templates else "note: the run's data.chat_template_kwargs "
-               "are not the exported chat template's defaults (finetune/ext/template_defaults.py is not installed)")
+               "are not the exported chat template's defaults (no hf/template_defaults.py hook given)")
     barrier()  # the check reads config.json
     print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_counts(plan.dtypes.values())} "
            f"in {len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
@@ -197,9 +197,9 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_sh
               verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
               check=None, locks=None, templates=None, gather=None, passthrough=None) -> Path:
     """Write the HF model dir (adapter=True: a LoRA checkpoint's PEFT adapter dir) `output_dir` from `checkpoint`;
-    returns it. `live`: the sharded model just saved there, gathered by `gather` (ext/live) where the layout allows.
-    Optional hooks: `adapters` (ext/lora_export; LoRA checkpoints are refused without), `check` (ext/verify, when
-    `verify`), `locks` (ext/locks), `templates` (ext/template_defaults), `passthrough` (ext/passthrough: the
+    returns it. `live`: the sharded model just saved there, gathered by `gather` (hf/live) where the layout allows.
+    Optional hooks: `adapters` (adapters/lora_export; LoRA checkpoints are refused without), `check` (hf/verify, when
+    `verify`), `locks` (run/locks), `templates` (hf/template_defaults), `passthrough` (hf/passthrough: the
     source's dtypes and the tensors its class does not own)."""
     dtype, shard_bytes, out = parse_dtype(dtype_name), parse_shard_size(max_shard_size), Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
@@ -209,12 +209,12 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_sh
             raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
         if source.lora and adapters is None:
             raise CheckpointError(f"{source.label} is a LoRA checkpoint: exporting it needs the LoRA extension "
-                                  f"(finetune/ext/lora_export.py), which this installation lacks")
+                                  f"(adapters/lora_export.py: the adapters hook), which this export was not given")
         if passthrough is None and not adapter:
             print0("note: every tensor is exported in one dtype and what the model class does not own (MTP layers) "
-                   "is left out: finetune/ext/passthrough.py is not installed")
+                   "is left out: no hf/passthrough.py hook given")
         if verify and check is None:
-            print0("note: the export is not checked: the export check (finetune/ext/verify.py) is not installed")
+            print0("note: the export is not checked: no export check (hf/verify.py) given")
         check_output_dir(out, EXPORT_MARKER, "an earlier export")
         hf_config = load_hf_config(source.model_path, source.trust_remote_code)
         if source.lora:  # the base it is merged onto must have the architecture and weights it trained on

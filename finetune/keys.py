@@ -76,7 +76,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                               f"{value!r}")
         items = [get_args(typ)[0]() for _ in value]
         for j, (item, table) in enumerate(zip(items, value)):
-            for k, v in _flatten(table).items():
+            for k, v in flatten(table).items():
                 set_key(item, k, v, f"{key}[{j}].")
                 # 0 is what an unset weight/samples/epochs reads as (one epoch of the source): a written 0, meant
                 # as "none of it", would train all of it. Refused; to_toml never writes these zeros.
@@ -139,10 +139,10 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in table.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 

@@ -57,7 +57,7 @@ def launch(entry: Callable, args: tuple, nproc: int, debug: bool, on_signal: Cal
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     # the launcher forwards SIGTERM/SIGUSR1 to the ranks and gives them time to save before it kills them (Ctrl-C:
-    # ext/console.forward_interrupts, from the `errors` context)
+    # run/console.forward_interrupts, from the `errors` context)
     with (errors or nullcontext)() as refused:  # errors: a context whose value is called when the ranks failed
         try:
             elastic_launch(local_launch_config(nproc, nnodes, rdzv_endpoint), sys.executable)("-m", "finetune",

@@ -1,5 +1,5 @@
 """Fill a built, materialised sharded model: each rank preads its own slices of the HF safetensors (never a copy of
-the model in RAM); hub ids, layouts converted on load and prepared DCP dirs: ext/loader."""
+the model in RAM); hub ids, layouts converted on load and prepared DCP dirs: hf/loader."""
 from __future__ import annotations
 
 import json
@@ -46,7 +46,7 @@ def lacks_buffer(path: str, arch: str, key: str) -> str:
 
 def locate_slices(model: nn.Module, skeleton: nn.Module, path: str, local_dir=Path) -> dict[str, Entry] | str:
     """{HF key: Entry} for each parameter of the sharded `model` (`skeleton`: the same model unwrapped, on meta),
-    checked strictly; or why to take the rank-0 path. `local_dir`: ext/loader's for a hub id."""
+    checked strictly; or why to take the rank-0 path. `local_dir`: hf/loader's for a hub id."""
     if is_prepared(path):  # reaches here only without a loader (and without a skeleton: build_model builds none)
         return f"'{path}' is a prepared checkpoint"
     entries = open_dir(local_dir(path))
@@ -114,7 +114,7 @@ def load_slices(model: nn.Module, located: dict[str, Entry], fill=None) -> None:
 
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False,
                     loader=None, fill=None) -> None:
-    """Each rank reads its own slices (locate_slices), or `loader` (ext/loader) loads a prepared dir or on rank 0;
+    """Each rank reads its own slices (locate_slices), or `loader` (hf/loader) loads a prepared dir or on rank 0;
     `fill` (QLoRA's) writes the slices of a base held quantized: only the slice reader loads one."""
     if is_prepared(path) and loader is not None and fill is None:
         return loader.load_prepared_weights(model, path)
@@ -123,7 +123,7 @@ def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remo
         raise ModelError(f"{located}: lora.quantize_base quantizes the base as each rank reads its slices of the "
                          f"safetensors files, which this base cannot give; pass the HF model directory")
     if isinstance(located, str) and loader is None:
-        raise ModelError(f"{located}: loading it needs finetune/ext/loader.py, which this installation lacks")
+        raise ModelError(f"{located}: loading it needs hf/loader.py (model.Transforms.loader), not given")
     if isinstance(located, str):
         print0(f"loading on rank 0 and scattering: {located}")
         return loader.load_hf_weights_rank0(model, path, trust_remote_code)

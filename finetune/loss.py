@@ -33,7 +33,7 @@ def collate_labelled(items: list[dict], pad_id: int, pad_to: int | None = None) 
 
 def token_loss_sum(model, batch: dict, reduction: str = "sum") -> torch.Tensor:
     """The fp32 cross-entropy summed over the batch's label targets (0-dim; reduction="none": each target's, (N,));
-    a model with `fused_loss` ((targets) -> kwargs, ext/liger.py) computes the sum in its own forward."""
+    a model with `fused_loss` ((targets) -> kwargs, kernels/liger.py) computes the sum in its own forward."""
     index, targets = batch["label_index"], batch["label_targets"]
 
     def keep_labelled(module, args, output):  # the decoder's output, before the final projection

@@ -37,7 +37,7 @@ class Transforms:
     lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
-    loader: object = None  # ext/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
+    loader: object = None  # hf/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
     samples_apart: Callable = lambda model, layers: None  # linear-attention/state-space layers run per sample (first)
     fill: Callable | None = None  # (param, rows) -> bool: the load writes rows into a base held quantized (QLoRA)
     unsharded: Callable | None = None  # (model) -> params that FSDP over one rank leaves alone (QLoRA's NF4)
@@ -87,7 +87,7 @@ def load_generation_config(model_path: str, hf_config):
 def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = "",
                   template_kwargs: dict | None = None, with_defaults=None):
     """config.json, generation_config.json and the tokenizer files of `model_path`, with `chat_template` if given
-    (and `template_kwargs` as its defaults, by `with_defaults`: ext/template_defaults), as save_pretrained would."""
+    (and `template_kwargs` as its defaults, by `with_defaults`: hf/template_defaults), as save_pretrained would."""
     hf_config.save_pretrained(out)
     load_generation_config(model_path, hf_config).save_pretrained(out)
     tok = load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template)
@@ -168,7 +168,7 @@ def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable
              sac: Callable | None = None) -> list[int]:
     """Wrap the chosen blocks in non-reentrant checkpoint (mode "op": `sac`'s arguments), then `wrap`; their ids."""
     if mode == "op" and sac is None:
-        raise ConfigError("ac.mode='op' needs the extension finetune/ext/sac.py, which this installation lacks")
+        raise ConfigError("ac.mode='op' needs memory/sac.py's arguments (model.Transforms.sac), not given")
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
     kwargs = sac() if mode == "op" else {}

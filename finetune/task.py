@@ -46,7 +46,7 @@ class Task:
 
 @dataclass
 class Recipe:
-    """A run as its caller configures it (the defaults: sft with the core alone; finetune.ext.recipes fills it)."""
+    """A run as its caller configures it (the defaults: sft with the core alone; finetune.build fills it)."""
     name: str = "sft"
     setup: Callable = lambda cfg, run: Task()  # (cfg, Run) -> Task, once the model is built
     transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms
@@ -55,8 +55,8 @@ class Recipe:
     tokenizer: Callable = lambda cfg, resume_dir: (load_tokenizer(cfg.model.path, cfg.model.trust_remote_code), None)
     accum: Callable | None = None  # (cfg, data ranks) -> micro-batches per rank per step, for train.tokens_per_step
     mfu: Callable | None = None  # (model, device) -> (micro-batches -> {key: FLOPs per token}, peak FLOP/s or None)
-    logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (ext/wandb.py's: also to W&B)
+    logger: Callable = MetricsLogger  # (out, start_step=) -> the step-metrics logger (run/wandb.py's: also to W&B)
     report: Callable | None = None  # (cfg, model, samples, dims, device, global batch, TrainState) -> the console:
     # prints the start-up lines; a context (the progress bar) whose value is called with each step's record
-    checkpointer: Callable = Checkpointer  # (root, keep=, lora=, run=, locks=) -> it (ext/saving.py's: async saves)
+    checkpointer: Callable = Checkpointer  # (root, keep=, lora=, run=, locks=) -> it (run/saving.py's: async saves)
     resume_note: Callable = lambda saved, cfg, samples_seen: None  # (saved config, ...) -> a resumed run's line or None

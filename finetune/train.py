@@ -98,13 +98,13 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transform
 
 
 def train(cfg: Config, recipe: Recipe) -> dict:
-    """Run the recipe (`finetune.ext.recipes.recipe(cfg, task)`); returns the final metrics record and held-out
+    """Run the recipe (`finetune.build.recipe(cfg, task)`); returns the final metrics record and held-out
     results."""
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp,
                                     ep=cfg.parallel.ep)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     if tc.tokens_per_step and recipe.accum is None:
-        raise ConfigError("train.tokens_per_step needs the extension finetune/ext/tokens_per_step.py (Recipe.accum)")
+        raise ConfigError("train.tokens_per_step needs the extension finetune/run/tokens_per_step.py (Recipe.accum)")
     accum = recipe.accum(cfg, dims.dp_size) if tc.tokens_per_step else tc.grad_accum_steps
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
@@ -220,7 +220,7 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
         if device.type == "cuda":
             record["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
         record.update((k, x) for k, x in values.items() if k not in CORE_STATS)  # a task's means (dpo's rewards)
-        # ext/mfu: "mfu" by MFU_CONVENTION, "mfu_ran" with lm_head at the label positions (MFU_RAN)
+        # run/mfu: "mfu" by MFU_CONVENTION, "mfu_ran" with lm_head at the label positions (MFU_RAN)
         if peak:
             record.update((k, tokens_per_s * f / (peak * world_size())) for k, f in timing["flops_tok"].items())
         logger.log(record)

@@ -129,7 +129,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class Plan:
-    """What an export writes, and from where (planned by ext/passthrough from the source, else export.plain_plan)."""
+    """What an export writes, and from where (planned by hf/passthrough from the source, else export.plain_plan)."""
     kept: dict  # {in-memory name: checkpoint metadata} of what it writes from the checkpoint
     disk: dict  # {on-disk name: (in-memory name, shape)} of those, as save_pretrained names them
     dtypes: dict  # {on-disk name: the dtype it is written in}

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 # torch/transformers import floor of a fresh interpreter. Anything not listed is imported lazily per rank.
 PRELOAD = ["pytest", "torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "datasets", "accelerate",
            "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
-           "transformers.models.qwen2.modeling_qwen2", "finetune.train", "finetune.ext.bench", "finetune.ext.prepare",
-           "finetune.export", "finetune.ext.verify", "helpers"]
+           "transformers.models.qwen2.modeling_qwen2", "finetune.train", "finetune.tools.bench",
+           "finetune.tools.prepare", "finetune.export", "finetune.hf.verify", "helpers"]
 
 
 def _warm() -> None:
@@ -209,7 +209,7 @@ def sft_config(model_dir, data, out, *overrides):
 def train_rank(cfg):
     """finetune.train.train(cfg) on one rank (a top-level function for run_ranks)."""
     from finetune.train import train
-    from finetune.ext.recipes import recipe
+    from finetune.build import recipe
     return train(cfg, recipe(cfg))
 
 
@@ -394,5 +394,5 @@ def export_hf(*args, **kwargs):
     """finetune.export.export_hf with the extensions' hooks (LoRA checkpoints, the export check), as export-hf and
     train() hand them."""
     from finetune.export import export_hf as export
-    from finetune.ext.recipes import export_hooks
+    from finetune.build import export_hooks
     return export(*args, **export_hooks(), **kwargs)

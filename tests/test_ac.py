@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from finetune.ext.sac import checkpoint_kwargs
+from finetune.memory.sac import checkpoint_kwargs
 from finetune.model import ac_layer_ids, apply_ac, clean_child, find_layers
 from finetune.weights import clean_fqn
 from helpers import read_metrics, sft
@@ -142,7 +142,7 @@ def test_op_mode_keeps_the_varlen_and_flex_attention_ops():
     sdpa's: attention is not recomputed in backward (the gpu_check.sh `opac` stage counts it on CUDA)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from finetune.ext.sac import op_sac_policy
+    from finetune.memory.sac import op_sac_policy
     import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
     policy = op_sac_policy().args[0]
     for op in (torch.ops.torch_attn._varlen_attn.default, torch.ops.higher_order.flex_attention,

@@ -44,7 +44,7 @@ def packed_and_unpacked(model_dir: str, data: str, attentions: list[str] = ATTEN
     `references`, flash-attn's kernels replaced by their CPU reference first; varlen runs its CPU kernel)."""
     from transformers import AttentionInterface
 
-    from finetune.ext import varlen as attention
+    from finetune.kernels import varlen as attention
     from finetune.data import build_samples
     from finetune.distributed import init_distributed
     from finetune.model import build_model, load_tokenizer
@@ -91,7 +91,7 @@ def test_varlen_hands_torch_kernel_the_boundaries_and_equals_its_cpu_kernel():
     """What reaches torch's varlen_attn (CUDA): the flattened tokens, the same int32 offsets for queries and keys,
     the longest segment, a causal window (sliding where the layer has one) and GQA; the CPU kernel gives the same
     result as sdpa run on each sample alone."""
-    from finetune.ext import varlen as attention
+    from finetune.kernels import varlen as attention
     from finetune.data.collate import sample_boundaries
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -131,7 +131,7 @@ def test_varlen_casts_fp32_for_the_cuda_kernel_and_hands_torch_2_11_gqa_unrepeat
     """torch's CUDA varlen kernel takes fp16/bf16 only: fp32 q/k/v (train.mixed_precision=fp32) reach it as bf16 and
     the output comes back fp32. torch 2.10/2.11's kernel has no enable_gqa (Flash only, which takes fewer K/V heads
     directly): K/V reach it with their own head count, not repeated to every query head."""
-    from finetune.ext import varlen as attention
+    from finetune.kernels import varlen as attention
     from finetune.data.collate import sample_boundaries
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
@@ -160,7 +160,7 @@ def test_cpu_segments_run_the_flash_kernel_and_save_no_probabilities():
     """Each segment goes to sdpa in 4-D: torch 2.11's CPU sdpa runs 3-D inputs in its math path, which saves every
     sample's heads x seq x seq probabilities for backward (11x the bytes here, and slower); its flash kernel saves the
     output and the log-sum-exp, O(seq)."""
-    from finetune.ext.varlen import segment_attention
+    from finetune.kernels.varlen import segment_attention
     q, k, v = (torch.randn(512, heads, 16, requires_grad=True) for heads in (4, 2, 2))
     saved = []
 

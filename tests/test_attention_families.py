@@ -58,7 +58,7 @@ def packed_and_unpacked(model_dir: str, data: str) -> tuple[dict, str]:
     from finetune.args import build_config
     from finetune.data import build_samples
     from finetune.distributed import init_distributed
-    from finetune.ext.recipes import transforms
+    from finetune.build import transforms
     from finetune.model import build_model, load_tokenizer
     from finetune.train import next_micro_batches, train_step
     device, dims = init_distributed()
@@ -114,7 +114,7 @@ def two_rank_steps(root: str, data: str, families: list[str]) -> dict:
 
     from finetune.data import build_samples
     from finetune.distributed import init_distributed
-    from finetune.ext.recipes import transforms
+    from finetune.build import transforms
     from finetune.args import build_config
     from finetune.model import build_model, load_tokenizer
     from finetune.train import next_micro_batches, train_step
@@ -154,7 +154,7 @@ def eager_reference(module, q, k, v, sinks, scaling, window, lengths):
     """transformers' GPT-OSS eager attention (sinks) on each segment of `lengths` of the rows alone, causal with a
     sliding `window`: (batch, seq, heads, dim)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-    from finetune.ext.varlen import window_mask
+    from finetune.kernels.varlen import window_mask
     module.sinks, outs, start = sinks, [], 0
     for n in lengths:
         band = window_mask(n, n, window, q.device)
@@ -170,7 +170,7 @@ def test_varlen_sinks_are_gpt_oss_eager_with_and_without_boundaries():
     and the sinks' gradient as transformers' eager GPT-OSS attention. Before, varlen refused sinks with boundaries
     and, without them, silently ran sdpa without the sinks."""
     from finetune.data.collate import sample_boundaries
-    from finetune.ext import varlen
+    from finetune.kernels import varlen
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.num_key_value_groups = 2
@@ -192,7 +192,7 @@ def test_varlen_hands_the_cuda_kernel_padded_mla_values_and_chunks():
     boundaries, the row's chunks. Before, the value dim crashed the reshape and chunked layers attended across
     chunks."""
     from finetune.data.collate import sample_boundaries
-    from finetune.ext import varlen
+    from finetune.kernels import varlen
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.config = type("Config", (), {"layer_types": ["chunked_attention"], "attention_chunk_size": 4})
@@ -229,7 +229,7 @@ def test_auto_passes_over_what_varlen_lacks_and_varlen_asked_for_it_is_refused_a
 
     from finetune.attention import resolve_attn_implementation as resolve
     from finetune.config import ConfigError
-    from finetune.ext.varlen import register
+    from finetune.kernels.varlen import register
     assert resolve(T.LlamaConfig(attention_dropout=0.1), "auto", register) == "sdpa"
     for config in (T.GptOssConfig(), T.DeepseekV3Config(), T.Llama4TextConfig()):
         assert resolve(config, "auto", register) == "varlen"
@@ -246,7 +246,8 @@ def cp_sink_error() -> float:
     import torch.distributed as dist
 
     from finetune.data.collate import sample_boundaries
-    from finetune.ext import context, varlen
+    from finetune.parallel import context
+    from finetune.kernels import varlen
     varlen.register()
     context._CP["group"] = dist.group.WORLD
     torch.manual_seed(0)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from finetune.ext.bench import count_saved, recommend, run_bench, run_point
-from finetune.ext.commands import parse_list
+from finetune.tools.bench import count_saved, recommend, run_bench, run_point
+from finetune.tools.commands import parse_list
 from finetune.config import ConfigError, load_config
 from helpers import invoke, run_ranks, sft, sft_config
 
@@ -60,7 +60,7 @@ def test_offload_sweeps_from_ratio_0(llama_dir, chat_file, tmp_path, monkeypatch
     """ac.offload with --sac-ratios 0,1: the config takes the sweep's largest ratio (with the default ac.ratio=0 the
     command refused offload before any point ran: seen on an H200); the ratio-0 point offloads nothing. Each point's
     config is loaded as its process loads it; the points are not run."""
-    import finetune.ext.bench as bench
+    import finetune.tools.bench as bench
     points = []
     monkeypatch.setattr(bench, "start_workers", lambda model_type: "ctx")
     monkeypatch.setattr(bench, "run_process", lambda ctx, job, tag: points.append(
@@ -169,7 +169,7 @@ def test_points_are_spawned_on_cuda(monkeypatch):
     in forked subprocess", every point failed on an H200): on CUDA each point is a spawned process."""
     import torch
 
-    from finetune.ext.bench import start_workers
+    from finetune.tools.bench import start_workers
     assert start_workers("llama").get_start_method() == "forkserver"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert start_workers("llama").get_start_method() == "spawn"

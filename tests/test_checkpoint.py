@@ -48,7 +48,7 @@ def train_with_nan_at(cfg, step: int):
         model.register_forward_hook(poison)
         return model, lora
     T.build_model = build_model
-    from finetune.ext.recipes import recipe
+    from finetune.build import recipe
     return T.train(cfg, recipe(cfg))
 
 
@@ -150,7 +150,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(llama_dir
 
 def exit_of_rank(cfg):
     """The exit code of a rank as the CLI runs it (launch.rank_main: train(cfg), an error as one line on stderr)."""
-    from finetune.ext.recipes import recipe
+    from finetune.build import recipe
     from finetune.launch import rank_main
     from finetune.train import train
     try:
@@ -243,7 +243,7 @@ def loaded_settings(cfg, step_dir, step: int) -> tuple[list[dict], list[dict]]:
     """(each param group's settings after load_checkpoint(step_dir) into the optimizer and scheduler `cfg` builds,
     the settings of a fresh such optimizer whose scheduler took `step` steps)."""
     from finetune.distributed import init_distributed
-    from finetune.ext.recipes import transforms
+    from finetune.build import transforms
     from finetune.optim import build_scheduler, settings
     from finetune.train import build_model_and_optimizer
     device, dims = init_distributed()
@@ -313,7 +313,7 @@ def train_with_full_disk(cfg, step: int, rank: int) -> tuple[str, int]:
     import torch.distributed as dist
     import torch.distributed.checkpoint.filesystem as fs
 
-    from finetune.ext.recipes import recipe
+    from finetune.build import recipe
     from finetune.train import train
     write_item = fs._write_item
 
@@ -360,7 +360,7 @@ def test_resume_note_names_changes_of_the_data_the_config_keys_do_not_show(tmp_p
     from dataclasses import asdict
 
     from finetune.config import load_config
-    from finetune.ext.resume_note import resume_note
+    from finetune.run.resume_note import resume_note
     a, b = (str((tmp_path / f"{n}.jsonl").resolve()) for n in "ab")
     sources = {"data.sources": [{"path": a, "weight": 1.0}, {"path": b, "weight": 1.0}]}
     saved = asdict(load_config(None, {"data.chat_template_kwargs": {"enable_thinking": True}, **sources}))

@@ -168,7 +168,7 @@ def test_each_command_describes_its_own_output_dir(command, text, monkeypatch):
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_a_failed_save_is_printed_by_rank_0_alone(rank, printed, monkeypatch, capsys):
     """Every rank stops on a failed save (DCP gathers the failures): one `error:` line, not one per rank."""
-    from finetune.ext.saving import SaveError
+    from finetune.run.saving import SaveError
     from finetune.launch import guarded
 
     def fail():

@@ -62,7 +62,7 @@ def test_hsdp_2_x_cp_2_equals_one_process_for_llama_with_lora(llama_dir, chat_fi
 
 
 def bench_point(cfg) -> dict:
-    from finetune.ext.bench import run_point
+    from finetune.tools.bench import run_point
     return run_point(cfg, 2, 1)
 
 
@@ -86,7 +86,7 @@ def test_split_keeps_every_target_and_pads_a_width_n_does_not_divide():
     """A packed micro-batch of 2 rows (widths 13 and 11: padded to 15 for 3 ranks) whose samples cross the shard
     edges: the slices put back together are the rows; the targets, each on the rank of the token that predicts it
     (the last token of a shard predicts the first of the next), are the full rows' targets exactly once."""
-    from finetune.ext.context import cp_width, split_batch
+    from finetune.parallel.context import cp_width, split_batch
     from finetune.data import IGNORE_INDEX, pad_collate
     from finetune.loss import label_targets
     samples = [{"input_ids": list(range(100, 113)), "labels": list(range(200, 213)),
@@ -124,8 +124,8 @@ class _Group:  # what apply_cp reads of a process group, for checks that refuse 
 def test_models_and_layouts_cp_cannot_split_are_refused_in_one_line(llama_dir, chat_file, tmp_path):
     import transformers as T
 
-    from finetune.ext.context import apply_cp
-    from finetune.ext.varlen import register
+    from finetune.parallel.context import apply_cp
+    from finetune.kernels.varlen import register
     from finetune.model import build_skeleton, find_layers
     llama = T.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     for config, attn, n, message in [
@@ -152,7 +152,7 @@ def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], li
     """(bytes one forward keeps on the device, the gradients' norms, for each tensor the backward took back from
     host memory: (its block, whether it was already fetched)) of a model with every block checkpointed, its inputs
     offloaded or not: apply_ac (on the CPU, where build_model would skip the offload, copies without streams)."""
-    from finetune.ext.bench import saved_for_backward_mb
+    from finetune.tools.bench import saved_for_backward_mb
     from finetune.distributed import init_distributed
     from finetune.loss import label_targets
     from finetune.model import apply_ac, build_model, find_layers
@@ -160,8 +160,8 @@ def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], li
     model, _ = build_model(model_dir, device, dims.mesh, mixed_precision="fp32", ac_ratio=0.0)
     from functools import partial
 
-    from finetune.ext.offload import HostOffload, Offloaded
-    wrap = partial(Offloaded, offload=HostOffload()) if offload else None  # the ac_wrap slot, as ext/recipes fills it
+    from finetune.memory.offload import HostOffload, Offloaded
+    wrap = partial(Offloaded, offload=HostOffload()) if offload else None  # the ac_wrap slot, as build fills it
     apply_ac(model, 1.0, "block", wrap)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
     taken, entries, blocks = [], [], []
     if offload:

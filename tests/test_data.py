@@ -17,9 +17,9 @@ from finetune.data import (
     to_conversation,
     tokenize_messages,
 )
-from finetune.ext.mixture import build_samples  # data.build_samples, with data.sources mixtures
-from finetune.ext.preview import format_preview
-from finetune.ext.streaming import build_samples as build_streamed, load_streamed
+from finetune.data.mixture import build_samples  # data.build_samples, with data.sources mixtures
+from finetune.tools.preview import format_preview
+from finetune.data.streaming import build_samples as build_streamed, load_streamed
 
 try:
     from tests._tokenizers import build_tokenizer
@@ -68,7 +68,7 @@ def to_messages(row, fmt, where):
 
 
 def rows_of(path, streaming=False, **kw):
-    """The rows load_rows (streaming: ext/streaming.py's load_streamed) reads, decoded as the trainer decodes them."""
+    """The rows load_rows (streaming: data/streaming.py's load_streamed) reads, decoded as the trainer decodes them."""
     load = load_streamed if streaming else load_rows
     return [row_of(item, path, i)[0] for i, item in enumerate(load(str(path), **kw).data)]
 
@@ -328,7 +328,7 @@ TOK = build_tokenizer("llama3")
 
 
 def stream(path, streaming=False, **kw):
-    """build_samples of `path` (streaming: ext/streaming.py's)."""
+    """build_samples of `path` (streaming: data/streaming.py's)."""
     kw.setdefault("max_seq_len", 64)
     return (build_streamed if streaming else build_samples)(path, TOK, **kw)
 

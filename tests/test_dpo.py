@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from finetune.ext.dpo import LABELLERS
+from finetune.tasks.dpo import LABELLERS
 from helpers import BASE, invoke, losses, read_metrics, run_ranks, write_jsonl
 
 WORDS = "alpha beta gamma delta echo fox golf hotel india juliet kilo lima mike".split()
@@ -38,7 +38,7 @@ def pairs_file(tmp_path_factory):
 
 def dpo_rank(cfg):
     from finetune.train import train
-    from finetune.ext.recipes import recipe
+    from finetune.build import recipe
     return train(cfg, recipe(cfg, "dpo"))
 
 
@@ -61,7 +61,7 @@ def test_one_step_matches_trl_dpo_trainer(llama_dir, tmp_path):
     from trl import DPOConfig, DPOTrainer
 
     from finetune.data import IGNORE_INDEX
-    from finetune.ext.pairs import label_pair
+    from finetune.tasks.pairs import label_pair
     rows = make_pairs(8, seed=1)
     data = tmp_path / "pairs.jsonl"
     write_jsonl(data, rows)
@@ -120,9 +120,9 @@ def lora_reference(model_dir, data, *extra):
     differ from the base) with adapters off, with them on, and of the plain model without LoRA: all under FSDP2."""
     from finetune.args import build_config
     from finetune.distributed import init_distributed
-    from finetune.ext.dpo import adapters_off, collate_pairs, pair_logps
-    from finetune.ext.recipes import transforms
-    from finetune.ext.chat_template import run_tokenizer
+    from finetune.tasks.dpo import adapters_off, collate_pairs, pair_logps
+    from finetune.build import transforms
+    from finetune.data.chat_template import run_tokenizer
     from finetune.train import build_model_and_optimizer, build_run_samples
     device, dims = init_distributed(1, 0)
     results = []
@@ -197,7 +197,7 @@ def test_losses_and_rewards_follow_their_formulas(monkeypatch):
     """sigmoid with label smoothing against the precomputed reference; SimPO on mean log-probs with its margin."""
     import torch.nn.functional as F
 
-    from finetune.ext import dpo
+    from finetune.tasks import dpo
     from finetune.config import DPOConfig
     logps = torch.tensor([[-3.0, -5.0], [-4.0, -2.0]])
     monkeypatch.setattr(dpo, "pair_logps", lambda model, batch: logps)
@@ -223,7 +223,7 @@ def test_pairs_without_reference_log_probs_stop_in_one_line(llama_dir, pairs_fil
 
     from finetune.config import ConfigError
     from finetune.data import build_samples
-    from finetune.ext.dpo import collate_pairs
+    from finetune.tasks.dpo import collate_pairs
     from finetune.model import load_tokenizer
     tok = load_tokenizer(str(llama_dir))
     items = list(build_samples(str(pairs_file), tok, max_seq_len=256, shuffle=False, epoch_limit=1,

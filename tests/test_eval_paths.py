@@ -20,13 +20,13 @@ def load(path, attn):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.attention import resolve_attn_implementation
-    from finetune.ext.varlen import register
+    from finetune.kernels.varlen import register
     attn = resolve_attn_implementation(AutoConfig.from_pretrained(path), attn, register)  # registers varlen
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
 
 
 def test_held_out_loss_and_greedy_tokens_keep_the_sliding_window(sliding_dir, chat_file):
-    from finetune.ext.evaluate import evaluate
+    from finetune.tasks.evaluate import evaluate
     from finetune.model import load_tokenizer
     tok = load_tokenizer(sliding_dir)
     results, tokens = {}, {}
@@ -48,7 +48,7 @@ def test_evaluation_before_training_compiles_nothing_and_training_still_compiles
     blocks compiles no graph, so dynamo's recompile budget is whole when training starts; training then compiles."""
     from torch._dynamo.utils import counters
 
-    from finetune.ext.evaluate import evaluate
+    from finetune.tasks.evaluate import evaluate
     from finetune.model import apply_compile, load_tokenizer
     compile_ = nn.Module.compile  # apply_compile's path, with dynamo's plain backend (counts graphs, no codegen)
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager", **kw))

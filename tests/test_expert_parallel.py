@@ -1,4 +1,4 @@
-"""Expert parallelism (finetune/ext/expert.py): ranks with different batches, the experts split over them, against
+"""Expert parallelism (finetune/parallel/expert.py): ranks with different batches, the experts split over them, against
 one process on the concatenation; tiny MoE models built offline (test_moe.make_moe_dir), ranks in-process."""
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
 
     import finetune.load
     from finetune.distributed import all_reduce, init_distributed
-    from finetune.ext import loader
-    from finetune.ext.expert import apply_ep
-    from finetune.ext.moe import apply_experts_implementation, find_experts, router_recorder
+    from finetune.hf import loader
+    from finetune.parallel.expert import apply_ep
+    from finetune.kernels.moe import apply_experts_implementation, find_experts, router_recorder
     from finetune.model import Transforms, build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed(ep=ep)
@@ -72,7 +72,7 @@ def assert_same(got, want, ep: int):
 
 def prepare(source, out) -> None:
     from finetune.distributed import init_distributed
-    from finetune.ext.prepare import prepare_checkpoint
+    from finetune.tools.prepare import prepare_checkpoint
     init_distributed()
     prepare_checkpoint(str(source), str(out))
 
@@ -207,6 +207,6 @@ def test_ep_on_a_dense_model_or_an_expert_count_it_does_not_divide_is_refused(ll
         with pytest.raises(ConfigError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
             run_ranks(train_rank, 2, cfg)
     # dpo: refused by the recipe (the command's config checks do not know the task)
-    from finetune.ext.recipes import recipe
+    from finetune.build import recipe
     with pytest.raises(ConfigError, match=r"^parallel.ep=2 with finetune dpo is not supported yet"):
         recipe(sft_config(three, chat_file, tmp_path / "dpo", "parallel.ep=2"), "dpo")

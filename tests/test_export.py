@@ -222,9 +222,9 @@ def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
 def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, llama_export, tmp_path):
     from safetensors.torch import save_file
     from finetune.export import find_source, export_layout
-    from finetune.ext.verify import VerifyError, verify_export
+    from finetune.hf.verify import VerifyError, verify_export
     from finetune.model import build_skeleton, load_hf_config
-    from finetune.ext.passthrough import plan_export
+    from finetune.hf.passthrough import plan_export
     from finetune.weights import open_dcp
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)

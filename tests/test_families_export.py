@@ -54,7 +54,7 @@ FAMILIES = {
 @pytest.fixture(scope="module")
 def export_of(chat_file, tmp_path_factory):
     """export_of(name) -> (source dir, export dir, what the export printed): one run and one export per family."""
-    from finetune.ext.prepare import prepare_checkpoint
+    from finetune.tools.prepare import prepare_checkpoint
     done = {}
 
     def run(name):
@@ -125,8 +125,8 @@ def test_only_the_config_s_mtp_layers_past_the_last_are_left_unread():
 def test_the_check_names_a_copied_through_tensor_that_changed_and_a_dtype_off_the_plan(export_of, tmp_path):
     from safetensors.torch import load_file, save_file
     from finetune.export import export_layout, find_source
-    from finetune.ext.passthrough import plan_export
-    from finetune.ext.verify import VerifyError, verify_export
+    from finetune.hf.passthrough import plan_export
+    from finetune.hf.verify import VerifyError, verify_export
     from finetune.model import build_skeleton, load_hf_config
     from finetune.weights import open_dcp
     source, out, _ = export_of("glm4_moe")

@@ -1,4 +1,4 @@
-"""FP8 training (model.fp8, finetune/ext/float8.py) on CPU in torchao's emulated mode: 2 FSDP ranks train like 1
+"""FP8 training (model.fp8, finetune/kernels/float8.py) on CPU in torchao's emulated mode: 2 FSDP ranks train like 1
 process and within 2% of bf16; the module filter; checkpoints and exports keep the model's dtypes and a run resumes
 with fp8 on or off; the refusals and notes. Tests that run torchao are skipped where it is not installed."""
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_the_filter_keeps_lm_head_embeddings_routers_and_odd_dims_in_bf16(capsys
     from torch import nn
     from torchao.float8.float8_linear import Float8Linear
 
-    from finetune.ext.float8 import apply_float8
+    from finetune.kernels.float8 import apply_float8
     model = skeleton()
     names = apply_float8(model, "tensorwise", shards=2, emulate=True)
     assert len(names) == 2 * 7  # q, k, v, o, gate_proj, up_proj, down_proj in each block
@@ -149,7 +149,7 @@ def test_checkpoints_and_exports_keep_the_model_dtypes_and_resume_with_fp8_on_or
 
 def test_config_refusals_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path):
     from finetune.config import ConfigError
-    from finetune.ext.checks import validate
+    from finetune.run.checks import validate
 
     from helpers import sft_config
     r = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "o", *BASE,
@@ -166,7 +166,7 @@ def test_config_refusals_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path)
 
 def test_device_and_install_refusals_and_notes(monkeypatch, capsys):
     from finetune.errors import ModelError
-    from finetune.ext import float8
+    from finetune.kernels import float8
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
     with pytest.raises(ModelError, match=r"compute capability >= 8.9.*A100 is sm 8.0: set model.fp8=off"):
@@ -185,7 +185,7 @@ def test_device_and_install_refusals_and_notes(monkeypatch, capsys):
 @needs_torchao
 def test_uneven_shards_under_fp8_all_gather_are_refused(capsys):
     from finetune.errors import ModelError
-    from finetune.ext.float8 import apply_float8
+    from finetune.kernels.float8 import apply_float8
     with pytest.raises(ModelError, match=r"q_proj has 64 rows, which the 3 ranks sharding it do not divide"):
         apply_float8(skeleton(), "tensorwise", shards=3, emulate=True)
     apply_float8(skeleton(), "tensorwise", shards=3, all_gather=False, emulate=True)  # bf16 all-gather pads

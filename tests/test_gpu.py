@@ -87,7 +87,7 @@ def test_bench_sweeps_a_compiled_checkpointed_model(llama_dir, chat_file, tmp_pa
 
 
 def test_ac_offload_on_streams_gives_the_gradients_without_it(llama_dir):
-    """The copy stream's D2H/H2D (finetune.ext.offload) hand every checkpointed block its own inputs back, one block
+    """The copy stream's D2H/H2D (finetune.memory.offload) hand every checkpointed block its own inputs back, one block
     ahead of the backward, and keep them off the GPU."""
     from test_context import offload_saved
     plain, grads, _ = fresh_process(offload_saved, str(llama_dir), False)

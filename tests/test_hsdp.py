@@ -56,7 +56,7 @@ def fsdp_layout(model_dir: str, dp_replicate: int, liger: bool = False) -> dict:
     from finetune.weights import clean_fqn
     device, dims = init_distributed(dp_replicate)
     from finetune.config import load_config
-    from finetune.ext.recipes import transforms
+    from finetune.build import transforms
     t = transforms(load_config(None, {"model.liger": liger}), dims, device)
     model, _ = build_model(model_dir, device, dims.mesh, t, mixed_precision="fp32")
     units, seen = {}, set()

@@ -98,7 +98,7 @@ def packed_and_unpacked(model_dir: str, data: str) -> list[tuple[float, float]]:
     right-padded), as data.packing=false batches them."""
     from finetune.data import build_samples
     from finetune.distributed import init_distributed
-    from finetune.ext.recipes import transforms
+    from finetune.build import transforms
     from finetune.model import build_model, load_tokenizer
     from finetune.train import next_micro_batches, train_step
     from helpers import sft_config

@@ -22,7 +22,7 @@ from helpers import (BASE, REPO, CliProcess, cli_env, cli_process, export_hf, in
 
 from finetune import checkpoint as ckpt
 from finetune.data import DataError, load_rows
-from finetune.ext.locks import LockError, hold_lock, release_lock
+from finetune.run.locks import LockError, hold_lock, release_lock
 from finetune.metrics import MetricsLogger
 
 ARGS = ["train.micro_batch_size=2", "train.max_steps=8"]
@@ -159,7 +159,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_matches_the_strai
 # 2. one run per output dir
 
 def lock_holder(lock: Path) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from finetune.ext.locks import hold_lock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from finetune.run.locks import hold_lock; "
                                f"hold_lock({str(lock)!r}, 'x'); print('held', flush=True); time.sleep(600)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

@@ -29,14 +29,14 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     """On each rank: (the path locate_slices takes, shard names whose fp32 values differ between the slice reader and
     the rank-0 load, the local row counts, whether every shard was filled)."""
     from finetune.distributed import init_distributed
-    from finetune.ext import loader
+    from finetune.hf import loader
     from finetune.load import locate_slices
     from finetune.model import build_model, build_skeleton
     device, dims = init_distributed(dp_replicate=dp_replicate)
     mesh = dims.mesh
     lora_cfg = dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=[]) \
         if lora else None
-    from finetune.ext.recipes import lora_transforms
+    from finetune.build import lora_transforms
     from finetune.model import Transforms
     t = lora_transforms(lora_cfg, seed=0, path=str(model_dir)) if lora else Transforms(loader=loader)
     model, _ = build_model(str(model_dir), device, mesh, t, mixed_precision="bf16" if lora else "fp32")
@@ -204,9 +204,9 @@ def test_sft_with_checkpoint_export_hf_writes_what_export_hf_writes(qwen_tied_di
 
 
 def local_dir_of_hub_id(model_dir, fail):
-    """ext/loader.local_dir("org/model") with snapshot_download replaced by a fake hub cache that records its calls."""
+    """hf/loader.local_dir("org/model") with snapshot_download replaced by a fake hub cache that records its calls."""
     import huggingface_hub
-    from finetune.ext.loader import local_dir
+    from finetune.hf.loader import local_dir
     calls = []
 
     def snapshot_download(repo_id, allow_patterns=None, local_files_only=False):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "finetune"
 # what each layer of the weights path must not import (besides the cycle check, which covers everything)
-BUILDING = {"finetune.model", "finetune.load", "finetune.ext.plan", "finetune.export", "finetune.ext.prepare",
-            "finetune.ext.verify", "finetune.train", "finetune.ext.bench", "finetune.cli"}
-FORBIDDEN = {"finetune.checkpoint": BUILDING, "finetune.ext.lora": BUILDING,
+BUILDING = {"finetune.model", "finetune.load", "finetune.tools.plan", "finetune.export", "finetune.tools.prepare",
+            "finetune.hf.verify", "finetune.train", "finetune.tools.bench", "finetune.cli"}
+FORBIDDEN = {"finetune.checkpoint": BUILDING, "finetune.adapters.lora": BUILDING,
              "finetune.load": BUILDING - {"finetune.load"},
-             "finetune.ext.verify": {"finetune.export", "finetune.ext.prepare"}}
+             "finetune.hf.verify": {"finetune.export", "finetune.tools.prepare"}}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -108,17 +108,51 @@ def test_every_module_of_a_run_is_reached_by_an_import_statement():
     checks, recipe and template handling); the CLI imports what every run uses."""
     assert own_module_lookups() == []
     graph = import_graph()
-    assert {"finetune.ext.recipes", "finetune.ext.preflight", "finetune.ext.checks", "finetune.ext.console",
-            "finetune.ext.rank_errors", "finetune.ext.commands"} <= graph["finetune.cli"], graph["finetune.cli"]
-    # the core below the commands knows no extension: cli.py alone assembles them
-    core = {m for m in graph if not m.startswith("finetune.ext") and m != "finetune.cli"}
-    assert not {m: graph[m] for m in core if any(d.startswith("finetune.ext") for d in graph[m])}
+    assert {"finetune.build", "finetune.preflight", "finetune.run.checks", "finetune.run.console",
+            "finetune.run.rank_errors", "finetune.tools.commands"} <= graph["finetune.cli"], graph["finetune.cli"]
 
 
 def test_the_lookup_check_sees_a_lookup_by_name(tmp_path):
     pkg = tmp_path / "finetune"
     pkg.mkdir()
-    (pkg / "a.py").write_text("import importlib\nm = importlib.import_module(f'finetune.ext.{name}')\n")
+    (pkg / "a.py").write_text("import importlib\nm = importlib.import_module(f'finetune.kernels.{name}')\n")
     (pkg / "b.py").write_text("import importlib.util\nok = importlib.util.find_spec('flash_attn') is not None\n")
     (pkg / "c.py").write_text("import importlib.util\nx = importlib.util.find_spec(f'.{n}', 'finetune')\n")
     assert [line.split(":")[0] for line in own_module_lookups(pkg)] == ["finetune/a.py", "finetune/c.py"]
+
+
+# the package's layers, bottom up: a module imports only from its own layer or below (finetune/'s own modules and
+# data/ are the bottom; build.py, the one place a capability enters, imports the folders; the commands sit on top)
+LAYERS = [{"finetune", "data"}, {"hf", "kernels", "memory"}, {"parallel", "adapters", "run"}, {"tasks"}, {"build"},
+          {"preflight", "tools"}, {"cli", "__main__"}]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a module's folder (or, in finetune/ itself, of the module when LAYERS names it)."""
+    parts = module.split(".")
+    unit = parts[1] if len(parts) > 1 else "finetune"
+    return next((i for i, units in enumerate(LAYERS) if unit in units), 0)
+
+
+def test_the_folders_import_downward_only():
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if m.count(".") >= 2} >= {"data", "hf", "kernels", "memory", "parallel",
+                                                                    "adapters", "run", "tasks", "tools"}
+    upward = sorted(f"{m} -> {d}" for m in graph for d in graph[m] if layer_of(d) > layer_of(m))
+    assert not upward, upward
+
+
+def test_no_module_imports_a_private_name_of_another_folder():
+    """`from ..x import _name` across folders couples a folder to another's insides (make it public or pass it)."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        name = module_name(path, ROOT)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
+                if private and base.split(".")[:2] != name.split(".")[:2]:
+                    found.append(f"{name}: {base}.{private}")
+    assert not found, found

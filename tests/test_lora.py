@@ -193,17 +193,17 @@ def train_on_prepared_base(llama_dir, tmp_path):
     steps, the checks below, then a checkpoint; returns (prepared dir, step dir)."""
     from torch.distributed.tensor import DTensor
     from finetune.checkpoint import TrainState
-    from finetune.ext.saving import Checkpointer
+    from finetune.run.saving import Checkpointer
     from finetune.distributed import init_distributed
     from finetune.model import build_model
     from finetune.weights import base_name, clean_fqn, is_adapter
     from finetune.optim import build_optimizer, build_scheduler
-    from finetune.ext.prepare import prepare_checkpoint
+    from finetune.tools.prepare import prepare_checkpoint
     device, dims = init_distributed()
     mesh = dims.mesh
     prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
     lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-    from finetune.ext.recipes import lora_transforms
+    from finetune.build import lora_transforms
     model, settings = build_model(str(prepared), device, mesh, lora_transforms(lora, seed=0, path=str(prepared)),
                                   mixed_precision="bf16")
     optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.95), 1e-8)
@@ -253,7 +253,7 @@ def test_on_a_prepared_base_only_fp32_adapters_train_and_the_bf16_base_stays_bit
 
 def test_bad_lora_input_is_one_clear_error(llama_dir, tmp_path):
     from finetune.config import ConfigError, load_config, to_toml
-    from finetune.ext.lora import apply_lora
+    from finetune.adapters.lora import apply_lora
     from finetune.model import build_skeleton, find_layers, load_hf_config
     base = {"model.path": str(llama_dir), "data.path": "x.jsonl", "output_dir": str(tmp_path)}
     with pytest.raises(ConfigError, match=r"lora.rank must be >= 0 \(0 = off\), got -1"):

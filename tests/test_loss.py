@@ -61,7 +61,7 @@ def test_label_positions_loss_equals_full_logits_loss(model_name, chat_file, req
 
 
 def test_label_positions_loss_with_lora_and_a_trained_lm_head(llama_dir, chat_file):
-    from finetune.ext.lora import apply_lora
+    from finetune.adapters.lora import apply_lora
     from finetune.model import find_layers
     model = load(llama_dir)
     apply_lora(model, find_layers(model), rank=4, alpha=8, dropout=0.0, target_modules="all-linear",
@@ -100,7 +100,7 @@ def test_fused_loss_accumulates_its_gradients_in_fp32(llama_dir, monkeypatch):
     import liger_kernel.transformers.functional as liger_f
 
     from finetune.loss import label_targets, token_loss_sum
-    from finetune.ext.liger import apply_kernels
+    from finetune.kernels.liger import apply_kernels
     real, seen = liger_f.liger_fused_linear_cross_entropy, []
 
     @functools.wraps(real)  # the same signature: Liger passes on only the arguments its function takes

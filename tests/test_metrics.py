@@ -6,7 +6,7 @@ import pytest
 
 def test_attention_length_of_packed_rows_is_sum_of_squares_over_tokens():
     from finetune.data import pad_collate
-    from finetune.ext.mfu import attention_length
+    from finetune.run.mfu import attention_length
 
     def sample(n):
         return {"input_ids": [1] * n, "labels": [1] * n}
@@ -29,7 +29,7 @@ def test_mfu_flops_count_the_per_sample_attention():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.data import pad_collate
-    from finetune.ext.mfu import attention_length, flops_per_token
+    from finetune.run.mfu import attention_length, flops_per_token
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     lengths = [100, 300, 600]
@@ -45,7 +45,7 @@ def test_mfu_counts_the_experts_a_token_runs():
     parameters). Counting all of them, the H200 bench of a 64-expert top-8 model read MFU 62.8%, ~5x high."""
     import transformers as T
 
-    from finetune.ext.mfu import flops_per_token
+    from finetune.run.mfu import flops_per_token
     model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
@@ -62,7 +62,7 @@ def test_flops_per_token_against_a_hand_count_with_lm_head_at_the_label_position
     row of samples 3 and 5 (labels on 2 and 3 of their positions) and 2 tokens of padding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.ext.mfu import flops_per_token, step_flops_per_token
+    from finetune.run.mfu import flops_per_token, step_flops_per_token
     from finetune.loss import collate_labelled
     vocab, hidden, inter, layers, heads, kv, head_dim = 50, 16, 24, 3, 4, 2, 4
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,

@@ -12,16 +12,16 @@ from helpers import BASE, invoke
 def test_attention_implementation_is_resolved_per_model_class_and_device(monkeypatch):
     from finetune.attention import resolve_attn_implementation as resolve
     from finetune.config import ConfigError
-    from finetune.ext.varlen import register
+    from finetune.kernels.varlen import register
     assert resolve(T.LlamaConfig(), "sdpa") == "sdpa" and resolve(T.LlamaConfig(), "eager") == "eager"
     assert resolve(T.Gemma2Config(), "sdpa") == "eager"  # Gemma2 has no sdpa path
     assert resolve(T.LlamaConfig(), "auto", register) == "varlen"
     assert resolve(T.LlamaConfig(), "varlen", register) == "varlen"
     assert resolve(T.Gemma2Config(), "auto", register) == "eager"  # attention logit soft-capping: not in varlen
     assert resolve(T.RwkvConfig(), "auto", register) == "eager"  # its layers take no attention kwargs (nor sdpa)
-    assert resolve(T.LlamaConfig(), "auto") == "sdpa"  # without the varlen kernel (the core alone)
-    with pytest.raises(ConfigError, match="^model.attn_implementation=varlen needs the extension "
-                                          "finetune/ext/varlen.py, which this installation lacks$"):
+    assert resolve(T.LlamaConfig(), "auto") == "sdpa"  # without the varlen kernel (no varlen register given)
+    with pytest.raises(ConfigError, match=r"^model.attn_implementation=varlen needs kernels/varlen.py's register "
+                                          r"\(model.Transforms.varlen\), which this model build was not given$"):
         resolve(T.LlamaConfig(), "varlen")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.attn_implementation=flash_attention_2 needs a CUDA device and the "
@@ -84,7 +84,7 @@ def test_refused_attention_settings_are_one_line_and_exit_2(llama_dir, chat_file
 
 
 def test_a_packed_run_of_a_recurrent_model_is_one_line_and_exit_2(chat_file, tmp_path):
-    """RWKV's time mixing has no conv and no cache_params: not run per sample (ext/linear_attention), so refused.
+    """RWKV's time mixing has no conv and no cache_params: not run per sample (kernels/linear_attention), so refused.
     (Linear-attention and state-space families pack: tests/test_hybrids.py.)"""
     from _tokenizers import build_tokenizer
     model_dir = tmp_path / "rwkv"  # config and tokenizer only: the run stops before any weight is read

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (finetune/ext/moe.py and the load/export paths): routing buffers loaded, saved, exported
+"""Mixture-of-experts models (kernels/moe.py and the load/export paths): routing buffers loaded, saved, exported
 and checked against the source; tiny models built offline from configs, ranks in-process (run_ranks)."""
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def our_logits(model_dirs, prepare=None) -> list[tuple[str, torch.Tensor, dict]]
     from finetune.distributed import init_distributed
     from finetune.load import is_prepared, locate_slices
     from finetune.model import Transforms, build_model, build_skeleton
-    from finetune.ext.prepare import prepare_checkpoint
-    from finetune.ext import loader
+    from finetune.tools.prepare import prepare_checkpoint
+    from finetune.hf import loader
     device, dims = init_distributed()
     if prepare:
         prepare_checkpoint(str(prepare[0]), str(prepare[1]))
@@ -117,7 +117,7 @@ def test_routing_bias_is_loaded_on_every_path_and_gives_from_pretrained_logits(b
 
 
 def test_lr0_export_equals_the_source_and_the_check_compares_untrained_tensors_with_it(chat_file, tmp_path):
-    from finetune.ext.verify import VerifyError
+    from finetune.hf.verify import VerifyError
     from test_export import export, read_weights
     source = make_moe_dir(tmp_path / "source", "deepseek_v3", bias_dtype=torch.bfloat16)
     sft(source, chat_file, tmp_path / "run", *LR0, nproc=2)
@@ -167,8 +167,8 @@ def aux_on_ranks(model_dir, cases):
     import torch.distributed as dist
 
     from finetune.distributed import init_distributed
-    from finetune.ext.moe import RouterLoss
-    from finetune.ext import loader
+    from finetune.kernels.moe import RouterLoss
+    from finetune.hf import loader
     from finetune.model import Transforms, build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed()
@@ -255,7 +255,7 @@ def test_the_aux_loss_counts_the_experts_the_tokens_were_routed_to(biased, arch)
     loss recounted a softmax top-k of the logits (e.g. [119, 148, 116, 129] for a routed load of [256, 256, 0, 0])."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.ext.moe import RouterLoss, find_experts
+    from finetune.kernels.moe import RouterLoss, find_experts
     fused = arch == "glm4_moe"
     model = AutoModelForCausalLM.from_pretrained(biased[arch, fused], dtype=torch.float32)
     ids = aux_batches(1, 3)["input_ids"]
@@ -283,7 +283,7 @@ def test_compiled_blocks_compile_once_with_the_router_loss(qwen3_moe_dir):
     eager blocks past dynamo's limit of 8), with the uncompiled value."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.ext.moe import RouterLoss, apply_experts_implementation
+    from finetune.kernels.moe import RouterLoss, apply_experts_implementation
     model = AutoModelForCausalLM.from_pretrained(qwen3_moe_dir, dtype=torch.float32)
     assert len(model.model.layers) == 2
     assert model.config.output_router_logits
@@ -325,7 +325,7 @@ def test_grouped_mm_equals_eager_in_loss_and_gradients(qwen3_moe_dir, capsys):
     stride-0 gradient)."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.ext.moe import apply_experts_implementation
+    from finetune.kernels.moe import apply_experts_implementation
     batch = aux_batches(3, 3)
     results = {}
     for name in ("grouped_mm", "eager", "batched_mm"):
@@ -378,7 +378,7 @@ def two_mesh_step(max_norm: float):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from finetune.optim import build_optimizer
-    from finetune.ext.moe import clip_grad_norm_by_mesh as clip_grad_norm
+    from finetune.kernels.moe import clip_grad_norm_by_mesh as clip_grad_norm
     dense = init_device_mesh("cpu", (2,))
     experts = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "shard"))
     g = torch.Generator().manual_seed(0)
@@ -416,7 +416,7 @@ def test_clipping_scaling_and_the_optimizer_group_parameters_by_mesh():
 
 def test_lora_all_linear_on_an_moe_model_stops_naming_the_choices(qwen3_moe_dir):
     from finetune.config import ConfigError
-    from finetune.ext.lora import apply_lora
+    from finetune.adapters.lora import apply_lora
     from finetune.model import build_skeleton, find_layers, load_hf_config
     model = build_skeleton(load_hf_config(str(qwen3_moe_dir)))
     with pytest.raises(ConfigError) as e:
@@ -434,7 +434,7 @@ def test_lora_on_per_expert_weights_says_at_start_up_and_at_export_that_adapter_
     """Issue 53 item 10: the merged export of LoRA over a base that stores its experts per expert (as save_pretrained
     writes them) failed with "does not hold the model ... 24 unexpected" and no hint; --adapter exports it."""
     from finetune.errors import ModelError
-    from finetune.ext.preflight import preflight
+    from finetune.preflight import preflight
     from helpers import export_hf, sft_config
     out, lora = tmp_path / "run", ("train.max_steps=1", "lora.rank=4", 'lora.target_modules=["q_proj"]')
     layout = "stores tensors in a layout that transformers converts on load (e.g. model.layers.0.mlp.experts.0."

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from finetune.ext.compat import storage_key
-from finetune.ext.offload import HostOffload, Offloaded
+from finetune.compat import storage_key
+from finetune.memory.offload import HostOffload, Offloaded
 from finetune.model import apply_ac, apply_compile, find_layers
 from finetune.weights import clean_fqn
 
@@ -36,7 +36,7 @@ def test_offload_packs_activations_and_never_a_parameter(model2, monkeypatch, co
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     want = loss_and_grads(copy.deepcopy(model2), ids)
     model = copy.deepcopy(model2)
-    apply_ac(model, 1.0, "block", partial(Offloaded, offload=HostOffload()))  # the ac_wrap slot, as ext/recipes fills
+    apply_ac(model, 1.0, "block", partial(Offloaded, offload=HostOffload()))  # the ac_wrap slot, as build fills
     if compiled:  # apply_compile's path, with a backend that needs no C++ compiler: AOTAutograd saves as inductor
         compile_ = nn.Module.compile
         monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager", **kw))

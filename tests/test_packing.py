@@ -12,10 +12,10 @@ from _tokenizers import build_tokenizer
 from finetune.config import Config, ConfigError
 from finetune.data import build_samples
 from finetune.data.stream import _best_fit_packs
-from finetune.ext.streaming import build_samples as build_streamed
-from finetune.ext.report import batch_efficiency
+from finetune.data.streaming import build_samples as build_streamed
+from finetune.run.report import batch_efficiency
 from finetune.model import load_tokenizer
-from finetune.ext.tokens_per_step import accum_steps
+from finetune.run.tokens_per_step import accum_steps
 from helpers import invoke, read_metrics, run_ranks, sft, sft_config, train_rank
 
 TOK = build_tokenizer("llama3")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from finetune.config import load_config
-from finetune.ext.plan import GIB, load_arch, run_plan
+from finetune.tools.plan import GIB, load_arch, run_plan
 from helpers import REPO, invoke, run_ranks
 
 
@@ -19,7 +19,7 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
                  lora_rank: int = 0) -> dict:
     """On each rank: bench's bytes saved for backward of the real sharded model at each AC ratio, then the bytes of
     the sharded parameters, gradients and AdamW state after one optimizer step (keys as the planner's)."""
-    from finetune.ext.bench import saved_for_backward_mb
+    from finetune.tools.bench import saved_for_backward_mb
     from finetune.distributed import init_distributed
     from finetune.loss import label_targets
     from finetune.model import build_model
@@ -31,7 +31,7 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
         del model  # the previous model's memory first (0.5B: 1 GB of fp32 shards and as much of gradients a rank)
         gc.collect()
         lora = dict(rank=lora_rank, alpha=16.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-        from finetune.ext.recipes import lora_transforms
+        from finetune.build import lora_transforms
         t = lora_transforms(lora, seed=0, path=path, mixed_precision=mixed_precision) if lora_rank else None
         model, _ = build_model(path, device, dims.mesh, t, mixed_precision=mixed_precision, ac_ratio=ratio)
         ids = torch.randint(model.config.vocab_size, (micro_batch_size, seq_len))
@@ -145,15 +145,15 @@ def test_json_is_the_whole_stdout_with_lora_and_tied_embeddings(qwen_tied_dir):
 
 def saved_at_cp(path: str, cp: int, seq_len: int) -> float:
     """Bench's bytes saved for backward on this rank of a one-row (one-sample) micro-batch split over cp ranks."""
-    from finetune.ext.bench import saved_for_backward_mb
-    from finetune.ext.context import split_batch
+    from finetune.tools.bench import saved_for_backward_mb
+    from finetune.parallel.context import split_batch
     from finetune.data.collate import sample_boundaries
     from finetune.distributed import init_distributed
     from finetune.loss import label_targets
     from finetune.model import build_model
     device, dims = init_distributed(cp=cp)
-    from finetune.ext.context import cp_rank
-    from finetune.ext.recipes import transforms
+    from finetune.parallel.context import cp_rank
+    from finetune.build import transforms
     from finetune.config import load_config
     t = transforms(load_config(None, {"parallel.cp": cp}), dims, device)
     model, _ = build_model(path, device, dims.mesh, t, attn_implementation="auto")
@@ -188,7 +188,7 @@ def test_a_plan_that_more_gpus_cannot_fit_does_not_search_every_world_size(llama
     """The activations alone exceed the GPU: no world size fits, said at once (the search tried every world size up
     to 2**16: 20 s of CPU for this 4-layer model on 1 rank, minutes for a 70B one). Where the sharded state is what
     does not fit, the search still names the first world that fits."""
-    from finetune.ext import plan as planner
+    from finetune.tools import plan as planner
     tried, sharded_bytes = [], planner.sharded_bytes
 
     def counted(params, world):

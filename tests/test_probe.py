@@ -6,7 +6,7 @@ import json
 import pytest
 
 from finetune.config import ConfigError
-from finetune.ext.plan import GIB, parse_gpu_memory
+from finetune.tools.plan import GIB, parse_gpu_memory
 from helpers import invoke
 
 
@@ -38,7 +38,7 @@ def test_a_set_dp_shard_that_does_not_fit_names_the_world_and_dp_shard_that_do(l
     """With parallel.dp_shard set, a plan that did not fit said "no world size fits", though larger shard groups
     shrink the sharded state as they do when dp_shard is derived."""
     from finetune.config import load_config
-    from finetune.ext.plan import format_plan, load_arch, run_plan
+    from finetune.tools.plan import format_plan, load_arch, run_plan
 
     def plan(nnodes, gpu_bytes, dp_shard):
         cfg = load_config(None, {"model.path": str(llama_dir), "data.path": "-", "train.mixed_precision": "fp32",
@@ -55,7 +55,7 @@ def test_a_set_dp_shard_that_does_not_fit_names_the_world_and_dp_shard_that_do(l
 
 def expert_placements(model_dir: str) -> dict:
     from finetune.distributed import init_distributed
-    from finetune.ext import loader
+    from finetune.hf import loader
     from finetune.model import Transforms, build_model
     device, dims = init_distributed()
     model, _ = build_model(model_dir, device, dims.mesh, Transforms(loader=loader), mixed_precision="fp32")
@@ -69,7 +69,7 @@ def test_moe_experts_fewer_than_ranks_are_sharded_on_their_longest_dim(tmp_path,
     process does, and plan counts them so."""
     from conftest import make_model_dir
     from finetune.model import shard_dim
-    from finetune.ext.plan import sharded_bytes
+    from finetune.tools.plan import sharded_bytes
     from helpers import run_ranks, sft
     moe = make_model_dir(tmp_path / "moe", "chatml", "mixtral", tied=False, num_layers=2, num_local_experts=2,
                          num_experts_per_tok=1)

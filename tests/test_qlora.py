@@ -103,9 +103,9 @@ def test_exports_merge_into_the_original_base_and_peft_loads_the_adapter_onto_it
 def built_shards(model_dir, data, dp_replicate=1):
     """On each rank: the model built as sft builds it with QLoRA (HSDP: `dp_replicate` groups); its NF4 shards'
     inner tensors and byte counts."""
-    from finetune.ext.qlora import is_nf4
-    from finetune.ext.compat import local_tensor
-    from finetune.ext.recipes import transforms
+    from finetune.adapters.qlora import is_nf4
+    from finetune.compat import local_tensor
+    from finetune.build import transforms
     from finetune.distributed import build_parallel_dims
     from finetune.model import build_model
     cfg = helpers.sft_config(model_dir, data, "unused", *QLORA)
@@ -168,7 +168,7 @@ def test_bad_qlora_input_is_one_line_and_exit_2(qlora_dir, chat_file, tmp_path):
         assert result.exit_code == 2 and len(lines) == 1 and expect in lines[0], (extra, result.stderr)
         assert not (tmp_path / "out").exists()
     from finetune.errors import ModelError
-    from finetune.ext.qlora import fill_nf4
+    from finetune.adapters.qlora import fill_nf4
     from finetune.load import MANIFEST, load_hf_weights
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / MANIFEST).write_text("{}")  # a prepared checkpoint: no safetensors slices to quantize
@@ -192,8 +192,8 @@ def test_moe_experts_stay_unquantized_with_a_note_and_odd_shapes_are_named(capsy
     do not split into whole factor blocks over the ranks is kept and named."""
     from functools import partial
     from transformers import MixtralConfig
-    from finetune.ext.lora import apply_lora
-    from finetune.ext.qlora import apply_nf4, is_nf4
+    from finetune.adapters.lora import apply_lora
+    from finetune.adapters.qlora import apply_nf4, is_nf4
     from finetune.model import build_skeleton, find_layers
     config = MixtralConfig(vocab_size=512, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
                            **{**SIZES, "num_key_value_heads": 2})  # k_proj, v_proj: 128 x 256, one block a rank of 4
@@ -214,7 +214,7 @@ def test_moe_experts_stay_unquantized_with_a_note_and_odd_shapes_are_named(capsy
 
 def test_bench_runs_qlora_with_sfts_step(runs, qlora_dir, chat_file, tmp_path):
     """bench's point on a 4-bit base, 2 ranks, with the settings of the fixture's 2-rank run: its first losses."""
-    from finetune.ext.bench import run_point
+    from finetune.tools.bench import run_point
     cfg = helpers.sft_config(qlora_dir, chat_file, tmp_path / "bench", *QLORA, *RUN, "train.micro_batch_size=2")
     points = helpers.run_ranks(run_point, 2, cfg, 2, 0)
     assert points[0]["losses"] == pytest.approx(losses(runs / "two")[:2], rel=1e-6)

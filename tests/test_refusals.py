@@ -66,10 +66,10 @@ def test_the_run_config_of_a_mixture_reads_back(tmp_path):
 
 
 def test_mixture_weights_near_the_float_maximum():
-    from finetune.ext.commands import build_config
+    from finetune.tools.commands import build_config
     from finetune.config import ConfigError
     from finetune.data import DataError
-    from finetune.ext.mixture import mixture_sizes
+    from finetune.data.mixture import mixture_sizes
     with pytest.raises(ConfigError, match=r"data.sources: the weights sum past the largest number \(inf\); only "
                                           r"their ratios count"):
         build_config(None, ["data.path=", 'data.sources=[{path="a.jsonl", weight=1.7e308}, '
@@ -125,7 +125,7 @@ def test_a_refusal_inside_the_ranks_is_one_line_for_the_run(tmp_path, llama_dir)
 
 
 def test_the_launcher_prints_the_first_ranks_line_and_counts_other_errors(tmp_path, capsys):
-    from finetune.ext.rank_errors import print_rank_errors
+    from finetune.run.rank_errors import print_rank_errors
     assert not print_rank_errors(str(tmp_path))  # none left a line (a crash): torch's account stands
     for rank, line in enumerate(["error: a", "error: a", "error: b"]):
         (tmp_path / f"rank{rank:06d}").write_text(line)
@@ -138,7 +138,7 @@ def test_export_writes_the_runs_chat_template_kwargs_as_the_templates_defaults(t
     model holds template variables, so the exported template sets the run's as defaults (a request's own win)."""
     from transformers import AutoTokenizer
 
-    from finetune.ext.template_defaults import template_kwargs_note, with_template_defaults
+    from finetune.hf.template_defaults import template_kwargs_note, with_template_defaults
     from finetune.model import load_hf_config, save_hf_files
     msgs = [{"role": "user", "content": "hi"}]
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
@@ -185,8 +185,8 @@ def test_retention_leaves_a_step_that_an_export_pinned(tmp_path, monkeypatch):
 
     import finetune.export as export
     from finetune.checkpoint import CheckpointError, prune
-    from finetune.ext import locks
-    from finetune.ext.locks import release_pin
+    from finetune.run import locks
+    from finetune.run.locks import release_pin
     root = tmp_path / "run" / "checkpoints"
     first, second = fake_step(root, 1), fake_step(root, 2)
     source = locks.pin_source(str(tmp_path / "run"))  # the newest
@@ -225,7 +225,7 @@ def test_export_of_a_run_whose_retention_runs_meanwhile(tmp_path, llama_dir, cha
 
     import finetune.export as export
     from finetune.checkpoint import prune
-    from finetune.ext import locks
+    from finetune.run import locks
     run = tmp_path / "run"
     sft(llama_dir, chat_file, run, "train.max_steps=1", "data.max_seq_len=128", "checkpoint.keep=1")
     root, opened = run / "checkpoints", export.open_dcp
@@ -251,7 +251,7 @@ def test_max_seq_len_search_claims_only_what_it_measured(llama_dir):
     which claimed ~5x the length that fits, then found nothing that fit in its 16 steps back ("nothing fits 1024
     tokens per rank") while plain `plan` fit 8,192. Now: doubling, then bisection, on measured bytes."""
     from finetune.config import load_config
-    from finetune.ext.plan import SAFETY, load_arch, run_plan, run_seq_search
+    from finetune.tools.plan import SAFETY, load_arch, run_plan, run_seq_search
     gpu_bytes = 16 * 2**30
     cfg = load_config(None, {"model.path": str(llama_dir), "data.path": "-", "model.attn_implementation": "eager"})
     result = run_seq_search(cfg, load_arch(cfg, None), 1, 1, gpu_bytes, [0.0])

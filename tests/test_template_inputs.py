@@ -9,9 +9,9 @@ from tokenizers import AddedToken
 
 from finetune.config import ConfigError, load_config
 from finetune.data import DataError, open_sources, to_conversation
-from finetune.ext.chat_template import read_chat_template
-from finetune.ext.label_hints import build_samples, tokenize_messages  # data's, with the not_prefix hint
-from finetune.ext.streaming import open_streamed
+from finetune.data.chat_template import read_chat_template
+from finetune.data.label_hints import build_samples, tokenize_messages  # data's, with the not_prefix hint
+from finetune.data.streaming import open_streamed
 from test_templates import CHATML, TOOLS, assistant, call, check, decode, tok_with, tool, user
 
 # A tool-use template that requires the tool list (raises on a conversation without tools).

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import AddedToken
 
 from finetune.data import DataError, to_conversation
-from finetune.ext.label_hints import tokenize_messages  # data's, with the not_prefix hint
+from finetune.data.label_hints import tokenize_messages  # data's, with the not_prefix hint
 from test_templates import assistant, call, check, decode, splits, tok_with, tool, user
 
 # Solar Open style: the reasoning is read from `reasoning` (the name vLLM and OpenAI's APIs use).
@@ -152,7 +152,7 @@ def test_a_template_kwarg_the_template_never_reads_is_refused_in_one_line(tmp_pa
     assert refused.exit_code == 2 and refused.stderr.strip().splitlines() == [f"error: {says}"]
     assert shown.exit_code == 0 and shown.stdout.startswith("--- sample 0"), shown.output
     from finetune.config import ConfigError
-    from finetune.ext.chat_template import check_template_kwargs
+    from finetune.data.chat_template import check_template_kwargs
     check_template_kwargs(tok_with(ENABLE_THINKING), {"enable_thinking": False})
     with pytest.raises(ConfigError, match="never reads 'enable_thinking', so it would change nothing; fix"):
         check_template_kwargs(tok_with(QWEN3_LIKE_TEMPLATE), {"enable_thinking": False})  # reads no such switch

@@ -7,8 +7,8 @@ import pytest
 
 from _tokenizers import QWEN3_LIKE_TEMPLATE, build_tokenizer
 from finetune.data import DataError, to_conversation
-from finetune.ext.label_hints import build_samples, tokenize_messages  # data's, with the not_prefix hint
-from finetune.ext.streaming import build_samples as build_streamed
+from finetune.data.label_hints import build_samples, tokenize_messages  # data's, with the not_prefix hint
+from finetune.data.streaming import build_samples as build_streamed
 from helpers import REPO, sft
 
 # GPT-OSS style: channels; the final answer ends with <|return|> when it is the last message and <|end|> in history,
@@ -626,7 +626,7 @@ def test_template_kwargs_change_what_is_rendered_and_trained():
         context = decode(tok, ids[:next(k for k, lab in enumerate(labels) if lab != -100)])
         assert context.endswith("assistant\n<think>\n\n</think>\n\n" if kwargs else "assistant\n")
     assert trained == {False: "<think>\n\n</think>\n\nSunny.<|im_end|>", True: "Sunny.<|im_end|>"}
-    from finetune.ext.evaluate import prompt_text
+    from finetune.tasks.evaluate import prompt_text
     assert prompt_text(tok, messages[:1], None, {"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
 
 

@@ -130,7 +130,7 @@ def _not_utf8(file: str) -> str:
 
 def load_rows(path: str, *, split: str = "train", name: str | None = None, stream=None) -> Rows:
     """Rows of a local .json/.jsonl/.parquet file, a dataset dir's split or a hub dataset id ("id:split") as a Dataset
-    (items: row_of); `stream` (ext/streaming.py): hub data streamed, local files read by stream(path, split, files)."""
+    (items: row_of); `stream` (data/streaming.py): hub data streamed, local files read by stream(path, split, files)."""
     files = _local_files(path, split, name)
     if files is None:
         ref, _, hub_split = path.partition(":")
@@ -176,7 +176,7 @@ def row_of(item: dict, source: str, index: int) -> tuple[dict, str]:
 
 
 def detect_format(columns: list[str], fmt: str = "auto") -> str:
-    """fmt checked against the column names, or with fmt='auto' the first format they fit (pairs: see ext/pairs.py)."""
+    """fmt checked against the column names, or with fmt='auto' the first format they fit (pairs: tasks/pairs.py)."""
     cols = set(columns)
     fits = {"pairs": {"chosen", "rejected"} <= cols, "messages": "messages" in cols,
             "sharegpt": "conversations" in cols, "alpaca": {"instruction", "output"} <= cols}

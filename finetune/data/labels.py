@@ -170,7 +170,7 @@ def tokenize_messages(tokenizer, messages: list[dict], max_seq_len: int, where: 
                       on_unsupported: str = "error", template_kwargs: dict | None = None, hint=None) -> Labelled:
     """One conversation's Labelled by the module docstring's rule. A turn (or row) the template cannot hold raises a
     DataError (on_unsupported="error") or is left untrained and reported ("drop"). hint(template, messages, i, tools):
-    text added to a not_prefix turn's reason (ext/label_hints.py)."""
+    text added to a not_prefix turn's reason (data/label_hints.py)."""
     where = where or "conversation"
     require_chat_template(tokenizer, where)
     # An assistant message that opens the conversation (a greeting) is context only: no prompt precedes it at inference

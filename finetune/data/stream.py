@@ -87,11 +87,22 @@ def describe_counts(counts: dict) -> str:
                      for k, v in counts.items() if not k.startswith("rows_unsupported_"))
 
 
+def data_lines(samples) -> list[str]:
+    """A sample stream's start-up lines, the first of its summary() (Mixture, Streamed): the files read, the counts."""
+    lines = []
+    for src in samples.sources:
+        path, files, split = src.spec["path"], src.rows.files, src.spec.get("split") or "train"
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        where = f": {len(files)} file(s): {shown}" if files else " from the hub"
+        lines.append(f"read {path}" if files == [path] else f"read {path} split {split}{where}")
+    return lines + [describe_counts(samples.counts)]
+
+
 def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, template_kwargs, labellers: dict,
               hint):
     def tokenize(item: dict, idx: int):
         row, where = row_of(item, source.spec["path"], idx)
-        if source.fmt in labellers:  # a format a task labels its own way (dpo's pairs: ext/pairs.py)
+        if source.fmt in labellers:  # a format a task labels its own way (dpo's pairs: tasks/pairs.py)
             return labellers[source.fmt](tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs)
         conv = to_conversation(row, source.fmt, where)
         return tokenize_messages(tokenizer, conv.messages, max_seq_len, where, conv.tools, on_unsupported,
@@ -165,9 +176,9 @@ class SampleStream(torch.utils.data.IterableDataset):
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
     def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
-        """An epoch's samples in order: every usable one of the one source (a mixture's shares: ext/mixture.py)."""
+        """An epoch's samples in order: every usable one of the one source (a mixture's shares: data/mixture.py)."""
         if len(kept) > 1 or any(src.spec.get(k) for src in self.sources for k in ("weight", "samples", "epochs")):
-            raise ConfigError("data.sources: a mixture's shares need finetune/ext/mixture.py (its build_samples)")
+            raise ConfigError("data.sources: a mixture's shares need finetune/data/mixture.py (its build_samples)")
         return np.asarray(kept[0], dtype=np.int64)
 
     def _assemble(self, samples: list[dict]) -> dict:
@@ -211,7 +222,7 @@ def build_samples(data: str | list[dict], tokenizer, *, fmt="auto", split="train
                   on_unsupported="error", chat_template_kwargs=None, labellers: dict | None = None, hint=None,
                   stream=SampleStream, **order) -> SampleStream:
     """This rank's samples of `data` (a path: fmt, split, name apply; or source dicts: path, split, name, format) by
-    `stream` (SampleStream, ext/mixture.py's, ext/streaming.py's) given `order`; `hint`: tokenize_messages'.
+    `stream` (SampleStream, data/mixture.py's, data/streaming.py's) given `order`; `hint`: tokenize_messages'.
     `labellers`: {format: fn(tokenizer, row, where, max_seq_len, on_unsupported, template_kwargs) -> Labelled}."""
     require_chat_template(tokenizer, data if isinstance(data, str) else "data.sources")
     sources = stream.open_sources(data, fmt=fmt, split=split, name=name)

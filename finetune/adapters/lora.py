@@ -1,0 +1,150 @@
+"""LoRA via peft: inject adapters into the HF model (names stay HF names; handed its decoder blocks), initialise
+them, the merge math (W + alpha/r * B @ A) and the key map of PEFT adapter dirs. No file I/O."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import CheckpointError, read_marker
+from ..config import ConfigError
+from ..distributed import print0
+from ..weights import is_adapter
+
+
+def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:
+    """"all-linear" -> a regex naming every Linear inside the decoder blocks (peft's "all-linear" would adapt any
+    Linear but the output layer); a list of names: checked to match Linear layers only, each at least one."""
+    if target_modules == "all-linear":
+        prefix = next(n for n, m in model.named_modules() if m is layers)
+        leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
+                         if isinstance(m, nn.Linear)})
+        return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})"
+    if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
+        raise ConfigError(f"lora.target_modules must be \"all-linear\" or a non-empty list of module names, "
+                         f"got {target_modules!r}")
+    check_names_match(model, "target_modules", target_modules)
+    other = next(((t, n, m) for t in target_modules for n, m in model.named_modules()
+                  if (n == t or n.endswith("." + t)) and not isinstance(m, nn.Linear)), None)
+    if other:  # peft's embedding adapters (lora_embedding_A/B) have no load, merge or adapter-export path here
+        raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), not a "
+                          f"Linear layer: LoRA here adapts Linear layers only; to train it in full, name it in "
+                          f"lora.modules_to_save instead (lora.modules_to_save=['{other[0]}'])")
+    return list(target_modules)
+
+
+def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:
+    """Each of `names` (the setting lora.`key`) is a module of `model` or ends one's name."""
+    fqns = [n for n, _ in model.named_modules()]
+    for name in names:
+        if not any(n == name or n.endswith("." + name) for n in fqns):
+            raise ConfigError(f"lora.{key}: '{name}' matches no module of {type(model).__name__}")
+
+
+def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float, dropout: float, target_modules,
+               modules_to_save: list, base_dtype: torch.dtype, quantize=None) -> dict | None:
+    """Inject peft LoRA layers (and trainable copies of modules_to_save) into the meta skeleton (decoder blocks
+    `layers`); freeze the rest, in base_dtype, then `quantize(model, layers)` it (QLoRA). Returns the settings a
+    checkpoint records (None when rank is 0)."""
+    if rank == 0:
+        return None
+    from peft import inject_adapter_in_model
+    from ..kernels.moe import find_experts
+    experts = find_experts(model)
+    if target_modules == "all-linear" and experts:  # never attention-only in silence
+        raise ConfigError(f"lora.target_modules=\"all-linear\" on {type(model).__name__} would adapt no expert: its "
+                          f"experts ({len(experts)} MoE layers) are fused 3-D parameters, not Linear layers, and LoRA "
+                          f"on them is not supported yet; train the attention only (lora.target_modules=[\"q_proj\", "
+                          f"\"k_proj\", \"v_proj\", \"o_proj\"] or the model's own names) or train in full "
+                          f"(lora.rank=0)")
+    targets = resolve_targets(model, layers, target_modules)
+    check_names_match(model, "modules_to_save", modules_to_save)
+    settings = LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
+                            modules_to_save=list(modules_to_save))
+    inject_adapter_in_model(peft_config(settings), model)
+    for p in model.parameters():  # frozen weights are never trained: no fp32 master copy of them
+        if not p.requires_grad:
+            p.data = p.data.to(base_dtype)
+    if quantize is not None:
+        quantize(model, layers)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    num_adapted = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+    print0(f"lora: rank {rank}, alpha {alpha:g} on {num_adapted} linear layers; trainable {trainable / 1e6:.3f}M of "
+           f"{total / 1e6:.1f}M params ({trainable / total:.2%})")
+    return settings
+
+
+class LoraSettings(dict):
+    """apply_lora's settings, as checkpoints record them; `check` compares a LoRA checkpoint's with them."""
+
+    def check(self, path, saved: dict, hf_config) -> None:
+        """The LoRA checkpoint `path` (its settings `saved`) has these settings and trained on this run's base."""
+        diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {self.get(k)!r}" for k in saved
+                 if k != "base_fingerprint" and saved[k] != self.get(k)]
+        if diffs:
+            raise CheckpointError(f"checkpoint {path} has other LoRA settings than this run: {'; '.join(diffs)}")
+        check_base(path, saved, self["base_fingerprint"], hf_config.name_or_path)
+
+
+def check_base(path: Path, lora: dict, fingerprint: str, model_path: str) -> None:
+    """The base at `model_path` (its weights' `fingerprint`) is the one the LoRA checkpoint `path` trained on."""
+    trained = read_marker(path).get("config", {}).get("model", {}).get("path")
+    if "base_fingerprint" not in lora:
+        print0(f"note: checkpoint {path} records no fingerprint of its LoRA base (saved by an older finetune): not "
+               f"checked that '{model_path}' holds the base weights it trained on")
+    elif lora["base_fingerprint"] != fingerprint:
+        raise CheckpointError(f"checkpoint {path} trained its LoRA adapters on the base '{trained}', and "
+                              f"'{model_path}' holds other weights now (fingerprint {lora['base_fingerprint'][:19]} "
+                              f"then, {fingerprint[:19]} now): the adapters fit only the base they trained on")
+
+
+def peft_config(lora: dict, **kwargs):
+    """peft's LoraConfig for our settings (training and the adapter dir use the same one)."""
+    from peft import LoraConfig
+    return LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=lora["target_modules"], modules_to_save=lora["modules_to_save"] or None, **kwargs)
+
+
+@torch.no_grad()
+def init_lora_weights(model: nn.Module, seed: int) -> None:
+    """As peft does (A kaiming-uniform, B zeros), from `seed`: every rank draws the same full tensors (any world)."""
+    from torch.distributed.tensor import distribute_tensor
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        full = torch.zeros(p.shape, dtype=p.dtype)
+        if ".lora_A." in name:
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+        p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
+
+
+def peft_key(fqn: str) -> str:
+    """Our checkpoint key -> the key PeftModel.save_pretrained writes (adapter name dropped)."""
+    return "base_model.model." + fqn.replace(".lora_A.default.", ".lora_A.").replace(
+        ".lora_B.default.", ".lora_B.").replace(".modules_to_save.default.", ".")
+
+
+def merge_lora_tensor(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
+    """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target, the trained copy of a module to save,
+    else the base tensor; load_adapter(checkpoint key) returns that tensor, or None."""
+    module, leaf = name.rsplit(".", 1)
+    copy = load_adapter(f"{module}.modules_to_save.default.{leaf}")
+    if copy is not None:
+        return copy.float()
+    lora_a = load_adapter(f"{module}.lora_A.default.weight") if leaf == "weight" else None
+    if lora_a is None:
+        return base
+    return base.float() + scale * (load_adapter(f"{module}.lora_B.default.weight").float() @ lora_a.float())
+
+
+def lora_settings(cfg) -> dict | None:
+    """The lora section as apply_lora's keyword arguments (None: LoRA off)."""
+    lc = cfg.lora
+    return dict(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules,
+                modules_to_save=lc.modules_to_save) if lc.rank else None
+
