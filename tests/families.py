@@ -1,6 +1,6 @@
-"""Tiny offline models of the large-model families for the export tests: built from a transformers config class,
-every tensor and buffer moved off its init, stored in the dtypes a released checkpoint has (bf16, fp32 where the
-class keeps a tensor in fp32 on load), with the tensors the class does not own (MTP layers) beside them."""
+"""The model families test_families.py covers, one row each, and their tiny offline models: built from a transformers
+config class, every tensor and buffer moved off its init, stored in the dtypes a released checkpoint has (bf16, fp32
+where the class keeps a tensor in fp32 on load), with the tensors the class does not own (MTP layers) beside them."""
 from __future__ import annotations
 
 import re
@@ -178,3 +178,11 @@ def make_family_dir(path: Path, config_cls, kwargs: dict, extra: dict[str, tuple
         stored.update({k: t.contiguous() for k, t in extras.items()})
         save_file(stored, Path(path) / "model.safetensors", metadata={"format": "pt"})
     return Path(path)
+
+
+def stored(model_dir) -> dict[str, tuple[torch.dtype, tuple, bytes]]:
+    """{name: (dtype, shape, bytes)} of a model dir's safetensors."""
+    from safetensors.torch import load_file
+    tensors = {k: t for f in sorted(model_dir.glob("*.safetensors")) for k, t in load_file(f).items()}
+    return {k: (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            for k, t in tensors.items()}

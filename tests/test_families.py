@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from families import FAMILIES, UNVERIFIED, family_kwargs, make_family_dir
+from families import FAMILIES, UNVERIFIED, family_kwargs, make_family_dir, stored
 from helpers import read_metrics, run_ranks, sft_config, train_rank, write_jsonl
 
 RUN = ("train.lr=0", "train.max_steps=1", "data.max_seq_len=64")
@@ -61,14 +61,6 @@ def one_process(source: str, data: str, out: str, verify: bool) -> tuple[dict, l
         from helpers import export_hf
         export_hf(out, f"{out}/hf", verify=False)
     return record, packed_and_unpacked(cfg)
-
-
-def stored(model_dir) -> dict[str, tuple[torch.dtype, tuple, bytes]]:
-    """{name: (dtype, shape, bytes)} of a model dir's safetensors."""
-    from safetensors.torch import load_file
-    tensors = {k: t for f in sorted(model_dir.glob("*.safetensors")) for k, t in load_file(f).items()}
-    return {k: (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            for k, t in tensors.items()}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
