@@ -53,6 +53,13 @@ FAMILIES = {
     "hunyuan_v1_moe": (T.HunYuanMoEV1Config, dict(head_dim=16, num_experts=4, moe_topk=2), {}),
     "granitemoe": (T.GraniteMoeConfig, EXPERTS, {}),
     "dots1": (T.Dots1Config, dict(ROUTED, n_shared_experts=1), {}),
+    "hy_v3": (T.HYV3Config, dict(head_dim=16, num_experts=4, num_experts_per_tok=2, num_shared_experts=1), {}),
+    # two attention and two MLP sublayers per layer, zero (identity) experts
+    "longcat_flash": (T.LongcatFlashConfig, dict(MLA, num_hidden_layers=None, num_layers=2, head_dim=4,
+                                                 ffn_hidden_size=64, expert_ffn_hidden_size=16, n_routed_experts=4,
+                                                 moe_topk=2, zero_expert_num=1, moe_intermediate_size=None,
+                                                 intermediate_size=None),
+                      {"extra": {"model.mtp.layers.0.eh_proj.weight": (16, 32)}}),
     "ernie4_5_moe": (T.Ernie4_5_MoeConfig, dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
                                                 moe_layer_start_index=1),
                      {"extra": {"mtp_linear_proj.0.weight": (8, 8)}}),
