@@ -1,8 +1,7 @@
-"""Attention that fits the model, per family: on tiny random models of the families whose attention differs from
-Llama's (attention sinks, MLA's value head dim, Llama 4's chunked layers and whole-model get_decoder(), masks built
-without the position_ids), the default attention ("auto") and eager keep packed samples apart: packed loss and
-gradient == the same samples unpacked (and 2 ranks == 1 process for MLA and Llama 4). Add a family to FAMILIES, and
-it is covered."""
+"""Attention that fits the model, per family: on the tiny models (families.py) of the families whose attention
+differs from Llama's (attention sinks, MLA's value head dim, Llama 4's chunked layers, masks built without the
+position_ids), auto picks the attention it should, and eager keeps packed samples apart too: packed loss and gradient
+== the same samples unpacked, as test_families.py checks for the default attention of every family."""
 from __future__ import annotations
 
 import pytest
@@ -10,43 +9,14 @@ import torch
 
 from helpers import run_ranks
 
-MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-           v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-           moe_intermediate_size=32, n_shared_experts=1)
-FAMILIES = {  # config class, its fields beyond the common tiny ones (None: drop a common one), what auto picks
-    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
-                "varlen"),  # attention sinks, sliding layers
-    "falcon": ("FalconConfig", dict(num_key_value_heads=None), "sdpa"),  # builds its masks without position_ids
-    "opt": ("OPTConfig", dict(num_key_value_heads=None, ffn_dim=96, dropout=0.0), "varlen"),  # as falcon
-    "deepseek_v3": ("DeepseekV3Config", MLA, "varlen"),  # value head dim 12, query/key 24
-    "glm4_moe_lite": ("Glm4MoeLiteConfig", MLA, "varlen"),
-    "llama4_text": ("Llama4TextConfig", dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
-                                             attention_chunk_size=8, no_rope_layers=[1, 0]), "varlen"),
+PICKS = {  # a family of families.py whose attention differs from Llama's: what auto picks for it
+    "gpt_oss": "varlen",  # attention sinks, sliding layers
+    "falcon": "sdpa",  # builds its masks without position_ids
+    "opt": "varlen",  # as falcon
+    "deepseek_v3": "varlen",  # MLA: value head dim 6, query/key 12
+    "glm4_moe_lite": "varlen",
+    "llama4_text": "varlen",  # chunked layers
 }
-
-
-def make_family_dir(path, family: str):
-    """A 2-layer model of `family` with tiny widths, every weight and float buffer random (bf16), and a chat
-    tokenizer, saved to `path`."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    from _tokenizers import build_tokenizer
-    tok = build_tokenizer("llama3")
-    name, extra, _ = FAMILIES[family]
-    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = getattr(transformers, name)(**{k: v for k, v in {**kw, **extra}.items() if v is not None})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for n, t in [*model.named_parameters(), *model.named_buffers()]:
-            if t.is_floating_point() and "inv_freq" not in n:
-                t.normal_(0, 0.05)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def packed_and_unpacked(model_dir: str, data: str) -> tuple[dict, str]:
@@ -88,10 +58,12 @@ def every_family(root: str, data: str) -> dict:
     """packed_and_unpacked on a model of each family, in one rank (one process start for them all); a family that
     raises gets its error's text."""
     from pathlib import Path
+    from families import FAMILIES, family_kwargs, make_family_dir
     results = {}
-    for family in FAMILIES:
+    for family in PICKS:
         try:
-            results[family] = packed_and_unpacked(str(make_family_dir(Path(root) / family, family)), data)
+            source = make_family_dir(Path(root) / family, FAMILIES[family][0], family_kwargs(family))
+            results[family] = packed_and_unpacked(str(source), data)
         except Exception as e:  # noqa: BLE001 - reported by that family's test
             results[family] = f"{type(e).__name__}: {e}"
     return results
@@ -107,41 +79,14 @@ def family_results(family_root, chat_file):
     return run_ranks(every_family, 1, str(family_root), str(chat_file))[0]
 
 
-def two_rank_steps(root: str, data: str, families: list[str]) -> dict:
-    """On each of 2 ranks, for each family's model (made by every_family): train_step's (loss, grad norm) on its
-    one of the 2 packed rows packed_and_unpacked steps on in one process (default attention, fp32, lr 0)."""
-    import torch.distributed as dist
-
-    from finetune.data import build_samples
-    from finetune.distributed import init_distributed
-    from finetune.build import transforms
-    from finetune.args import build_config
-    from finetune.model import build_model, load_tokenizer
-    from finetune.train import next_micro_batches, train_step
-    device, dims = init_distributed()
-    results = {}
-    for family in families:
-        model_dir = f"{root}/{family}"
-        cfg = build_config(None, ["train.mixed_precision=fp32"], **{"model.path": model_dir, "data.path": data})
-        tok = load_tokenizer(model_dir)
-        rows = list(build_samples(data, tok, max_seq_len=256, packing=True, shuffle=False, epoch_limit=1))[:2]
-        model, _ = build_model(model_dir, device, dims.mesh, transforms(cfg, dims, device), mixed_precision="fp32",
-                               attn_implementation=cfg.model.attn_implementation, packing=True)
-        batches, num_input_tokens = next_micro_batches(iter(rows[dist.get_rank():]), 1, 1, tok.pad_token_id, None)
-        result, _ = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batches,
-                               num_input_tokens=num_input_tokens, max_grad_norm=0.0)
-        results[family] = (result["loss"].item(), result["grad_norm"].item())
-    return results
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(PICKS))
 def test_packed_rows_train_as_the_samples_unpacked(family, family_results):
     """Before: gpt-oss's default attention refused its sinks at the first step, eager let packed samples see each
     other on gpt-oss, Falcon and OPT (their masks are built without the position_ids), MLA crashed on its value head
     dim and Llama 4 in the loss (its get_decoder() is the whole model)."""
     assert not isinstance(family_results[family], str), family_results[family]
     results, printed = family_results[family]
-    picked = FAMILIES[family][2]
+    picked = PICKS[family]
     assert list(results) == list(dict.fromkeys([picked, "eager"])), results
     wrong = {attn: pair for attn, pair in results.items() if pair[0] != pytest.approx(pair[1], rel=1e-5)}
     assert not wrong, wrong  # attn: [(loss, grad norm) packed, unpacked]
@@ -262,13 +207,3 @@ def cp_sink_error() -> float:
 def test_context_parallel_hands_each_rank_its_heads_sinks():
     """parallel.cp splits the heads over the ranks: each gets its heads' sinks (it got all, and crashed)."""
     assert max(run_ranks(cp_sink_error, 2)) < 1e-6
-
-
-def test_two_ranks_train_as_one_process(family_root, family_results, chat_file):
-    """MLA and Llama 4 on 2 gloo ranks (a packed row each) == 1 process (both rows): loss and gradient norm."""
-    families = ["deepseek_v3", "llama4_text"]
-    ranks = run_ranks(two_rank_steps, 2, str(family_root), str(chat_file), families)
-    for family in families:
-        assert not isinstance(family_results[family], str), family_results[family]
-        one = family_results[family][0][FAMILIES[family][2]][0]  # (loss, grad norm) of the packed rows
-        assert ranks[0][family] == ranks[1][family] == pytest.approx(one, rel=1e-5), family
