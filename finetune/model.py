@@ -261,10 +261,11 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     print0(f"kernels: attention {attn}{attention_notes(model, attn)}, {transforms.note}, regional compile "
            f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
     find_decoder(model)  # the loss reads its output: a model without one is refused before loading
+    layers = find_layers(model)
     # before check_packing, which lets a model pack whose token-mixing layers run per sample
-    transforms.samples_apart(model, find_layers(model))
+    transforms.samples_apart(model, layers)
     if packing:
-        check_packing(model, find_layers(model), attn)
+        check_packing(model, layers, attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
                            ac_mode=ac_mode, compile=compile)
     _materialize(model, device)

@@ -46,7 +46,7 @@ class Task:
 
 @dataclass
 class Recipe:
-    """A run as its caller configures it (the defaults: sft with the core alone; finetune.build fills it)."""
+    """A run as its caller configures it (finetune.build.recipe fills it from the config; the defaults: bare sft)."""
     name: str = "sft"
     setup: Callable = lambda cfg, run: Task()  # (cfg, Run) -> Task, once the model is built
     transforms: Callable = lambda cfg, dims, device: Transforms()  # -> model.Transforms

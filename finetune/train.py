@@ -104,7 +104,7 @@ def train(cfg: Config, recipe: Recipe) -> dict:
                                     ep=cfg.parallel.ep)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
     if tc.tokens_per_step and recipe.accum is None:
-        raise ConfigError("train.tokens_per_step needs the extension finetune/run/tokens_per_step.py (Recipe.accum)")
+        raise ConfigError("train.tokens_per_step needs run/tokens_per_step.py's accum (Recipe.accum), not given")
     accum = recipe.accum(cfg, dims.dp_size) if tc.tokens_per_step else tc.grad_accum_steps
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
