@@ -33,7 +33,8 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
     from finetune.model import Transforms
     from finetune.train import Task
     from finetune.data.chat_template import run_tokenizer
-    from finetune.train import build_model_and_optimizer, build_run_samples, next_micro_batches, train_step
+    from finetune.task import build_run_samples
+    from finetune.train import build_model_and_optimizer, next_micro_batches, train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
                              "data.packing": False, "data.max_seq_len": 256, "train.micro_batch_size": pairs,
                              "train.mixed_precision": "fp32", "eval.path": "", "model.attn_implementation": attn})

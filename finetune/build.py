@@ -1,5 +1,6 @@
-"""What a run passes to the core, from its config: `recipe(cfg, task)` (the task's setup, the model transforms, the
-export's hooks) for train.train, `export_hooks()` for export.export_hf (cli.py, bench, plan and tests call these)."""
+"""The one place a capability enters a run, from its config: `transforms` (what model.parallelize applies, in its
+order), `task` (the loop's Task for the built run) and `samples` (how rows become samples). Each capability is
+imported where its key turns it on, so a run loads only what it uses."""
 from __future__ import annotations
 
 from functools import partial
@@ -7,22 +8,25 @@ from functools import partial
 import torch
 
 from .config import Config
-from .model import Transforms, resolve_compile
-from .train import Recipe, Run, Task
+from .model import Transforms, resolve_compile, router_recorder
+from .task import Run, Task
 
 
 def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     """The model transforms `cfg` asks for (varlen, per-sample linear attention, experts, Liger, fp8, cp, LoRA,
     op-level AC, offload), configured."""
     from .distributed import print0
-    from .memory.sac import checkpoint_kwargs
     from .hf import loader
     from .kernels.linear_attention import apply_sample_boundaries
     from .kernels.varlen import register
-    t = Transforms(varlen=register, sac=checkpoint_kwargs, loader=loader, samples_apart=apply_sample_boundaries)
+    t = Transforms(varlen=register, loader=loader, samples_apart=apply_sample_boundaries)
+    if cfg.ac.mode == "op":
+        from .memory.sac import checkpoint_kwargs
+        t.sac = checkpoint_kwargs
     cuda = device.type == "cuda"
     compile, liger = resolve_compile(cfg.model.compile, cuda), False
-    if cfg.model.liger is not False:
+    # "auto" is on only on CUDA: a CPU run does not load the Liger module
+    if cfg.model.liger is True or (cfg.model.liger == "auto" and cuda):
         from .kernels.liger import resolve_liger
         if liger := resolve_liger(cfg.model.liger, cuda):
             t.lm_head_in_root = True
@@ -78,9 +82,10 @@ def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
 
 
 def _kernels(model, layers, *, experts: str, liger: bool, compile: bool) -> None:
-    """The kernels slot: the MoE experts' implementation (a no-op for a dense model), then Liger's kernels."""
-    from .kernels.moe import apply_experts_implementation
-    apply_experts_implementation(model, experts)
+    """The kernels slot: the MoE experts' implementation (a dense model has none), then Liger's kernels."""
+    if router_recorder(model) is not None:
+        from .kernels.moe import apply_experts_implementation
+        apply_experts_implementation(model, experts)
     if liger:
         from .kernels.liger import apply_kernels
         apply_kernels(model, compile)
@@ -95,61 +100,54 @@ def _float8(model, layers, *, cfg: Config, device: torch.device, shards: int) ->
     apply_float8(model, m.fp8, shards=shards, all_gather=m.fp8_all_gather, emulate=device.type != "cuda")
 
 
+def task(cfg: Config, run: Run, name: str = "sft") -> Task:
+    """The loop's Task of `name` ("sft", "dpo": tasks/dpo.py) for the built `run`, with what the model's capabilities
+    add: float8's scales after each optimizer step, an MoE router's load-balancing loss (sft)."""
+    if cfg.model.fp8 != "off":
+        from .kernels.float8 import float8_scales
+        float8_scales(cfg, run)
+    if name == "dpo":
+        from .tasks.dpo import dpo_task
+        setup = dpo_task(cfg, run)
+    else:
+        setup = sft_task(cfg, run)
+    if router_recorder(run.model) is None and cfg.moe.aux_loss_coef <= 0:
+        return setup
+    from .kernels.moe import build_router_loss, router_task
+    router = build_router_loss(run.model, cfg.moe.aux_loss_coef, name)
+    return router_task(setup, router) if router is not None else setup
+
+
 def sft_task(cfg: Config, run: Run) -> Task:
-    """sft's task with its extensions: cp's row split, held-out evaluation before and after, an MoE router's loss;
-    with expert parallel the gradients clipped over both meshes."""
-    from .kernels.float8 import float8_scales
-    from .kernels.moe import build_router_loss, clip_grad_norm_by_mesh, router_task
-    float8_scales(cfg, run)
-    task = Task(clip=clip_grad_norm_by_mesh if run.dims.ep > 1 else None)
+    """sft's task: the label loss; cp's row split; held-out evaluation before and after."""
+    task = Task()
     if run.dims.cp > 1:
         from .parallel.context import collate_split, cp_rank
         task.collate = partial(collate_split, rank=cp_rank(run.dims), n=run.dims.cp)
-    if cfg.eval.path and cfg.eval.num_samples:  # eval.num_samples=0: no evaluation (not 0 of 0)
+    # eval.num_samples=0: no evaluation (not 0 of 0)
+    if cfg.eval.path and cfg.eval.num_samples:
         from .tasks.evaluate import evaluate, report_eval
         ec = cfg.eval
         held_out = partial(evaluate, run.model, run.tokenizer, ec.path, ec.num_samples, ec.max_new_tokens, run.device,
                            cfg.data.chat_template_kwargs)
         task.evaluate_before = held_out
         task.evaluate_after = lambda before: report_eval(held_out(), before, run.out)
-    router = build_router_loss(run.model, cfg.moe.aux_loss_coef, "sft")
-    return router_task(task, router) if router is not None else task
+    return task
 
 
-def export_hooks() -> dict:
-    """export.export_hf's hooks: LoRA checkpoints merged or written as adapter dirs, the streamed check, the locks (also
-    the run's and its retention's: cli.py, train.open_outputs), the chat template's defaults, the live gather, the
-    source's dtypes and the tensors its class does not own."""
-    from .hf import live, passthrough, template_defaults, verify
-    from .run import locks
-    from .adapters import lora_export
-    return {"adapters": lora_export, "check": verify.verify_export, "locks": locks, "templates": template_defaults,
-            "gather": live.open_live, "passthrough": passthrough}
+def labellers(name: str) -> dict:
+    """The formats `name`'s rows are labelled by besides conversations (dpo: preference pairs)."""
+    if name != "dpo":
+        return {}
+    from .tasks.dpo import LABELLERS
+    return LABELLERS
 
 
 def samples(cfg: Config, labellers: dict) -> dict:
     """build_samples' labellers, hint and stream for `cfg`: rows streamed (data/streaming.py), else a mixture."""
     from .data.label_hints import way_out
-    from .data.mixture import Mixture
-    from .data.streaming import Streamed
-    return {"labellers": labellers, "hint": way_out, "stream": Streamed if cfg.data.streaming else Mixture}
-
-
-def recipe(cfg: Config, task: str = "sft") -> Recipe:
-    """What a run of `task` ("sft", "dpo") passes to train.train (cfg checked again by run/checks: API callers)."""
-    from .run.checks import validate
-    validate(cfg, task)
-    labellers, setup = {}, sft_task
-    if task == "dpo":
-        from .tasks import dpo
-        labellers, setup = dpo.LABELLERS, dpo.dpo_task
-    from .data.chat_template import run_tokenizer
-    from .run.mfu import meter
-    from .run.report import Report
-    from .run.resume_note import resume_note
-    from .run.saving import Checkpointer
-    from .run.tokens_per_step import run_accum
-    from .run.wandb import WandbLogger
-    return Recipe(task, setup, transforms, export_hooks(), samples(cfg, labellers), accum=run_accum,
-                  mfu=meter, resume_note=resume_note, logger=partial(WandbLogger, cfg=cfg), report=Report,
-                  checkpointer=partial(Checkpointer, use_async=cfg.checkpoint.async_), tokenizer=run_tokenizer)
+    if cfg.data.streaming:
+        from .data.streaming import Streamed as stream
+    else:
+        from .data.mixture import Mixture as stream
+    return {"labellers": labellers, "hint": way_out, "stream": stream}

@@ -1,4 +1,5 @@
-"""Sharded DCP checkpoints (<output_dir>/checkpoints/step-<N>/): save, retention, resume, preemption signals.
+"""Sharded DCP checkpoints (<output_dir>/checkpoints/step-<N>/): save, retention, resume, preemption signals, and
+which checkpoint an export reads (`find_source`).
 
 A step dir is a checkpoint once DCP's files (`.metadata` last) and then our marker are written, and while intact:
 the marker (every file's size, the sha256 of `.metadata`, the run's config) still matches."""
@@ -24,7 +25,7 @@ from . import outdir
 from .errors import FinetuneError
 from .distributed import barrier, is_main, print0, world_size
 from .optim import reapply_settings, settings
-from .weights import arch_diffs, arch_of, clean_fqn, is_adapter
+from .weights import MANIFEST, arch_diffs, arch_of, clean_fqn, is_adapter, is_prepared
 
 MARKER = "finetune_complete.json"
 
@@ -298,3 +299,48 @@ class SignalFlag:
             print("finetune: interrupted again: exiting now, nothing was saved", file=sys.stderr, flush=True)
             os._exit(130)
         self.name = signal.Signals(signum).name
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an export reads from: DCP weights ({"model": <HF-named tensors>}), the HF config/tokenizer source."""
+    weights: Path
+    model_path: str
+    trust_remote_code: bool
+    label: str
+    lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
+    chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
+    chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
+
+
+def find_source(path: str) -> Source:
+    """The newest intact checkpoint of a training output dir, a step-N dir (checked intact), or a prepared dir."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"no checkpoint at {p}: not a directory")
+    if is_prepared(p):
+        if not (p / "weights" / ".metadata").is_file():
+            raise CheckpointError(f"prepared checkpoint {p} has no weights/.metadata (incomplete copy?)")
+        manifest = json.loads((p / MANIFEST).read_text())
+        return Source(p / "weights", str(p), bool(manifest.get("trust_remote_code", False)), f"prepared {p}")
+    if (p / ".metadata").exists() or (p / MARKER).exists() or p.name.startswith("step-"):
+        check_intact(p)
+        step = p
+    elif (p / "checkpoints").is_dir():
+        step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
+        if step is None:
+            found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
+            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} that is intact (step dirs: "
+                                  f"{found})")
+    else:
+        raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
+                              f"dir or a prepared checkpoint (with {MANIFEST})")
+    # the model (config, tokenizer) this checkpoint trained: its marker says, whatever config.toml says now
+    marker = read_marker(step)
+    model = marker.get("config", {}).get("model", {})
+    if not model.get("path"):
+        raise CheckpointError(f"{step / 'finetune_complete.json'} does not name the model it trained (saved by an "
+                              f"older finetune)")
+    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"),
+                  chat_template=marker.get("chat_template") or "",
+                  chat_template_kwargs=marker.get("config", {}).get("data", {}).get("chat_template_kwargs"))

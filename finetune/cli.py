@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from .args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OUTPUT, OVERRIDES, build_config, check_flag
-from .config import (DEFAULT_PRESET, Config, ConfigError, check_parallel, export_dtype_name, parse_shard_size)
+from .config import (DEFAULT_PRESET, ConfigError, check_parallel, export_dtype_name, parse_shard_size)
 from .run import checks
 from .tools.commands import COMMANDS, options
 from .run.console import setup as setup_console
@@ -30,12 +30,6 @@ def launch(*args, **kwargs):
     return launch_ranks(*args, errors=rank_errors, **kwargs)
 
 
-def run_recipe(cfg: Config, task: str):
-    """What a run of `task` passes to train.train (build.py: torch is imported here, after the checks)."""
-    from .build import recipe
-    return recipe(cfg, task)
-
-
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default
 NNODES = typer.Option(1, "--nnodes", help="nodes, each running this command (one launcher per node)")
 RDZV_ENDPOINT = typer.Option("", "--rdzv-endpoint", help="host:port where the nodes' launchers meet (c10d rendezvous; "
@@ -46,7 +40,7 @@ RESUME_FROM = typer.Option(None, "--resume-from", help="resume from this checkpo
 
 
 def train_command(task: str):
-    """The `sft` or `dpo` command: train.train(cfg, the task's recipe) on the launched ranks."""
+    """The `sft` or `dpo` command: train.train(cfg, task) on the launched ranks."""
     def command(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CONFIG,
                 model: Optional[str] = MODEL, dataset: Optional[str] = DATASET, output_dir: Optional[str] = OUTPUT,
                 nproc_per_node: int = NPROC, nnodes: int = NNODES, rdzv_endpoint: str = RDZV_ENDPOINT,
@@ -69,19 +63,19 @@ def train_command(task: str):
             if not launched and (nnodes == 1 or "RANK" in os.environ) and lock.parent.is_dir():
                 hold_run_lock(lock, f"output dir {cfg.output_dir}")
             try:
-                recipe = run_recipe(cfg, task)
+                checks.validate(cfg, task)
                 num_ranks = int(os.environ.get("WORLD_SIZE", nnodes * nproc_per_node))
                 check_parallel(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, num_ranks, cfg.parallel.cp)
             except BaseException:
                 release_lock(lock)
                 raise
             if launched:
-                return cfg, recipe, None, None  # a rank our launcher started: it checked this and holds the lock
+                return cfg, None, None  # a rank our launcher started: it checked this and holds the lock
             if os.environ.get("RANK", "0") == "0":  # at once: loading a big model or dataset takes a while
                 print(f"{task}: loading {cfg.model.path} and {cfg.data.path} -> {cfg.output_dir}", flush=True)
             from .preflight import preflight_locked
-            return cfg, recipe, preflight_locked(cfg, task, lock, nnodes), lock
-        cfg, recipe, nothing_to_do, lock = guarded(prepare, debug)
+            return cfg, preflight_locked(cfg, task, lock, nnodes), lock
+        cfg, nothing_to_do, lock = guarded(prepare, debug)
         try:  # the lock goes with the process anyway; released here for callers that run commands in-process
             if nothing_to_do:
                 if os.environ.get("RANK", "0") == "0":
@@ -91,7 +85,7 @@ def train_command(task: str):
             from .train import train
             root = Path(cfg.output_dir) / "checkpoints"
             before = latest_complete(root, report=False) if cfg.checkpoint.resume else None  # else moved aside
-            launch(train, (cfg, recipe), nproc_per_node, debug,
+            launch(train, (cfg, task), nproc_per_node, debug,
                    on_signal=lambda: latest_complete(root, report=False) != before, nnodes=nnodes,
                    rdzv_endpoint=rdzv_endpoint)
         finally:
@@ -136,10 +130,8 @@ def export_hf(checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
         out = Path(output_dir).resolve()
         check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
     guarded(check, debug)
-    from .build import export_hooks
-    hooks = export_hooks()
     from .export import export_hf as export  # VerifyError: exit 1, nothing written
-    launch(lambda *args: export(*args, **hooks), (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),
+    launch(export, (checkpoint, output_dir, dtype, max_shard_size, verify, adapter),
            nproc_per_node, debug)
 
 

@@ -9,42 +9,25 @@ import os
 import re
 import time
 from collections import Counter
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import MARKER, CheckpointError, check_intact, latest_complete, read_marker, step_dirs
+from .checkpoint import CheckpointError, Source
 from .config import export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
-from .load import MANIFEST, is_prepared
+from .hf.live import open_live
+from .hf.passthrough import plan_export
+from .hf.template_defaults import template_kwargs_note, with_template_defaults
+from .hf.verify import verify_export
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
+from .run import locks
 from .weights import INDEX, STORED_DTYPES, Plan, open_dcp, read_tensor, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where an export reads from: DCP weights ({"model": <HF-named tensors>}), the HF config/tokenizer source."""
-    weights: Path
-    model_path: str
-    trust_remote_code: bool
-    label: str
-    lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
-    chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
-    chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
-
-
-def plain_plan(kept: dict, disk: dict, dtype: torch.dtype | None) -> Plan:
-    """Without hf/passthrough: each floating-point tensor in `dtype` (auto: bfloat16), nothing copied through."""
-    dtypes = {d: (dtype or torch.bfloat16) if kept[k].properties.dtype.is_floating_point else kept[k].properties.dtype
-              for d, (k, _) in disk.items()}
-    return Plan(kept, disk, dtypes, {}, {}, "", dtype)
 
 
 def name_groups(names) -> str:
@@ -63,39 +46,6 @@ def parse_dtype(name: str) -> torch.dtype | None:
     """--dtype's torch dtype; None for auto (each tensor in the dtype the source stores it in)."""
     name = export_dtype_name(name)
     return None if name == "auto" else getattr(torch, name)
-
-
-def find_source(path: str) -> Source:
-    """The newest intact checkpoint of a training output dir, a step-N dir (checked intact), or a prepared dir."""
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"no checkpoint at {p}: not a directory")
-    if is_prepared(p):
-        if not (p / "weights" / ".metadata").is_file():
-            raise CheckpointError(f"prepared checkpoint {p} has no weights/.metadata (incomplete copy?)")
-        manifest = json.loads((p / MANIFEST).read_text())
-        return Source(p / "weights", str(p), bool(manifest.get("trust_remote_code", False)), f"prepared {p}")
-    if (p / ".metadata").exists() or (p / MARKER).exists() or p.name.startswith("step-"):
-        check_intact(p)
-        step = p
-    elif (p / "checkpoints").is_dir():
-        step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
-        if step is None:
-            found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
-            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} that is intact (step dirs: "
-                                  f"{found})")
-    else:
-        raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
-                              f"dir or a prepared checkpoint (with {MANIFEST})")
-    # the model (config, tokenizer) this checkpoint trained: its marker says, whatever config.toml says now
-    marker = read_marker(step)
-    model = marker.get("config", {}).get("model", {})
-    if not model.get("path"):
-        raise CheckpointError(f"{step / 'finetune_complete.json'} does not name the model it trained (saved by an "
-                              f"older finetune)")
-    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"),
-                  chat_template=marker.get("chat_template") or "",
-                  chat_template_kwargs=marker.get("config", {}).get("data", {}).get("chat_template_kwargs"))
 
 
 def export_layout(source: Source, skeleton, stored: dict) -> tuple[dict, dict]:
@@ -161,8 +111,8 @@ def save_weights(out: Path, skeleton, disk: dict, load, dtypes: dict, untouched:
 
 
 def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_config, skeleton, plan: Plan, load,
-                shard_bytes: int, check, live: bool, templates) -> dict:
-    """The merged/full HF model dir, written and checked (`check`, if any); returns what the export marker records."""
+                shard_bytes: int, verify: bool, live: bool) -> dict:
+    """The merged/full HF model dir, written and checked (`verify`); returns what the export marker records."""
     t0, kept, disk = time.perf_counter(), plan.kept, plan.disk
     num_bytes = sum(math.prod(shape) * plan.dtypes[d].itemsize for d, (_, shape) in disk.items())
     largest_mb = max(math.prod(m.size) * m.properties.dtype.itemsize for m in kept.values()) / 2**20
@@ -174,10 +124,9 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
     kwargs = source.chat_template_kwargs
     if is_main():
         save_hf_files(tmp, source.model_path, written, source.trust_remote_code, source.chat_template, kwargs,
-                      templates and templates.with_template_defaults)
+                      with_template_defaults)
     if kwargs:  # what a request that passes none now gets
-        print0(templates.template_kwargs_note(kwargs) if templates else "note: the run's data.chat_template_kwargs "
-               "are not the exported chat template's defaults (no hf/template_defaults.py hook given)")
+        print0(template_kwargs_note(kwargs))
     barrier()  # the check reads config.json
     print0(f"exported {label}: {len(kept)} tensors, {num_bytes / 1e9:.3f} GB {dtype_counts(plan.dtypes.values())} "
            f"in {len(shards)} shard(s), {time.perf_counter() - t0:.1f}s; peak RSS so far {peak_rss_mb():.0f} MB "
@@ -185,8 +134,8 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
     if plan.untouched:
         print0(f"copied through untouched from {plan.where}: {len(plan.untouched)} tensors the model class does not "
                f"own: {name_groups(plan.untouched)}")
-    diff = None if check is None else check(tmp, skeleton, load, written, plan, shards, live=live,
-                                            trust_remote_code=source.trust_remote_code, source=source.model_path)
+    diff = None if not verify else verify_export(tmp, skeleton, load, written, plan, shards, live=live,
+                                                 trust_remote_code=source.trust_remote_code, source=source.model_path)
     return {"source": str(Path(checkpoint).resolve()),
             "weights": "the live model" if live else str(source.weights.resolve()),
             "model_path": source.model_path, "dtype": written.dtype, "num_shards": len(shards),
@@ -194,52 +143,41 @@ def write_model(tmp: Path, checkpoint: str, label: str, source: Source, hf_confi
 
 
 def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_shard_size: str = "5GB",
-              verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None, *, adapters=None,
-              check=None, locks=None, templates=None, gather=None, passthrough=None) -> Path:
+              verify: bool = True, adapter: bool = False, live: torch.nn.Module | None = None) -> Path:
     """Write the HF model dir (adapter=True: a LoRA checkpoint's PEFT adapter dir) `output_dir` from `checkpoint`;
-    returns it. `live`: the sharded model just saved there, gathered by `gather` (hf/live) where the layout allows.
-    Optional hooks: `adapters` (adapters/lora_export; LoRA checkpoints are refused without), `check` (hf/verify, when
-    `verify`), `locks` (run/locks), `templates` (hf/template_defaults), `passthrough` (hf/passthrough: the
-    source's dtypes and the tensors its class does not own)."""
+    returns it. `live`: the sharded model just saved there, gathered (hf/live) where the layout allows. Each tensor
+    in the source's dtype (hf/passthrough), what the model class does not own copied through, checked (hf/verify)."""
     dtype, shard_bytes, out = parse_dtype(dtype_name), parse_shard_size(max_shard_size), Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
-    with locks.pinned_source(checkpoint) if locks else nullcontext(find_source(checkpoint)) as source:
+    with locks.pinned_source(checkpoint) as source:
         if adapter and not source.lora:
             raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
-        if source.lora and adapters is None:
-            raise CheckpointError(f"{source.label} is a LoRA checkpoint: exporting it needs the LoRA extension "
-                                  f"(adapters/lora_export.py: the adapters hook), which this export was not given")
-        if passthrough is None and not adapter:
-            print0("note: every tensor is exported in one dtype and what the model class does not own (MTP layers) "
-                   "is left out: no hf/passthrough.py hook given")
-        if verify and check is None:
-            print0("note: the export is not checked: no export check (hf/verify.py) given")
+        if source.lora:
+            from .adapters import lora_export
         check_output_dir(out, EXPORT_MARKER, "an earlier export")
         hf_config = load_hf_config(source.model_path, source.trust_remote_code)
         if source.lora:  # the base it is merged onto must have the architecture and weights it trained on
-            adapters.check_base(source, hf_config, adapter)
+            lora_export.check_base(source, hf_config, adapter)
         stored, load = open_dcp(source.weights)  # the checkpoint's tensors, opened once
         if not adapter:
             if source.lora:  # merged onto its base (embeddings that LoRA trained apart from their tied twin: untied)
-                skeleton, stored, load = adapters.open_merged(source, hf_config, stored, load)
+                skeleton, stored, load = lora_export.open_merged(source, hf_config, stored, load)
             else:
                 skeleton = build_skeleton(hf_config, None, source.trust_remote_code)  # built once
             kept, disk = export_layout(source, skeleton, stored)
-            plan = passthrough.plan_export(skeleton, kept, disk, source.model_path, hf_config, dtype) \
-                if passthrough else plain_plan(kept, disk, dtype)
-            gathered = live is not None and gather is not None and not source.lora and \
-                len({k for k, _ in disk.values()}) == len(disk)
+            plan = plan_export(skeleton, kept, disk, source.model_path, hf_config, dtype)
+            gathered = live is not None and not source.lora and len({k for k, _ in disk.values()}) == len(disk)
             if gathered:
-                load = gather(live)[1]
+                load = open_live(live)[1]
             label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
         with staging(out, EXPORT_MARKER, locks) as tmp:
             if adapter:
-                record = adapters.save_adapter(tmp, source, stored, load, hf_config, dtype or torch.bfloat16,
-                                                verify)
+                record = lora_export.save_adapter(tmp, source, stored, load, hf_config, dtype or torch.bfloat16,
+                                                  verify)
             else:
                 record = write_model(tmp, checkpoint, label, source, hf_config, skeleton, plan, load, shard_bytes,
-                                     check if verify else None, gathered, templates)
+                                     verify, gathered)
             if is_main():  # marks the dir as our export
                 (tmp / EXPORT_MARKER).write_text(json.dumps({**record, "time": time.time()}, indent=2) + "\n")
     return out

@@ -11,15 +11,8 @@ from torch import nn
 from .compat import local_shape_and_offset
 from .distributed import print0
 from .errors import ModelError
-from .weights import (SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key, ignored_on_load,
-                      missing_allowed, open_dir, persistent_buffers, read_rows, read_tensor, tied_groups)
-
-MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
-
-
-def is_prepared(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
+from .weights import (MANIFEST, SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key, ignored_on_load,
+                      is_prepared, missing_allowed, open_dir, persistent_buffers, read_rows, read_tensor, tied_groups)
 
 def check_manifest(path: str, hf_config) -> None:
     """A prepared checkpoint must hold the model the config describes."""

@@ -20,7 +20,8 @@ from .compat import CheckpointImpl, checkpoint_wrapper
 from .config import ConfigError
 from .distributed import print0
 from .errors import ModelError, one_line
-from .load import check_manifest, is_prepared, load_hf_weights
+from .load import check_manifest, load_hf_weights
+from .weights import is_prepared
 
 
 @dataclass
@@ -146,6 +147,21 @@ def find_decoder(model: nn.Module) -> nn.Module:
     if len(inner) != 1:
         raise ModelError(f"cannot find the decoder of {type(model).__name__}: its get_decoder() is the whole model")
     return inner[0]
+
+
+def router_recorder(model: nn.Module) -> tuple[type, int] | None:
+    """(router module class, index of its logits in its output) as transformers records them; None without routers."""
+    rec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    if rec is None:
+        return None
+    if isinstance(rec, type):
+        return rec, 0
+    return rec.target_class, rec.index or 0
+
+
+def find_experts(model: nn.Module) -> list[nn.Module]:
+    """The fused expert modules (transformers' @use_experts_implementation classes: 3-D weights)."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel")]
 
 
 def clean_child(mod: nn.Module) -> nn.Module:

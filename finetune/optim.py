@@ -16,6 +16,24 @@ def by_mesh(params) -> list[list]:
     return list(groups.values())
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global grad norm over every shard (clipped when max_norm > 0), as a tensor on the device; parameters on
+    several device meshes (expert parallel's own) are normed together and each mesh's gradients clipped by it."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    groups = by_mesh(p for p in model.parameters() if p.grad is not None)
+    if len(groups) <= 1:
+        params = groups[0] if groups else []
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
+    norm = torch.stack([(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms]).sum().sqrt()
+    # the plain norm scales each mesh's DTensor gradients
+    with implicit_replication():
+        for g in groups:
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm if max_norm > 0 else float("inf"), norm, foreach=True)
+    return norm
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only (not embeddings, norms, biases); each group split by_mesh."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}

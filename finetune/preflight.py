@@ -14,7 +14,7 @@ from .config import Config, ConfigError
 from .data import open_sources, require_chat_template
 from .hf.fingerprint import base_fingerprint
 from .run.locks import hold_run_lock, release_lock
-from .load import is_prepared
+from .weights import is_prepared
 from .model import load_hf_config
 from .data.chat_template import run_tokenizer
 from .build import samples

@@ -3,23 +3,29 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from . import build
 from . import checkpoint as ckpt
-from .config import Config, ConfigError, to_toml
-from .data import IGNORE_INDEX, build_samples, describe_counts
+from .config import Config, to_toml
+from .data import IGNORE_INDEX, describe_counts
+from .data.chat_template import run_tokenizer
 from .distributed import all_reduce, init_distributed, is_main, print0, world_size
 from .errors import FinetuneError
-from .export import export_hf
 from .loss import collate_labelled
-from .metrics import peak_mem_mb
+from .metrics import MetricsLogger, peak_mem_mb
 from .model import Transforms, build_model
-from .optim import build_optimizer, build_scheduler, by_mesh
-from .task import Recipe, Run, Task
+from .optim import build_optimizer, build_scheduler, by_mesh, clip_grad_norm
+from .run.checks import validate
+from .run import locks
+from .run.mfu import meter
+from .run.report import Report
+from .run.saving import Checkpointer
+from .task import Run, Task, build_run_samples
 
 
 class NonFiniteError(FinetuneError):
@@ -68,7 +74,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     count = total.get("count", total["num_tokens"]).clamp(min=1)
     for group in by_mesh(p for p in model.parameters() if p.grad is not None):  # one foreach per device mesh
         torch._foreach_mul_([p.grad for p in group], (1 / count).float())
-    grad_norm = (task.clip or clip_grad_norm)(model, max_grad_norm)
+    grad_norm = clip_grad_norm(model, max_grad_norm)
     result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
               **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means},
               **{k: total[k] for k in task.totals}, **task.end_step()}
@@ -77,15 +83,6 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return result, skipped
-
-
-def build_run_samples(cfg: Config, tokenizer, **kwargs):
-    """The sample stream `cfg.data` describes (for sft, bench and preview-data alike)."""
-    dc = cfg.data
-    return build_samples([asdict(s) for s in dc.sources] or dc.path, tokenizer, fmt=dc.format, split=dc.split,
-                         name=dc.name or None, max_seq_len=dc.max_seq_len, packing=dc.packing,
-                         seed=cfg.train.seed, on_unsupported=dc.on_unsupported, num_proc=dc.num_proc,
-                         chat_template_kwargs=dc.chat_template_kwargs, **kwargs)
 
 
 def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
@@ -97,41 +94,43 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transform
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 
-def train(cfg: Config, recipe: Recipe) -> dict:
-    """Run the recipe (`finetune.build.recipe(cfg, task)`); returns the final metrics record and held-out
-    results."""
+def train(cfg: Config, task: str = "sft") -> dict:
+    """Run `task` ("sft", "dpo") as `cfg` says (build.py turns the config into the model's transforms and the
+    loop's Task); returns the final metrics record and held-out results."""
+    validate(cfg, task)
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp,
                                     ep=cfg.parallel.ep)
     out, tc, dc = Path(cfg.output_dir), cfg.train, cfg.data
-    if tc.tokens_per_step and recipe.accum is None:
-        raise ConfigError("train.tokens_per_step needs run/tokens_per_step.py's accum (Recipe.accum), not given")
-    accum = recipe.accum(cfg, dims.dp_size) if tc.tokens_per_step else tc.grad_accum_steps
+    accum = tc.grad_accum_steps
+    if tc.tokens_per_step:
+        from .run.tokens_per_step import run_accum
+        accum = run_accum(cfg, dims.dp_size)
     torch.manual_seed(tc.seed)
     resume_dir = ckpt.find_resume(out, cfg.checkpoint.resume, cfg.checkpoint.resume_from)
-    ckpt.check_run(out, resume_dir, cfg.checkpoint.resume_from, recipe.name)  # a run of this task (the CLI: and model)
-    tokenizer, chat_template = recipe.tokenizer(cfg, resume_dir)
-    model, optimizer, lora = build_model_and_optimizer(cfg, device, dims, recipe.transforms(cfg, dims, device))
+    ckpt.check_run(out, resume_dir, cfg.checkpoint.resume_from, task)  # a run of this task (the CLI: and model)
+    tokenizer, chat_template = run_tokenizer(cfg, resume_dir)
+    model, optimizer, lora = build_model_and_optimizer(cfg, device, dims, build.transforms(cfg, dims, device))
     scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
     if resume_dir is not None:
+        from .run.resume_note import resume_note
         ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, model.config, lora)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
-        if line := recipe.resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg, state.samples_seen):
+        if line := resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg, state.samples_seen):
             print0(line)
 
     samples = build_run_samples(cfg, tokenizer, rank=dims.dp_rank, world_size=dims.dp_size,
-                                start_sample=state.samples_seen, **recipe.samples)
+                                start_sample=state.samples_seen, **build.samples(cfg, build.labellers(task)))
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
-    report = recipe.report(cfg, model, samples, dims, device, global_batch, state) if recipe.report else None
-    flops_tok, peak = recipe.mfu(model, device) if recipe.mfu is not None else (None, None)
-    task = recipe.setup(cfg, Run(model, optimizer, tokenizer, dims, device, out, resume_dir))
+    report = Report(cfg, model, samples, dims, device, global_batch, state)
+    flops_tok, peak = meter(model, device)
+    name, task = task, build.task(cfg, Run(model, optimizer, tokenizer, dims, device, out, resume_dir), task)
     before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
     with ckpt.SignalFlag() as signals:  # until train returns: a signal during the final export and eval waits too
-        with (open_outputs(cfg, out, state.step, chat_template, lora, recipe) as (logger, saver),
-              report or nullcontext(lambda record: None) as show):
+        with open_outputs(cfg, out, state.step, chat_template, lora, name) as (logger, saver), report as show:
             while state.step < tc.max_steps:
                 step = state.step + 1
                 t0 = time.perf_counter()
@@ -161,8 +160,10 @@ def train(cfg: Config, recipe: Recipe) -> dict:
             saver.wait()
             if samples.num_samples is None:
                 print0(f"data (streamed so far): {describe_counts(samples.counts)}")
-        if cfg.checkpoint.export_hf:  # every rank gathers, writes and checks whole files (plan: the final checkpoint)
-            export_hf(str(out), str(out / "hf"), live=model, **recipe.export)
+        # every rank gathers, writes and checks whole files (plan: the final checkpoint)
+        if cfg.checkpoint.export_hf:
+            from .export import export_hf
+            export_hf(str(out), str(out / "hf"), live=model)
         if task.evaluate_after is not None:
             record["eval"] = task.evaluate_after(before)
     return record
@@ -170,19 +171,22 @@ def train(cfg: Config, recipe: Recipe) -> dict:
 
 @contextmanager
 def open_outputs(cfg: Config, out: Path, start_step: int, chat_template: str | dict | None, lora: dict | None,
-                 recipe: Recipe):
+                 task: str):
     """Once the run is accepted (a refused run rewrites nothing): config.toml; (metrics logger, checkpointer)."""
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
         ckpt.keep_earlier_run(out / "checkpoints", cfg.checkpoint.resume)
-    logger = recipe.logger(out, start_step=start_step)
+    if cfg.log.wandb:
+        from .run.wandb import WandbLogger
+        logger = WandbLogger(out, start_step=start_step, cfg=cfg)
+    else:
+        logger = MetricsLogger(out, start_step=start_step)
     run = asdict(cfg)
     if Path(cfg.model.path).exists():
         run["model"]["path"] = str(Path(cfg.model.path).resolve())
-    saver = recipe.checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, lora=lora,
-                                run={"config": run, "chat_template": chat_template, "task": recipe.name},
-                                locks=recipe.export.get("locks"))
+    saver = Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_, lora=lora,
+                         run={"config": run, "chat_template": chat_template, "task": task}, locks=locks)
     try:
         yield logger, saver
     finally:
@@ -227,11 +231,3 @@ def flush_steps(pending: list, state: ckpt.TrainState, logger, show, tc, device,
         show(record)
     pending.clear()
     return record, values["stop"] > 0
-
-
-def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Global grad norm over all shards of one device mesh (clipped when max_norm > 0), as a tensor on the device;
-    Task.clip for several meshes."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

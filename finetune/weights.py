@@ -31,6 +31,12 @@ ARCH_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_siz
 # <name>.original_module (frozen) + <name>.modules_to_save.default (the trained copy)
 _WRAPPERS = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
 
+MANIFEST = "finetune_manifest.json"  # marks a prepared checkpoint directory
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
 
 # ------------------------------------------------------------------------------------------------------ names
 

@@ -48,8 +48,7 @@ def train_with_nan_at(cfg, step: int):
         model.register_forward_hook(poison)
         return model, lora
     T.build_model = build_model
-    from finetune.build import recipe
-    return T.train(cfg, recipe(cfg))
+    return T.train(cfg, "sft")
 
 
 def test_resume_is_exact_same_and_other_world_size(llama_dir, chat_file, tmp_path, straight, capsys):
@@ -150,11 +149,10 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(llama_dir
 
 def exit_of_rank(cfg):
     """The exit code of a rank as the CLI runs it (launch.rank_main: train(cfg), an error as one line on stderr)."""
-    from finetune.build import recipe
     from finetune.launch import rank_main
     from finetune.train import train
     try:
-        rank_main(train, (cfg, recipe(cfg)), False)
+        rank_main(train, (cfg, "sft"), False)
     except SystemExit as e:
         return e.code
 
@@ -313,7 +311,6 @@ def train_with_full_disk(cfg, step: int, rank: int) -> tuple[str, int]:
     import torch.distributed as dist
     import torch.distributed.checkpoint.filesystem as fs
 
-    from finetune.build import recipe
     from finetune.train import train
     write_item = fs._write_item
 
@@ -324,7 +321,7 @@ def train_with_full_disk(cfg, step: int, rank: int) -> tuple[str, int]:
         return write_item(transforms, stream, *args, **kwargs)
     fs._write_item = full_disk
     try:
-        train(cfg, recipe(cfg))
+        train(cfg, "sft")
     except FinetuneError as e:
         return str(e), e.exit_code
     raise AssertionError("the save did not fail")

@@ -38,8 +38,7 @@ def pairs_file(tmp_path_factory):
 
 def dpo_rank(cfg):
     from finetune.train import train
-    from finetune.build import recipe
-    return train(cfg, recipe(cfg, "dpo"))
+    return train(cfg, "dpo")
 
 
 def dpo(model_dir, data, out, *overrides, nproc: int = 1) -> list[dict]:
@@ -123,7 +122,8 @@ def lora_reference(model_dir, data, *extra):
     from finetune.tasks.dpo import adapters_off, collate_pairs, pair_logps
     from finetune.build import transforms
     from finetune.data.chat_template import run_tokenizer
-    from finetune.train import build_model_and_optimizer, build_run_samples
+    from finetune.task import build_run_samples
+    from finetune.train import build_model_and_optimizer
     device, dims = init_distributed(1, 0)
     results = []
     for rank in (4, 0):

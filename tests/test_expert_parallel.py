@@ -206,7 +206,7 @@ def test_ep_on_a_dense_model_or_an_expert_count_it_does_not_divide_is_refused(ll
         cfg = sft_config(model_dir, chat_file, tmp_path / model_dir.name, "parallel.ep=2", "train.max_steps=1")
         with pytest.raises(ConfigError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
             run_ranks(train_rank, 2, cfg)
-    # dpo: refused by the recipe (the command's config checks do not know the task)
-    from finetune.build import recipe
+    # dpo: refused by the task's checks (run/checks.validate, which train.train runs again for API callers)
+    from finetune.run.checks import validate
     with pytest.raises(ConfigError, match=r"^parallel.ep=2 with finetune dpo is not supported yet"):
-        recipe(sft_config(three, chat_file, tmp_path / "dpo", "parallel.ep=2"), "dpo")
+        validate(sft_config(three, chat_file, tmp_path / "dpo", "parallel.ep=2"), "dpo")

@@ -108,8 +108,11 @@ def test_every_module_of_a_run_is_reached_by_an_import_statement():
     checks, recipe and template handling); the CLI imports what every run uses."""
     assert own_module_lookups() == []
     graph = import_graph()
-    assert {"finetune.build", "finetune.preflight", "finetune.run.checks", "finetune.run.console",
+    assert {"finetune.train", "finetune.export", "finetune.preflight", "finetune.run.checks", "finetune.run.console",
             "finetune.run.rank_errors", "finetune.tools.commands"} <= graph["finetune.cli"], graph["finetune.cli"]
+    assert {"finetune.build", "finetune.run.report", "finetune.run.saving", "finetune.data.chat_template"} <= \
+        graph["finetune.train"], graph["finetune.train"]
+    assert {"finetune.hf.verify", "finetune.hf.passthrough", "finetune.run.locks"} <= graph["finetune.export"]
 
 
 def test_the_lookup_check_sees_a_lookup_by_name(tmp_path):
@@ -122,9 +125,10 @@ def test_the_lookup_check_sees_a_lookup_by_name(tmp_path):
 
 
 # the package's layers, bottom up: a module imports only from its own layer or below (finetune/'s own modules and
-# data/ are the bottom; build.py, the one place a capability enters, imports the folders; the commands sit on top)
+# data/ are the bottom; build.py, the one place a capability enters, imports the folders; the loop and the export,
+# which import what every run does by name, sit above it; the commands on top)
 LAYERS = [{"finetune", "data"}, {"hf", "kernels", "memory"}, {"parallel", "adapters", "run"}, {"tasks"}, {"build"},
-          {"preflight", "tools"}, {"cli", "__main__"}]
+          {"train", "export", "preflight", "tools"}, {"cli", "__main__"}]
 
 
 def layer_of(module: str) -> int:

@@ -74,7 +74,8 @@ def our_logits(model_dirs, prepare=None) -> list[tuple[str, torch.Tensor, dict]]
     """On each rank, for each dir: the path the load took, the logits of build_model's model, its routing biases.
     `prepare`: (source, dir) prepare-checkpoint writes first (on these ranks), loaded last."""
     from finetune.distributed import init_distributed
-    from finetune.load import is_prepared, locate_slices
+    from finetune.load import locate_slices
+    from finetune.weights import is_prepared
     from finetune.model import Transforms, build_model, build_skeleton
     from finetune.tools.prepare import prepare_checkpoint
     from finetune.hf import loader

@@ -169,7 +169,8 @@ def test_bad_qlora_input_is_one_line_and_exit_2(qlora_dir, chat_file, tmp_path):
         assert not (tmp_path / "out").exists()
     from finetune.errors import ModelError
     from finetune.adapters.qlora import fill_nf4
-    from finetune.load import MANIFEST, load_hf_weights
+    from finetune.load import load_hf_weights
+    from finetune.weights import MANIFEST
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / MANIFEST).write_text("{}")  # a prepared checkpoint: no safetensors slices to quantize
     with pytest.raises(ModelError, match="is a prepared checkpoint: lora.quantize_base quantizes the base as each "

@@ -1,5 +1,5 @@
-"""Exporting a LoRA checkpoint (export_hf's `adapters` hook): merged onto its base (W + alpha/r * B @ A in fp32), or
-written as a PEFT adapter dir; tied embeddings that LoRA trained apart are exported untied."""
+"""Exporting a LoRA checkpoint (export.export_hf imports this for one): merged onto its base (W + alpha/r * B @ A in
+fp32), or written as a PEFT adapter dir; tied embeddings that LoRA trained apart are exported untied."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,12 +7,11 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import read_marker
+from ..checkpoint import Source, find_source, read_marker
 from ..config import ConfigError
 from ..distributed import print0, world_size
 from ..errors import ModelError
-from ..export import Source, find_source
-from ..load import is_prepared
+from ..weights import is_prepared
 from ..model import build_skeleton
 from ..weights import arch_diffs, disk_to_memory, open_dcp
 from ..hf.fingerprint import base_fingerprint

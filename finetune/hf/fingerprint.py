@@ -5,7 +5,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..load import MANIFEST, is_prepared
+from ..weights import MANIFEST, is_prepared
 from ..weights import INDEX
 from .loader import local_dir
 

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..load import MANIFEST, is_prepared
+from ..weights import MANIFEST, is_prepared
 from ..weights import (SAFETENSORS_DTYPES, STORED_DTYPES, Entry, Plan, ignored_on_load, open_dir,
                        renamed_on_load)
 from .fingerprint import fingerprint

@@ -129,7 +129,7 @@ def check_untrained(entries: dict[str, Entry], skeleton: nn.Module, disk: dict, 
     """Each tensor the run never trained is exported as the source model holds it (rounded to the export dtype): a
     load that dropped one (a routing bias left at its initial zeros) would also be in the checkpoint, so comparing
     with the checkpoint alone cannot see it."""
-    from ..load import is_prepared
+    from ..weights import is_prepared
     from ..weights import open_dcp
     if not untrained:  # nothing to compare: the source is not opened
         return

@@ -1,5 +1,5 @@
 """Mixture-of-experts models: the router's load-balancing loss over the global batch (RouterLoss), the experts
-implementation (grouped GEMM, batched or per-expert loop), and gradient clipping over the experts' own mesh.
+implementation (grouped GEMM, batched or per-expert loop).
 
 The load-balancing loss is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6, summed over the MoE
 layers): aux = E * sum_e f_e * P_e, f_e the share of the router's own top-k assignments to expert e (DeepSeek-V3's
@@ -21,20 +21,10 @@ from ..config import ConfigError
 from ..distributed import all_reduce, print0
 from ..data import IGNORE_INDEX
 from ..errors import ModelError, one_line
-from ..optim import by_mesh
-from ..train import Task, clip_grad_norm
+from ..model import find_experts, router_recorder
+from ..task import Task
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
-
-
-def router_recorder(model: nn.Module) -> tuple[type, int] | None:
-    """(router module class, index of its logits in its output) as transformers records them; None without routers."""
-    rec = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-    if rec is None:
-        return None
-    if isinstance(rec, type):
-        return rec, 0
-    return rec.target_class, rec.index or 0
 
 
 def apply_experts_implementation(model: nn.Module, name: str) -> None:
@@ -59,11 +49,6 @@ def apply_experts_implementation(model: nn.Module, name: str) -> None:
     experts = find_experts(model)
     print0(f"moe: experts {model.config._experts_implementation} ({len(experts)} MoE layers"
            f"{f' of {experts[0].num_experts} experts' if experts else ''})")
-
-
-def find_experts(model: nn.Module) -> list[nn.Module]:
-    """The fused expert modules (transformers' @use_experts_implementation classes: 3-D weights)."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel")]
 
 
 def default_aux_coef(model: nn.Module) -> float:
@@ -210,17 +195,3 @@ def router_task(task: Task, router: RouterLoss) -> Task:
     def end_step() -> dict:
         return {**task.end_step(), "aux_loss": router.end_step()}
     return replace(task, loss=loss, begin_step=begin_step, end_step=end_step)
-
-
-def clip_grad_norm_by_mesh(model, max_norm: float) -> torch.Tensor:
-    """Task.clip over several device meshes (experts' own): the global norm, each mesh's gradients clipped by it."""
-    from torch.distributed.tensor.experimental import implicit_replication
-    groups = by_mesh(p for p in model.parameters() if p.grad is not None)
-    if len(groups) <= 1:
-        return clip_grad_norm(model, max_norm)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
-    norm = torch.stack([(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms]).sum().sqrt()
-    with implicit_replication():  # the plain norm scales each mesh's DTensor gradients
-        for g in groups:
-            torch.nn.utils.clip_grads_with_norm_(g, max_norm if max_norm > 0 else float("inf"), norm, foreach=True)
-    return norm

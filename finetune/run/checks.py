@@ -19,7 +19,7 @@ MAX_EPOCHS = 1_000_000  # passes over one source in an epoch of a mixture (beyon
 
 def validate(cfg: Config, task: str = "sft") -> None:
     """After config.validate: dpo.*, moe.* and parallel.ep, model.fp8's combinations, data.sources (one line each);
-    `task`: the command's (recipes.recipe checks again with it)."""
+    `task`: the command's (train.train checks again: API callers)."""
     for key, rule, holds in RANGES:
         if not holds(get_key(cfg, key)):
             raise ConfigError(f"{key} must be {rule}, got {get_key(cfg, key)!r}")

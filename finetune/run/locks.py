@@ -1,4 +1,4 @@
-"""Ownership of output dirs (the `locks` hook of export_hf, outdir.staging, checkpoint.prune, and the CLI's run lock):
+"""Ownership of output dirs (export_hf, outdir.staging, checkpoint.prune, and the CLI's run lock):
 an exclusive flock held for a whole run, released however the process ends (kill -9 included, unlike a pid file);
 pins that keep a step dir being exported from retention; removal of what interrupted exports left behind; what the
 user added to an output dir kept when it is written again (publish_dir)."""
@@ -212,17 +212,17 @@ def guard(out: Path):
 
 
 def pin_source(checkpoint: str):
-    """export.find_source, its step dir pinned (hold_pin) so that the retention of a run still saving into it
+    """checkpoint.find_source, its step dir pinned (hold_pin) so that the retention of a run still saving into it
     (checkpoint.keep) leaves it until the export ends. When retention deleted it first: the newest again (for an
     output dir), else one line naming the step."""
-    from .. import export
-    from ..checkpoint import CheckpointError, damage, is_complete
-    if export.is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
-        return export.find_source(checkpoint)
+    from ..checkpoint import CheckpointError, damage, find_source, is_complete
+    from ..weights import is_prepared
+    if is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
+        return find_source(checkpoint)
     step = Path(checkpoint)
     for _ in range(3):
         try:
-            source = export.find_source(checkpoint)
+            source = find_source(checkpoint)
         except FileNotFoundError:  # deleted between being found and being read
             continue
         step = source.weights

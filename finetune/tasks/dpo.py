@@ -29,7 +29,7 @@ from ..data import build_samples
 from ..distributed import is_main, print0, world_size
 from ..errors import FinetuneError
 from ..loss import collate_labelled, token_loss_sum
-from ..train import Run, Task, build_run_samples
+from ..task import Run, Task, build_run_samples
 from ..data.mixture import Mixture
 from .pairs import label_pair
 
@@ -285,10 +285,6 @@ def dpo_task(cfg, run: Run) -> Task:
                                   partial(collate_pairs, pad_id=pad), run.device, run.out, run.resume_dir,
                                   cfg.checkpoint.resume)
     loss_fn = make_loss(cfg.dpo, reference)
-    from ..kernels.moe import build_router_loss
-    from ..kernels.float8 import float8_scales
-    float8_scales(cfg, run)
-    build_router_loss(run.model, cfg.moe.aux_loss_coef, "dpo")  # none for dpo: a note where the model has one
 
     def evaluate_after(before):
         batches = pair_batches(iter(held_out), num_held_out, cfg.train.micro_batch_size,

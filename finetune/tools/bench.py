@@ -92,11 +92,13 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     from ..distributed import init_distributed
     from ..metrics import peak_mem_mb
     from ..model import ac_layer_ids, resolve_compile
-    from ..train import Run, Task, build_model_and_optimizer, build_run_samples, next_micro_batches, train_step
+    from ..task import Run, Task, build_run_samples
+    from ..train import build_model_and_optimizer, next_micro_batches, train_step
     from ..tasks import dpo
     from ..data.chat_template import run_tokenizer
     from ..run.mfu import peak_flops, step_flops_per_token
-    from ..build import recipe, samples
+    from ..build import samples, task as build_task, transforms
+    from ..run.checks import validate
     device, dims = init_distributed(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp=cfg.parallel.cp,
                                     ep=cfg.parallel.ep)
     tc, dc = cfg.train, cfg.data
@@ -104,13 +106,13 @@ def run_point(cfg: Config, steps: int, warmup: int) -> dict:
     tok, _ = run_tokenizer(cfg)
     stream = build_run_samples(cfg, tok, rank=dims.dp_rank, world_size=dims.dp_size, **samples(cfg, dpo.LABELLERS))
     pairs = stream.sources[0].fmt == "pairs"
-    run = recipe(cfg, "dpo" if pairs else "sft")
-    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, run.transforms(cfg, dims, device))
+    validate(cfg, "dpo" if pairs else "sft")
+    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, transforms(cfg, dims, device))
     if pairs:  # dpo's step (a precomputed reference is read, not timed: zeros here)
         task = Task(dpo.make_loss(cfg.dpo, dpo.reference_kind(cfg)),
                     partial(dpo.collate_pairs, table=defaultdict(lambda: [0.0, 0.0])), dpo.MEANS)
     else:
-        task = run.setup(cfg, Run(model, optimizer, tok, dims, device, Path(cfg.output_dir), None))
+        task = build_task(cfg, Run(model, optimizer, tok, dims, device, Path(cfg.output_dir), None))
     samples = iter(stream)
     steps_data = [next_micro_batches(samples, tc.micro_batch_size, tc.grad_accum_steps, tok.pad_token_id,
                                      dc.max_seq_len, task.collate, dims.cp) for _ in range(warmup + steps)]

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from .. import __version__
 from ..distributed import init_distributed, is_main, print0, world_size
 from ..errors import ModelError
-from ..load import MANIFEST
+from ..weights import MANIFEST
 from ..model import Transforms, build_model, load_hf_config, save_hf_files
 from ..outdir import check_output_dir, staging
 from ..weights import arch_of, tied_groups

@@ -8,7 +8,7 @@ import sys
 
 from ..config import Config
 from ..data import IGNORE_INDEX
-from ..train import build_run_samples
+from ..task import build_run_samples
 from ..data.chat_template import run_tokenizer
 
 SPLIT_WHY = {"history": "the full conversation renders this turn differently",
