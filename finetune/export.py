@@ -24,7 +24,7 @@ from .hf.verify import verify_export
 from .metrics import peak_rss_mb
 from .model import build_skeleton, load_hf_config, save_hf_files
 from .outdir import check_output_dir, staging
-from .run import locks
+from .run import pins
 from .weights import INDEX, STORED_DTYPES, Plan, open_dcp, read_tensor, to_disk, write_safetensors
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
@@ -150,7 +150,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_sh
     dtype, shard_bytes, out = parse_dtype(dtype_name), parse_shard_size(max_shard_size), Path(output_dir)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and world_size() == 1:  # --nproc-per-node N: each rank writes
         init_distributed()  # and checks whole files (under sft the group is up already)
-    with locks.pinned_source(checkpoint) as source:
+    with pins.pinned_source(checkpoint) as source:
         if adapter and not source.lora:
             raise CheckpointError(f"--adapter needs a LoRA checkpoint; {source.label} is a full model")
         if source.lora:
@@ -171,7 +171,7 @@ def export_hf(checkpoint: str, output_dir: str, dtype_name: str = "auto", max_sh
             if gathered:
                 load = open_live(live)[1]
             label = f"{source.label}{' (gathered from the live model)' if gathered else ''} -> {out}"
-        with staging(out, EXPORT_MARKER, locks) as tmp:
+        with staging(out, EXPORT_MARKER, pins) as tmp:
             if adapter:
                 record = lora_export.save_adapter(tmp, source, stored, load, hf_config, dtype or torch.bfloat16,
                                                   verify)

@@ -32,7 +32,7 @@ def publish_dir(new: Path, out: Path) -> None:
 @contextmanager
 def staging(out: Path, marker: str, locks=None):
     """On every rank: yields rank 0's sibling temp dir `.<name>.partial-<pid>` to write `out` into (`marker` last),
-    published by rank 0 once the block has ended everywhere (under `locks`, run/locks, if given); on an error, not."""
+    published by rank 0 once the block has ended everywhere (under `locks`, run/pins, if given); on an error, not."""
     from .distributed import barrier, broadcast, is_main  # here: the CLI checks paths with this module before torch
     if not is_main():
         yield broadcast(None)

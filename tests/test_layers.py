@@ -112,7 +112,7 @@ def test_every_module_of_a_run_is_reached_by_an_import_statement():
             "finetune.run.rank_errors", "finetune.tools.commands"} <= graph["finetune.cli"], graph["finetune.cli"]
     assert {"finetune.build", "finetune.run.report", "finetune.run.saving", "finetune.data.chat_template"} <= \
         graph["finetune.train"], graph["finetune.train"]
-    assert {"finetune.hf.verify", "finetune.hf.passthrough", "finetune.run.locks"} <= graph["finetune.export"]
+    assert {"finetune.hf.verify", "finetune.hf.passthrough", "finetune.run.pins"} <= graph["finetune.export"]
 
 
 def test_the_lookup_check_sees_a_lookup_by_name(tmp_path):

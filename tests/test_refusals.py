@@ -183,13 +183,13 @@ def fake_step(root, step: int):
 def test_retention_leaves_a_step_that_an_export_pinned(tmp_path, monkeypatch):
     import shutil
 
-    import finetune.export as export
+    import finetune.checkpoint as export
     from finetune.checkpoint import CheckpointError, prune
     from finetune.run import locks
-    from finetune.run.locks import release_pin
+    from finetune.run.pins import pin_source, release_pin
     root = tmp_path / "run" / "checkpoints"
     first, second = fake_step(root, 1), fake_step(root, 2)
-    source = locks.pin_source(str(tmp_path / "run"))  # the newest
+    source = pin_source(str(tmp_path / "run"))  # the newest
     assert source.weights == second
     fake_step(root, 3)
     prune(root, keep=1, locks=locks)  # the run saved step 3: retention keeps 1, but step 2 is being exported
@@ -211,10 +211,10 @@ def test_retention_leaves_a_step_that_an_export_pinned(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=rf"^checkpoint {root / 'step-5'} was deleted by the retention of the "
                                               rf"run saving into {root} \(checkpoint.keep\) before export-hf could "
                                               rf"pin it: export a newer step, or the output dir \(its newest\)$"):
-        locks.pin_source(str(root / "step-5"))
+        pin_source(str(root / "step-5"))
     monkeypatch.setattr(export, "find_source", lambda c: (real if (root / "step-4").exists() else
                                                           found_then_deleted)(c))
-    assert locks.pin_source(str(tmp_path / "run")).weights == root / "step-4"  # an output dir: its newest again
+    assert pin_source(str(tmp_path / "run")).weights == root / "step-4"  # an output dir: its newest again
     release_pin(root / "step-4")
 
 
@@ -240,7 +240,7 @@ def test_export_of_a_run_whose_retention_runs_meanwhile(tmp_path, llama_dir, cha
             return load(name)
         return stored, load_as_the_run_saves
     monkeypatch.setattr(export, "open_dcp", open_while_the_run_saves)
-    export.export_hf(str(run), str(tmp_path / "hf"), verify=False, locks=locks)
+    export.export_hf(str(run), str(tmp_path / "hf"), verify=False)
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (root / "step-1").is_dir()
     prune(root, keep=1, locks=locks)  # unpinned now: the next retention deletes it
     assert not (root / "step-1").exists()

@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from ..kernels.moe import find_experts
+from ..model import find_experts
 
 # dense bf16 peak FLOP/s by device name (no sparsity); MFU is reported only for devices listed here
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}

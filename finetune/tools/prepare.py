@@ -23,7 +23,7 @@ from ..outdir import check_output_dir, staging
 from ..weights import arch_of, tied_groups
 from ..hf.fingerprint import fingerprint
 from ..hf import loader
-from ..run import locks
+from ..run import pins
 from ..kernels.varlen import register
 
 
@@ -64,7 +64,7 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
     directory = loader.local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
-    with staging(out, MANIFEST, locks) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
+    with staging(out, MANIFEST, pins) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
         sd = get_model_state_dict(model)
         dcp.save({"model": sd}, checkpoint_id=str(tmp / "weights"))
         if is_main():
