@@ -25,7 +25,7 @@ from . import outdir
 from .errors import FinetuneError
 from .distributed import barrier, is_main, print0, world_size
 from .optim import reapply_settings, settings
-from .weights import MANIFEST, arch_diffs, arch_of, clean_fqn, is_adapter, is_prepared
+from .weights import arch_diffs, arch_of, clean_fqn, is_adapter
 
 MARKER = "finetune_complete.json"
 
@@ -238,7 +238,7 @@ class Checkpointer:
     """Saves step-N checkpoints and prunes older ones (run/saving.py's: in the background, a failure in one line)."""
 
     def __init__(self, root: Path, keep: int, lora: dict | None = None, run: dict | None = None, locks=None):
-        # lora: the run's LoRA settings; run: what else the marker records; locks: prune's hook (run/locks)
+        # lora: the run's LoRA settings; run: what else the marker records; locks: run/locks, for prune
         self.root, self.keep, self.lora, self.run, self.locks = Path(root), keep, lora, run or {}, locks
 
     def save(self, step: int, model, optimizer, scheduler, state: TrainState, hf_config) -> Path:
@@ -301,46 +301,3 @@ class SignalFlag:
         self.name = signal.Signals(signum).name
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where an export reads from: DCP weights ({"model": <HF-named tensors>}), the HF config/tokenizer source."""
-    weights: Path
-    model_path: str
-    trust_remote_code: bool
-    label: str
-    lora: dict | None = None  # a LoRA checkpoint's settings: weights hold the adapters, model_path the base
-    chat_template: str | dict = ""  # the data.chat_template the run trained with (its marker's), for the tokenizer
-    chat_template_kwargs: dict | None = None  # the run's data.chat_template_kwargs: the exported template's defaults
-
-
-def find_source(path: str) -> Source:
-    """The newest intact checkpoint of a training output dir, a step-N dir (checked intact), or a prepared dir."""
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"no checkpoint at {p}: not a directory")
-    if is_prepared(p):
-        if not (p / "weights" / ".metadata").is_file():
-            raise CheckpointError(f"prepared checkpoint {p} has no weights/.metadata (incomplete copy?)")
-        manifest = json.loads((p / MANIFEST).read_text())
-        return Source(p / "weights", str(p), bool(manifest.get("trust_remote_code", False)), f"prepared {p}")
-    if (p / ".metadata").exists() or (p / MARKER).exists() or p.name.startswith("step-"):
-        check_intact(p)
-        step = p
-    elif (p / "checkpoints").is_dir():
-        step = latest_complete(p / "checkpoints")  # says which newer step dirs it passes over
-        if step is None:
-            found = ", ".join(d.name for d in step_dirs(p / "checkpoints")) or "none"
-            raise CheckpointError(f"no complete checkpoint under {p / 'checkpoints'} that is intact (step dirs: "
-                                  f"{found})")
-    else:
-        raise CheckpointError(f"no checkpoint at {p}: expected a training output dir (with checkpoints/), a step-N "
-                              f"dir or a prepared checkpoint (with {MANIFEST})")
-    # the model (config, tokenizer) this checkpoint trained: its marker says, whatever config.toml says now
-    marker = read_marker(step)
-    model = marker.get("config", {}).get("model", {})
-    if not model.get("path"):
-        raise CheckpointError(f"{step / 'finetune_complete.json'} does not name the model it trained (saved by an "
-                              f"older finetune)")
-    return Source(step, model["path"], bool(model.get("trust_remote_code")), str(step), marker.get("lora"),
-                  chat_template=marker.get("chat_template") or "",
-                  chat_template_kwargs=marker.get("config", {}).get("data", {}).get("chat_template_kwargs"))

@@ -13,19 +13,20 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, Source
+from .checkpoint import CheckpointError
 from .config import export_dtype_name, parse_shard_size
 from .distributed import barrier, init_distributed, is_main, is_my_file, print0, world_size
 from .errors import ModelError
+from .hf.files import Plan, Source, open_dcp, save_hf_files, to_disk, write_safetensors
 from .hf.live import open_live
 from .hf.passthrough import plan_export
 from .hf.template_defaults import template_kwargs_note, with_template_defaults
 from .hf.verify import verify_export
 from .metrics import peak_rss_mb
-from .model import build_skeleton, load_hf_config, save_hf_files
+from .model import build_skeleton, load_hf_config
 from .outdir import check_output_dir, staging
 from .run import pins
-from .weights import INDEX, STORED_DTYPES, Plan, open_dcp, read_tensor, to_disk, write_safetensors
+from .weights import INDEX, STORED_DTYPES, read_tensor
 
 EXPORT_MARKER = "finetune_export.json"  # marks a dir this command wrote (and may overwrite)
 

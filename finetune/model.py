@@ -4,7 +4,6 @@ wrappers and FSDP units hold them) -> activation checkpointing (with offload) ->
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -70,38 +69,6 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, pad: bool = True,
     if chat_template:
         tok.chat_template = chat_template
     return tok
-
-
-def load_generation_config(model_path: str, hf_config):
-    """The source's generation_config.json, else one derived from `hf_config`; one there but invalid is an error."""
-    from transformers import GenerationConfig
-    try:
-        return GenerationConfig.from_pretrained(model_path)
-    except Exception as e:  # noqa: BLE001 - OSError (missing file, bad JSON), ValueError (bad values), ...
-        there = (Path(model_path) / "generation_config.json").exists() if Path(model_path).is_dir() else \
-            not isinstance(e, OSError)  # a hub id: a missing file is an OSError (so is one that cannot be fetched)
-        if there:
-            raise ModelError(f"cannot load the generation config of '{model_path}': {one_line(e)}") from e
-    return GenerationConfig.from_model_config(hf_config)
-
-
-def save_hf_files(out: Path, model_path: str, hf_config, trust_remote_code: bool, chat_template: str | dict = "",
-                  template_kwargs: dict | None = None, with_defaults=None):
-    """config.json, generation_config.json and the tokenizer files of `model_path`, with `chat_template` if given
-    (and `template_kwargs` as its defaults, by `with_defaults`: hf/template_defaults), as save_pretrained would."""
-    hf_config.save_pretrained(out)
-    load_generation_config(model_path, hf_config).save_pretrained(out)
-    tok = load_tokenizer(model_path, trust_remote_code, pad=False, chat_template=chat_template)
-    if template_kwargs and with_defaults and tok.chat_template:  # it renders as trained when a request passes none
-        tok.chat_template = with_defaults(tok.chat_template, template_kwargs)
-    tok.save_pretrained(out)
-    # transformers 5 also writes where *this* process loaded the tokenizer from (is_local, local_files_only) into
-    # tokenizer_config.json; that describes our load, not the tokenizer, so it is dropped
-    tok_config = out / "tokenizer_config.json"
-    if tok_config.is_file():
-        entries = json.loads(tok_config.read_text())
-        if [entries.pop(k) for k in ("is_local", "local_files_only") if k in entries]:
-            tok_config.write_text(json.dumps(entries, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def build_skeleton(hf_config, attn_implementation: str | None = "sdpa", trust_remote_code: bool = False,

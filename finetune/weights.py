@@ -7,10 +7,8 @@ import math
 import os
 import re
 import struct
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -116,12 +114,6 @@ def disk_to_memory(skeleton: nn.Module, names) -> dict[str, str | None]:
     return {name: None if converted else key for name, (key, converted) in renamed_on_load(skeleton, names).items()}
 
 
-def to_disk(skeleton: nn.Module, tensors: dict) -> dict:
-    """{on-disk name: tensor} that save_pretrained writes for these in-memory {name: tensor}."""
-    from transformers.core_model_loading import revert_weight_conversion
-    return dict(revert_weight_conversion(skeleton, dict(tensors)))
-
-
 # ------------------------------------------------------------------------------------------------ safetensors
 
 @dataclass
@@ -131,18 +123,6 @@ class Entry:
     dtype: str  # safetensors' name, e.g. BF16
     shape: tuple[int, ...]
     start: int  # absolute byte offset of its data in the file
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What an export writes, and from where (planned by hf/passthrough from the source, else export.plain_plan)."""
-    kept: dict  # {in-memory name: checkpoint metadata} of what it writes from the checkpoint
-    disk: dict  # {on-disk name: (in-memory name, shape)} of those, as save_pretrained names them
-    dtypes: dict  # {on-disk name: the dtype it is written in}
-    untouched: dict  # {stored name: weights.Entry}: the source's tensors the model class does not own, copied as stored
-    source: dict  # {stored name: weights.Entry} of the source's files ({}: none at hand)
-    where: str  # their dir
-    dtype: torch.dtype | None  # --dtype; None: auto
 
 
 def read_header(file: Path) -> dict[str, Entry]:
@@ -208,47 +188,8 @@ def read_tensor(entry: Entry) -> torch.Tensor:
     return read_rows(entry, 0, (entry.shape or (1,))[0]).reshape(entry.shape)
 
 
-def write_safetensors(path: Path, specs: dict, fetch) -> None:
-    """A safetensors file of `specs` ({name: (shape, dtype)}) written tensor by tensor from fetch(name)."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, (shape, dtype) in specs.items():
-        num_bytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + num_bytes]}
-        offset += num_bytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for name, (shape, dtype) in specs.items():
-            t = fetch(name).to(dtype).contiguous()
-            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, t.dtype)
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-            del t
-
-
 # -------------------------------------------------------------------------------------------------- sources
 # each returns ({name: TensorStorageMetadata}, name -> one full tensor)
-
-def open_dcp(weights: Path) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """The model tensors of a DCP dir (state dict {"model": ...}), each full and in its saved dtype."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    reader = dcp.FileSystemReader(str(weights))
-    metadata = reader.read_metadata()
-    # dcp.load re-reads .metadata on every call: loading tensor by tensor would be quadratic in the number of tensors
-    reader.read_metadata = lambda *args, **kwargs: metadata
-    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
-              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-
-    def load(name: str) -> torch.Tensor:
-        t = torch.empty(stored[name].size, dtype=stored[name].properties.dtype)
-        with warnings.catch_warnings():  # torch warns on every single-process load; that is exactly what we mean
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({f"model.{name}": t}, storage_reader=reader, no_dist=True)
-        return t
-    return stored, load
-
 
 # -------------------------------------------------------------------------------------------- architecture
 

@@ -365,7 +365,7 @@ def losses(output_dir) -> list[float]:
 
 def count_builds_and_opens(monkeypatch) -> dict[str, list]:
     """From now on, record each model construction (the config of every AutoModelForCausalLM.from_config, which
-    every meta skeleton goes through), each tensor source opened (finetune.weights.open_dcp/open_safetensors/
+    every meta skeleton goes through), each tensor source opened (finetune.hf.files.open_dcp, open_safetensors/
     open_live, also where imported by name) and each DCP metadata read (FileSystemReader.read_metadata)."""
     import sys
     import torch.distributed.checkpoint as dcp

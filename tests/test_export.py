@@ -200,7 +200,8 @@ def test_a_re_export_keeps_what_the_user_added_and_replaces_our_own_files(llama_
 def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
     from finetune.checkpoint import CheckpointError
     from finetune.config import ConfigError
-    from finetune.export import find_source, parse_dtype, parse_shard_size
+    from finetune.export import parse_dtype, parse_shard_size
+    from finetune.hf.files import find_source
     assert find_source(str(llama_run)).weights == llama_run / "checkpoints" / "step-2"
     assert find_source(str(llama_run / "checkpoints" / "step-2")).model_path == \
         find_source(str(llama_run)).model_path
@@ -221,11 +222,12 @@ def test_source_resolution_and_argument_errors(llama_run, prepared, tmp_path):
 
 def test_the_reload_check_catches_a_wrong_tensor_and_a_wrong_config(llama_run, llama_export, tmp_path):
     from safetensors.torch import save_file
-    from finetune.export import find_source, export_layout
+    from finetune.export import export_layout
+    from finetune.hf.files import find_source
     from finetune.hf.verify import VerifyError, verify_export
     from finetune.model import build_skeleton, load_hf_config
     from finetune.hf.passthrough import plan_export
-    from finetune.weights import open_dcp
+    from finetune.hf.files import open_dcp
     source = find_source(str(llama_run))
     hf_config = load_hf_config(source.model_path)
     skeleton, (stored, load) = build_skeleton(hf_config, None), open_dcp(source.weights)

@@ -62,12 +62,12 @@ def test_only_the_config_s_mtp_layers_past_the_last_are_left_unread():
 
 def test_the_check_names_a_copied_through_tensor_that_changed_and_a_dtype_off_the_plan(export_of, tmp_path):
     from safetensors.torch import load_file, save_file
-    from finetune.checkpoint import find_source
+    from finetune.hf.files import find_source
     from finetune.export import export_layout
     from finetune.hf.passthrough import plan_export
     from finetune.hf.verify import VerifyError, verify_export
     from finetune.model import build_skeleton, load_hf_config
-    from finetune.weights import open_dcp
+    from finetune.hf.files import open_dcp
     source, out, _ = export_of("glm4_moe")
     checkpoint = find_source(str(out.parent / "run"))
     hf_config = load_hf_config(checkpoint.model_path)

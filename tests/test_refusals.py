@@ -139,7 +139,8 @@ def test_export_writes_the_runs_chat_template_kwargs_as_the_templates_defaults(t
     from transformers import AutoTokenizer
 
     from finetune.hf.template_defaults import template_kwargs_note, with_template_defaults
-    from finetune.model import load_hf_config, save_hf_files
+    from finetune.hf.files import save_hf_files
+    from finetune.model import load_hf_config
     msgs = [{"role": "user", "content": "hi"}]
     template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
                 "<assistant>{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
@@ -183,7 +184,7 @@ def fake_step(root, step: int):
 def test_retention_leaves_a_step_that_an_export_pinned(tmp_path, monkeypatch):
     import shutil
 
-    import finetune.checkpoint as export
+    import finetune.hf.files as export
     from finetune.checkpoint import CheckpointError, prune
     from finetune.run import locks
     from finetune.run.pins import pin_source, release_pin

@@ -7,13 +7,14 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import Source, find_source, read_marker
+from ..checkpoint import read_marker
+from ..hf.files import Source, find_source, open_dcp
 from ..config import ConfigError
 from ..distributed import print0, world_size
 from ..errors import ModelError
 from ..weights import is_prepared
 from ..model import build_skeleton
-from ..weights import arch_diffs, disk_to_memory, open_dcp
+from ..weights import arch_diffs, disk_to_memory
 from ..hf.fingerprint import base_fingerprint
 from .lora import check_base as check_trained_base, merge_lora_tensor, peft_config, peft_key
 from ..hf.verify import open_safetensors

@@ -1,5 +1,5 @@
 """data.chat_template: a Jinja file's (or another tokenizer's) chat template replaces the model's; it is saved with
-the run's checkpoints and a resumed run keeps it (Recipe.tokenizer). data.chat_template_kwargs must name variables the
+the run's checkpoints and a resumed run keeps it (run_tokenizer). data.chat_template_kwargs must name variables the
 template reads."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What an export takes from the source model's own files besides the checkpoint (export.export_hf's `passthrough`
-hook): the dtype each tensor is stored in (or kept in by transformers on load), and the tensors the model class does
-not own (MTP layers, other heads), which it copies through byte for byte."""
+"""What an export takes from the source model's own files besides the checkpoint (export.export_hf plans with it):
+the dtype each tensor is stored in (or kept in by transformers on load), and the tensors the model class does not own
+(MTP layers, other heads), which it copies through byte for byte."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..weights import MANIFEST, is_prepared
-from ..weights import (SAFETENSORS_DTYPES, STORED_DTYPES, Entry, Plan, ignored_on_load, open_dir,
-                       renamed_on_load)
+from ..weights import (SAFETENSORS_DTYPES, STORED_DTYPES, Entry, ignored_on_load, open_dir, renamed_on_load)
+from .files import Plan
 from .fingerprint import fingerprint
 
 

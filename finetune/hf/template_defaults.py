@@ -1,4 +1,4 @@
-"""The run's data.chat_template_kwargs as defaults of the exported chat template (export_hf's `templates` hook): what
+"""The run's data.chat_template_kwargs as defaults of the exported chat template (export.export_hf): what
 renders the saved template (transformers, vLLM, SGLang, llama.cpp) renders it as training did when a request passes
 none of them, and a request's own value still wins (servers take them per request or flag; no model file holds them)."""
 from __future__ import annotations

@@ -16,8 +16,9 @@ from ..distributed import is_main, is_my_file, print0
 from ..errors import FinetuneError, ModelError
 from ..metrics import peak_rss_mb
 from ..model import build_skeleton, find_layers
-from ..weights import (SAFETENSORS_CODES, STORED_DTYPES, Entry, Plan, disk_to_memory, open_dir,
-                       persistent_buffers, read_tensor, to_disk)
+from ..weights import (SAFETENSORS_CODES, STORED_DTYPES, Entry, disk_to_memory, open_dir, persistent_buffers,
+                       read_tensor)
+from .files import Plan, open_dcp, to_disk
 from .loader import local_dir
 
 
@@ -130,7 +131,6 @@ def check_untrained(entries: dict[str, Entry], skeleton: nn.Module, disk: dict, 
     load that dropped one (a routing bias left at its initial zeros) would also be in the checkpoint, so comparing
     with the checkpoint alone cannot see it."""
     from ..weights import is_prepared
-    from ..weights import open_dcp
     if not untrained:  # nothing to compare: the source is not opened
         return
     if is_prepared(model_path):

@@ -1,5 +1,5 @@
 """MFU (model FLOPs utilisation) for a run's metrics: training FLOPs per token as torchtitan counts them, and as they
-run (lm_head only at the label positions), over the device's dense bf16 peak; `meter` is train.Recipe's mfu hook."""
+run (lm_head only at the label positions), over the device's dense bf16 peak; train.train calls `meter`."""
 from __future__ import annotations
 
 from functools import partial

@@ -117,10 +117,11 @@ def guard(out: Path):
 
 
 def pin_source(checkpoint: str):
-    """checkpoint.find_source, its step dir pinned (hold_pin) so that the retention of a run still saving into it
+    """hf/files.find_source, its step dir pinned (hold_pin) so that the retention of a run still saving into it
     (checkpoint.keep) leaves it until the export ends. When retention deleted it first: the newest again (for an
     output dir), else one line naming the step."""
-    from ..checkpoint import CheckpointError, damage, find_source, is_complete
+    from ..checkpoint import CheckpointError, damage, is_complete
+    from ..hf.files import find_source
     from ..weights import is_prepared
     if is_prepared(Path(checkpoint)):  # no run deletes a prepared checkpoint
         return find_source(checkpoint)

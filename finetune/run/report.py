@@ -1,4 +1,4 @@
-"""What a run prints on the console (train.Recipe.report): the start-up lines (data, packing, model, mesh, batch) and,
+"""What a run prints on the console (train.train): the start-up lines (data, packing, model, mesh, batch) and,
 on rank 0, a progress bar and every log_interval steps one line of the step's metrics."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one line a resumed run prints about the config keys changed since its checkpoint (train.Recipe.resume_note)."""
+"""The one line a resumed run prints about the config keys changed since its checkpoint (train.train, on resume)."""
 from __future__ import annotations
 
 import dataclasses

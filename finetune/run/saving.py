@@ -1,4 +1,4 @@
-"""checkpoint.async and failed saves (train.Recipe.checkpointer): a Checkpointer that saves in the background (at most
+"""checkpoint.async and failed saves (train.train's): a Checkpointer that saves in the background (at most
 one save in flight) and stops every rank on a failed save with one line naming its cause."""
 from __future__ import annotations
 

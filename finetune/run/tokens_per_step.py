@@ -1,4 +1,4 @@
-"""train.tokens_per_step: a step of that many packed tokens, as micro-batches per rank (Recipe.accum)."""
+"""train.tokens_per_step: a step of that many packed tokens, as micro-batches per rank (train.train)."""
 from __future__ import annotations
 
 from ..config import Config, ConfigError
@@ -17,6 +17,6 @@ def accum_steps(micro_batch_size: int, grad_accum_steps: int, tokens_per_step: i
 
 
 def run_accum(cfg: Config, num_ranks: int) -> int:
-    """Recipe.accum: the micro-batches per rank of a step of cfg's train.tokens_per_step on `num_ranks` data ranks."""
+    """The micro-batches per rank of a step of cfg's train.tokens_per_step on `num_ranks` data ranks."""
     tc = cfg.train
     return accum_steps(tc.micro_batch_size, tc.grad_accum_steps, tc.tokens_per_step, cfg.data.max_seq_len, num_ranks)

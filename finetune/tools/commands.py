@@ -125,7 +125,8 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
         cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
         out = Path(cfg.output_dir).resolve()
         check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
-        from ..model import load_generation_config, load_hf_config, load_tokenizer
+        from ..hf.files import load_generation_config
+        from ..model import load_hf_config, load_tokenizer
         from .prepare import check_prepare_target
         check_prepare_target(Path(cfg.output_dir), cfg.model.path)
         hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before

@@ -18,7 +18,8 @@ from .. import __version__
 from ..distributed import init_distributed, is_main, print0, world_size
 from ..errors import ModelError
 from ..weights import MANIFEST
-from ..model import Transforms, build_model, load_hf_config, save_hf_files
+from ..hf.files import save_hf_files
+from ..model import Transforms, build_model, load_hf_config
 from ..outdir import check_output_dir, staging
 from ..weights import arch_of, tied_groups
 from ..hf.fingerprint import fingerprint
