@@ -17,9 +17,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     op-level AC, offload), configured."""
     from .distributed import print0
     from .hf import loader
-    from .kernels.linear_attention import apply_sample_boundaries
     from .kernels.varlen import register
-    t = Transforms(varlen=register, loader=loader, samples_apart=apply_sample_boundaries)
+    t = Transforms(varlen=register, loader=loader, samples_apart=_samples_apart)
     if cfg.ac.mode == "op":
         from .memory.sac import checkpoint_kwargs
         t.sac = checkpoint_kwargs
@@ -79,6 +78,12 @@ def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
     from .adapters.lora import init_lora_weights
     init_lora_weights(model, seed)
     settings["base_fingerprint"] = base_fingerprint(path)
+
+
+def _samples_apart(model, layers) -> None:
+    """The per-sample slot: the layers that mix tokens other than through attention run each packed sample apart."""
+    from .kernels.linear_attention import apply_sample_boundaries
+    apply_sample_boundaries(model, layers)
 
 
 def _kernels(model, layers, *, experts: str, liger: bool, compile: bool) -> None:

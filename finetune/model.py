@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from .attention import attention_notes, check_packing, check_trainable, resolve_attn_implementation
+from .attention import (attention_notes, check_packing, check_trainable, mixing_problem,
+                        resolve_attn_implementation)
 from .compat import CheckpointImpl, checkpoint_wrapper
 from .config import ConfigError
 from .distributed import print0
@@ -38,7 +39,7 @@ class Transforms:
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
     loader: object = None  # hf/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
-    samples_apart: Callable = lambda model, layers: None  # linear-attention/state-space layers run per sample (first)
+    samples_apart: Callable = lambda model, layers: None  # layers that mix tokens otherwise run per sample (first)
     fill: Callable | None = None  # (param, rows) -> bool: the load writes rows into a base held quantized (QLoRA)
     unsharded: Callable | None = None  # (model) -> params that FSDP over one rank leaves alone (QLoRA's NF4)
 
@@ -246,7 +247,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     find_decoder(model)  # the loss reads its output: a model without one is refused before loading
     layers = find_layers(model)
     # before check_packing, which lets a model pack whose token-mixing layers run per sample
-    transforms.samples_apart(model, layers)
+    if mixing_problem(model, layers):
+        transforms.samples_apart(model, layers)
     if packing:
         check_packing(model, layers, attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,

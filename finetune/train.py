@@ -22,7 +22,6 @@ from .model import Transforms, build_model
 from .optim import build_optimizer, build_scheduler, by_mesh, clip_grad_norm
 from .run.checks import validate
 from .run import locks
-from .run.mfu import meter
 from .run.report import Report
 from .run.saving import Checkpointer
 from .task import Run, Task, build_run_samples
@@ -125,7 +124,11 @@ def train(cfg: Config, task: str = "sft") -> dict:
     sample_iter, pad_to = iter(samples), dc.max_seq_len if dc.pad_to_max else None
     global_batch = tc.micro_batch_size * accum * dims.dp_size
     report = Report(cfg, model, samples, dims, device, global_batch, state)
-    flops_tok, peak = meter(model, device)
+    # MFU: against the GPU's peak (none is known for a CPU)
+    flops_tok, peak = None, None
+    if device.type == "cuda":
+        from .run.mfu import meter
+        flops_tok, peak = meter(model, device)
     name, task = task, build.task(cfg, Run(model, optimizer, tokenizer, dims, device, out, resume_dir), task)
     before = task.evaluate_before() if task.evaluate_before and state.step == 0 else None
     pending, record = [], {}  # pending: (result, timing) of the steps not read on the host yet (flush_steps)
