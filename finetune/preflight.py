@@ -12,7 +12,6 @@ from .attention import check_trainable
 from .checkpoint import CheckpointError, asked_export, check_arch, check_run, find_resume, read_marker
 from .config import Config, ConfigError
 from .data import open_sources, require_chat_template
-from .hf.fingerprint import base_fingerprint
 from .run.locks import hold_run_lock, release_lock
 from .weights import is_prepared
 from .model import load_hf_config
@@ -50,10 +49,11 @@ def preflight(cfg: Config, task: str = "sft") -> str | None:
         # the LoRA base now, not after loading it (a hub id: by the ranks, once downloaded)
         if lora and cfg.lora.rank and "base_fingerprint" in lora and Path(cfg.model.path).is_dir():
             from .adapters.lora import check_base
+            from .hf.fingerprint import base_fingerprint
             check_base(resume, lora, base_fingerprint(cfg.model.path), cfg.model.path)
     # the same task and (of the same architecture) the same model, or a hint for what was asked
     check_run(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, task)
-    check_model(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, cfg.model.path, base_fingerprint)
+    check_model(Path(cfg.output_dir), resume, cfg.checkpoint.resume_from, cfg.model.path)
     dc, opened = cfg.data, samples(cfg, {})["stream"].open_sources  # as the run opens them: streamed or not
     sources = opened([asdict(s) for s in dc.sources] or dc.path, fmt=dc.format, split=dc.split, name=dc.name or None)
     sources += open_sources(cfg.eval.path) if cfg.eval.path else []  # checked now, not when training ends
@@ -86,14 +86,15 @@ def note_converted_base(path: str, hf_config, trust_remote_code: bool) -> None:
                f"export this run with `finetune export-hf --adapter`")
 
 
-def check_model(output_dir: Path, resume_dir: Path | None, resume_from: str, model_path: str, fingerprint) -> None:
-    """A run continues only a run of its own model (`fingerprint`s of local dirs, else names), else CheckpointError."""
+def check_model(output_dir: Path, resume_dir: Path | None, resume_from: str, model_path: str) -> None:
+    """A run continues only a run of its own model (fingerprints of local dirs, else names), else CheckpointError."""
     asked, export = asked_export(output_dir, resume_dir, resume_from)
     if resume_dir is None or read_marker(resume_dir).get("lora"):
         return
     trained = read_marker(resume_dir).get("config", {}).get("model", {}).get("path", "")
     if not trained:
         return
+    from .hf.fingerprint import base_fingerprint as fingerprint
     local = [Path(p).is_dir() for p in (trained, model_path)]
     differs = (trained != model_path and fingerprint(trained) != fingerprint(model_path) if all(local)
                else trained != model_path if not any(local) else False)
