@@ -16,9 +16,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     """The model transforms `cfg` asks for (varlen, per-sample linear attention, experts, Liger, fp8, cp, LoRA,
     op-level AC, offload), configured."""
     from .distributed import print0
-    from .hf import loader
     from .kernels.varlen import register
-    t = Transforms(varlen=register, loader=loader, samples_apart=_samples_apart)
+    t = Transforms(varlen=register, samples_apart=_samples_apart)
     if cfg.ac.mode == "op":
         from .memory.sac import checkpoint_kwargs
         t.sac = checkpoint_kwargs
@@ -59,9 +58,8 @@ def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: st
     """`into` (or empty transforms) with LoRA's slots filled: apply_lora's `settings` on a frozen base in bf16 (fp32
     when mixed_precision is fp32; quantize_base "nf4": its linear weights NF4, sharded over `shards` ranks),
     adapters initialised from `seed`, tied to the base weights at `path`."""
-    from .hf import loader
     from .adapters.lora import apply_lora
-    t = into or Transforms(loader=loader)
+    t = into or Transforms()
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     quantize = None
     if quantize_base == "nf4":

@@ -1,5 +1,5 @@
 """Fill a built, materialised sharded model: each rank preads its own slices of the HF safetensors (never a copy of
-the model in RAM); hub ids, layouts converted on load and prepared DCP dirs: hf/loader."""
+the model in RAM); hub ids, layouts converted on load and prepared DCP dirs: hub.py."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,9 @@ from torch import nn
 from .compat import local_shape_and_offset
 from .distributed import print0
 from .errors import ModelError
-from .weights import (MANIFEST, SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_key, ignored_on_load,
-                      is_prepared, missing_allowed, open_dir, persistent_buffers, read_rows, read_tensor, tied_groups)
+from .weights import (MANIFEST, SAFETENSORS_DTYPES, Entry, arch_diffs, disk_to_memory, hf_buffers, hf_params,
+                      ignored_on_load, is_prepared, lacks_buffer, missing_allowed, open_dir, read_rows, read_tensor,
+                      tied_groups)
 
 def check_manifest(path: str, hf_config) -> None:
     """A prepared checkpoint must hold the model the config describes."""
@@ -22,25 +23,10 @@ def check_manifest(path: str, hf_config) -> None:
         raise ModelError(f"prepared checkpoint '{path}' does not match its config.json: {'; '.join(diffs)}")
 
 
-def hf_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(HF key, parameter) for each parameter loaded from the base weights: all but the LoRA adapters."""
-    return [(hf_key(n), p) for n, p in model.named_parameters() if hf_key(n) is not None]
-
-
-def hf_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(HF key, buffer) for each persistent buffer (a router's bias): loaded whole on every rank."""
-    return [(hf_key(n), b) for n, b in persistent_buffers(model) if hf_key(n) is not None]
-
-
-def lacks_buffer(path: str, arch: str, key: str) -> str:
-    return (f"'{path}' lacks {key}, a persistent buffer of {arch} that transformers does not "
-            f"compute on load (left at its initial value it would change what the model computes)")
-
-
 def locate_slices(model: nn.Module, skeleton: nn.Module, path: str, local_dir=Path) -> dict[str, Entry] | str:
     """{HF key: Entry} for each parameter of the sharded `model` (`skeleton`: the same model unwrapped, on meta),
-    checked strictly; or why to take the rank-0 path. `local_dir`: hf/loader's for a hub id."""
-    if is_prepared(path):  # reaches here only without a loader (and without a skeleton: build_model builds none)
+    checked strictly; or why to take the rank-0 path. `local_dir`: hub.py's for a hub id."""
+    if is_prepared(path):  # reaches here only with QLoRA's fill (and without a skeleton: build_model builds none)
         return f"'{path}' is a prepared checkpoint"
     entries = open_dir(local_dir(path))
     if entries is None:
@@ -106,19 +92,23 @@ def load_slices(model: nn.Module, located: dict[str, Entry], fill=None) -> None:
 
 
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False,
-                    loader=None, fill=None) -> None:
-    """Each rank reads its own slices (locate_slices), or `loader` (hf/loader) loads a prepared dir or on rank 0;
-    `fill` (QLoRA's) writes the slices of a base held quantized: only the slice reader loads one."""
-    if is_prepared(path) and loader is not None and fill is None:
-        return loader.load_prepared_weights(model, path)
-    located = locate_slices(model, skeleton, path, loader.local_dir if loader else Path)
+                    fill=None) -> None:
+    """Each rank reads its own slices (locate_slices), or hub.py loads a prepared dir, or on rank 0 what the slices
+    cannot give; `fill` (QLoRA's) writes the slices of a base held quantized: only the slice reader loads one."""
+    if is_prepared(path) and fill is None:
+        from . import hub
+        return hub.load_prepared_weights(model, path)
+    if Path(path).is_dir():
+        located = locate_slices(model, skeleton, path)
+    else:
+        from . import hub
+        located = locate_slices(model, skeleton, path, hub.local_dir)
     if isinstance(located, str) and fill is not None:
         raise ModelError(f"{located}: lora.quantize_base quantizes the base as each rank reads its slices of the "
                          f"safetensors files, which this base cannot give; pass the HF model directory")
-    if isinstance(located, str) and loader is None:
-        raise ModelError(f"{located}: loading it needs hf/loader.py (model.Transforms.loader), not given")
     if isinstance(located, str):
+        from . import hub
         print0(f"loading on rank 0 and scattering: {located}")
-        return loader.load_hf_weights_rank0(model, path, trust_remote_code)
+        return hub.load_hf_weights_rank0(model, path, trust_remote_code)
     load_slices(model, located, fill)
 

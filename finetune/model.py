@@ -38,7 +38,6 @@ class Transforms:
     lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
     note: str = "Liger off"  # what the kernels slot does, for the start-up line
     varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
-    loader: object = None  # hf/loader: hub ids, and layouts the slice reader cannot read (rank 0 reads them)
     samples_apart: Callable = lambda model, layers: None  # layers that mix tokens otherwise run per sample (first)
     fill: Callable | None = None  # (param, rows) -> bool: the load writes rows into a base held quantized (QLoRA)
     unsharded: Callable | None = None  # (model) -> params that FSDP over one rank leaves alone (QLoRA's NF4)
@@ -256,7 +255,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: T
     _materialize(model, device)
     # the name map comes from a clean skeleton (the model's own is wrapped by now); a prepared dir's load needs none
     skeleton = None if is_prepared(path) else build_skeleton(hf_config, None, trust_remote_code)
-    load_hf_weights(model, skeleton, path, trust_remote_code, transforms.loader, transforms.fill)
+    load_hf_weights(model, skeleton, path, trust_remote_code, transforms.fill)
     transforms.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     # invariant: sharded trainable weights are fp32 masters; a frozen base is in base_dtype, and what the model class

@@ -63,6 +63,21 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             for name, b in m._buffers.items() if b is not None and name not in m._non_persistent_buffers_set]
 
 
+def hf_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(HF key, parameter) for each parameter loaded from the base weights: all but the LoRA adapters."""
+    return [(hf_key(n), p) for n, p in model.named_parameters() if hf_key(n) is not None]
+
+
+def hf_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(HF key, buffer) for each persistent buffer (a router's bias): loaded whole on every rank."""
+    return [(hf_key(n), b) for n, b in persistent_buffers(model) if hf_key(n) is not None]
+
+
+def lacks_buffer(path: str, arch: str, key: str) -> str:
+    return (f"'{path}' lacks {key}, a persistent buffer of {arch} that transformers does not "
+            f"compute on load (left at its initial value it would change what the model computes)")
+
+
 def missing_allowed(model: nn.Module, key: str) -> bool:
     """A tensor the model's class computes on load when a checkpoint lacks it (_keys_to_ignore_on_load_missing)."""
     return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or [])

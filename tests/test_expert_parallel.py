@@ -19,13 +19,12 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
 
     import finetune.load
     from finetune.distributed import all_reduce, init_distributed
-    from finetune.hf import loader
     from finetune.parallel.expert import apply_ep
     from finetune.kernels.moe import apply_experts_implementation, find_experts, router_recorder
     from finetune.model import Transforms, build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed(ep=ep)
-    t = Transforms(loader=loader, kernels=lambda model, layers: apply_experts_implementation(model, experts))
+    t = Transforms(kernels=lambda model, layers: apply_experts_implementation(model, experts))
     if ep > 1:
         t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
     reads, read_rows = [], finetune.load.read_rows

@@ -29,7 +29,7 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     """On each rank: (the path locate_slices takes, shard names whose fp32 values differ between the slice reader and
     the rank-0 load, the local row counts, whether every shard was filled)."""
     from finetune.distributed import init_distributed
-    from finetune.hf import loader
+    from finetune import hub
     from finetune.load import locate_slices
     from finetune.model import build_model, build_skeleton
     device, dims = init_distributed(dp_replicate=dp_replicate)
@@ -38,14 +38,14 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
         if lora else None
     from finetune.build import lora_transforms
     from finetune.model import Transforms
-    t = lora_transforms(lora_cfg, seed=0, path=str(model_dir)) if lora else Transforms(loader=loader)
+    t = lora_transforms(lora_cfg, seed=0, path=str(model_dir)) if lora else Transforms()
     model, _ = build_model(str(model_dir), device, mesh, t, mixed_precision="bf16" if lora else "fp32")
     located = locate_slices(model, build_skeleton(model.config, None), str(model_dir))
     new = {n: p.to_local().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().fill_(float("nan"))
-    loader.load_hf_weights_rank0(model, str(model_dir))
+    hub.load_hf_weights_rank0(model, str(model_dir))
     old = {n: p.to_local() for n, p in model.named_parameters() if "lora_" not in n}
     differ = [n for n in old if not torch.equal(new[n].view(torch.uint8), old[n].view(torch.uint8))]  # bits
     filled = all(not t.isnan().any() for t in old.values())
@@ -204,9 +204,9 @@ def test_sft_with_checkpoint_export_hf_writes_what_export_hf_writes(qwen_tied_di
 
 
 def local_dir_of_hub_id(model_dir, fail):
-    """hf/loader.local_dir("org/model") with snapshot_download replaced by a fake hub cache that records its calls."""
+    """hub.local_dir("org/model") with snapshot_download replaced by a fake hub cache that records its calls."""
     import huggingface_hub
-    from finetune.hf.loader import local_dir
+    from finetune.hub import local_dir
     calls = []
 
     def snapshot_download(repo_id, allow_patterns=None, local_files_only=False):

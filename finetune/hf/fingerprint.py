@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..weights import MANIFEST, is_prepared
 from ..weights import INDEX
-from .loader import local_dir
+from ..hub import local_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
 

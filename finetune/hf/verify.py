@@ -19,7 +19,7 @@ from ..model import build_skeleton, find_layers
 from ..weights import (SAFETENSORS_CODES, STORED_DTYPES, Entry, disk_to_memory, open_dir, persistent_buffers,
                        read_tensor)
 from .files import Plan, open_dcp, to_disk
-from .loader import local_dir
+from ..hub import local_dir
 
 
 class VerifyError(FinetuneError):

@@ -2,7 +2,7 @@
 
 A prepared dir P holds P/weights/ (DCP, {"model": <HF-named fp32 tensors>}), config.json, generation_config.json,
 tokenizer files and, written last, P/finetune_manifest.json, which marks it. It is published whole (outdir.staging);
-hf/loader.py loads it straight into the shards at any world size (DCP reshards).
+hub.py loads it straight into the shards at any world size (DCP reshards).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..model import Transforms, build_model, load_hf_config
 from ..outdir import check_output_dir, staging
 from ..weights import arch_of, tied_groups
 from ..hf.fingerprint import fingerprint
-from ..hf import loader
+from .. import hub
 from ..run import pins
 from ..kernels.varlen import register
 
@@ -60,11 +60,11 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
     out = Path(output_dir)
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    t = Transforms(varlen=register, loader=loader)
+    t = Transforms(varlen=register)
     model, _ = build_model(model_path, device, dims.mesh, t, mixed_precision="fp32",
                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
-    directory = loader.local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
+    directory = hub.local_dir(model_path).resolve()  # every rank: a hub id is resolved collectively
     with staging(out, MANIFEST, pins) as tmp:  # out: empty, or an earlier prepared checkpoint (checked before launch)
         sd = get_model_state_dict(model)
         dcp.save({"model": sd}, checkpoint_id=str(tmp / "weights"))

@@ -1,4 +1,4 @@
-"""What the core's slice reader cannot load alone (model.Transforms.loader): a hub id, downloaded once per node,
+"""What the slice reader (load.py) cannot load alone, imported by it when needed: a hub id, downloaded once per node,
 layouts transformers converts on load (fused MoE experts) or without safetensors, which rank 0 loads and scatters, and
 prepared checkpoint dirs (tools/prepare.py writes them)."""
 from __future__ import annotations
@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import broadcast, is_main, world_size
-from ..errors import ModelError, one_line
-from ..load import hf_buffers, hf_params, lacks_buffer
-from ..weights import ignored_on_load
+from .distributed import broadcast, is_main, world_size
+from .errors import ModelError, one_line
+from .weights import hf_buffers, hf_params, ignored_on_load, lacks_buffer
 
 
 def local_dir(path: str) -> Path:
