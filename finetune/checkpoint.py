@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import outdir
 from .errors import FinetuneError
 from .distributed import barrier, is_main, print0, world_size
-from .optim import reapply_settings, settings
 from .weights import arch_diffs, arch_of, clean_fqn, is_adapter
 
 MARKER = "finetune_complete.json"
@@ -200,38 +199,6 @@ def train_state_dict(model, optimizer, scheduler, state: TrainState) -> dict:
 def check_arch(path: Path, hf_config) -> None:
     if diffs := arch_diffs(read_marker(path).get("arch", {}), hf_config, "checkpoint", "run"):
         raise CheckpointError(f"checkpoint {path} does not match the model: {'; '.join(diffs)}")
-
-
-def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) -> None:
-    """Same architecture, LoRA settings (`run`) and parameter names (`want`) as the checkpoint, or a CheckpointError."""
-    saved = read_marker(path).get("lora")
-    if saved and run:  # `run`: adapters/lora.LoraSettings, which check a LoRA checkpoint's settings and base
-        run.check(path, saved, hf_config)
-    elif saved or run:
-        kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
-        raise CheckpointError(f"checkpoint {path} is from {kinds[0]}, this run is {kinds[1]}: resume a run of the "
-                              f"same kind, or start a new one (--no-resume / another --output-dir)")
-    check_arch(path, hf_config)
-    saved = {k[len("model."):] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-             if k.startswith("model.")}
-    if saved != want:
-        missing, extra = sorted(want - saved), sorted(saved - want)
-        raise CheckpointError(f"checkpoint {path} has other parameters than the model: {len(missing)} missing "
-                              f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
-
-
-def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config, lora: dict | None) -> None:
-    sd = train_state_dict(model, optimizer, scheduler, state)
-    check_compatible(path, lora, set(sd["model"]), hf_config)
-    run_settings = settings(optimizer)  # the checkpoint gives the state; the run's config, its settings
-    # so the groups are this run's too: their number follows the meshes (expert parallel adds the experts' own)
-    groups = sd["optim"].pop("param_groups")
-    dcp.load(sd, checkpoint_id=str(path))
-    sd["optim"]["param_groups"] = groups
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],  # frozen keys absent
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    scheduler.load_state_dict(sd["scheduler"])
-    reapply_settings(optimizer, scheduler, run_settings)
 
 
 class Checkpointer:

@@ -113,8 +113,8 @@ def train(cfg: Config, task: str = "sft") -> dict:
                                 min_lr_ratio=tc.min_lr_ratio)
     state = ckpt.TrainState()
     if resume_dir is not None:
-        from .run.resume_note import resume_note
-        ckpt.load_checkpoint(resume_dir, model, optimizer, scheduler, state, model.config, lora)
+        from .run.resume import load_checkpoint, resume_note
+        load_checkpoint(resume_dir, model, optimizer, scheduler, state, model.config, lora)
         print0(f"resumed from {resume_dir} at step {state.step} ({state.samples_seen} samples seen)")
         if line := resume_note(ckpt.read_marker(resume_dir).get("config", {}), cfg, state.samples_seen):
             print0(line)

@@ -243,6 +243,7 @@ def loaded_settings(cfg, step_dir, step: int) -> tuple[list[dict], list[dict]]:
     from finetune.distributed import init_distributed
     from finetune.build import transforms
     from finetune.optim import build_scheduler, settings
+    from finetune.run.resume import load_checkpoint
     from finetune.train import build_model_and_optimizer
     device, dims = init_distributed()
     tc = cfg.train
@@ -252,7 +253,7 @@ def loaded_settings(cfg, step_dir, step: int) -> tuple[list[dict], list[dict]]:
         scheduler = build_scheduler(optimizer, warmup_steps=tc.warmup_steps, max_steps=tc.max_steps,
                                     min_lr_ratio=tc.min_lr_ratio)
         if load:
-            ckpt.load_checkpoint(step_dir, model, optimizer, scheduler, ckpt.TrainState(), model.config, lora)
+            load_checkpoint(step_dir, model, optimizer, scheduler, ckpt.TrainState(), model.config, lora)
         else:
             with warnings.catch_warnings():  # stepped without optimizer steps, on purpose
                 warnings.simplefilter("ignore", UserWarning)
@@ -357,7 +358,7 @@ def test_resume_note_names_changes_of_the_data_the_config_keys_do_not_show(tmp_p
     from dataclasses import asdict
 
     from finetune.config import load_config
-    from finetune.run.resume_note import resume_note
+    from finetune.run.resume import resume_note
     a, b = (str((tmp_path / f"{n}.jsonl").resolve()) for n in "ab")
     sources = {"data.sources": [{"path": a, "weight": 1.0}, {"path": b, "weight": 1.0}]}
     saved = asdict(load_config(None, {"data.chat_template_kwargs": {"enable_thinking": True}, **sources}))

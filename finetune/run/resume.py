@@ -1,16 +1,55 @@
-"""The one line a resumed run prints about the config keys changed since its checkpoint (train.train, on resume)."""
+"""What a resumed run does (train.train imports it then): the checkpoint loaded into the built run, its kind, model
+and parameters checked first; and the one line it prints about the config keys changed since."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+from ..checkpoint import CheckpointError, TrainState, check_arch, read_marker, train_state_dict
 from ..config import PATH_KEYS, Config
 from ..keys import flatten
+from ..optim import reapply_settings, settings
+
+
+
+def check_compatible(path: Path, run: dict | None, want: set[str], hf_config) -> None:
+    """Same architecture, LoRA settings (`run`) and parameter names (`want`) as the checkpoint, or a CheckpointError."""
+    saved = read_marker(path).get("lora")
+    if saved and run:  # `run`: adapters/lora.LoraSettings, which check a LoRA checkpoint's settings and base
+        run.check(path, saved, hf_config)
+    elif saved or run:
+        kinds = [f"LoRA (lora.rank={s['rank']})" if s else "full fine-tuning (lora.rank=0)" for s in (saved, run)]
+        raise CheckpointError(f"checkpoint {path} is from {kinds[0]}, this run is {kinds[1]}: resume a run of the "
+                              f"same kind, or start a new one (--no-resume / another --output-dir)")
+    check_arch(path, hf_config)
+    saved = {k[len("model."):] for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+             if k.startswith("model.")}
+    if saved != want:
+        missing, extra = sorted(want - saved), sorted(saved - want)
+        raise CheckpointError(f"checkpoint {path} has other parameters than the model: {len(missing)} missing "
+                              f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, state: TrainState, hf_config, lora: dict | None) -> None:
+    sd = train_state_dict(model, optimizer, scheduler, state)
+    check_compatible(path, lora, set(sd["model"]), hf_config)
+    run_settings = settings(optimizer)  # the checkpoint gives the state; the run's config, its settings
+    # so the groups are this run's too: their number follows the meshes (expert parallel adds the experts' own)
+    groups = sd["optim"].pop("param_groups")
+    dcp.load(sd, checkpoint_id=str(path))
+    sd["optim"]["param_groups"] = groups
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],  # frozen keys absent
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    scheduler.load_state_dict(sd["scheduler"])
+    reapply_settings(optimizer, scheduler, run_settings)
 
 
 # On resume a changed key takes effect from the resumed step (the optimizer settings and the schedule too:
 # optim.reapply_settings), except: a changed DATA_KEY moves what the checkpoint's data position (samples seen) points
-# at, which is announced; lora.* and the architecture are refused (checkpoint.check_compatible); and where the run
+# at, which is announced; lora.* and the architecture are refused (check_compatible); and where the run
 # starts from is not compared.
 DATA_KEYS = ("model.path", "data.path", "data.split", "data.name", "data.format", "data.streaming",
              "data.max_seq_len", "data.packing", "train.seed")  # (and data.sources, data.chat_template_kwargs.*:
