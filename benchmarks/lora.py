@@ -46,7 +46,7 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     device, dims = init_distributed()
     torch.manual_seed(0)
     tok = load_tokenizer(model_dir)
-    from finetune.build import lora_transforms
+    from finetune.adapters.lora import lora_transforms
     from finetune.adapters.lora import lora_settings
     model, _ = build_model(model_dir, device, dims.mesh, lora_transforms(lora_settings(cfg), seed=0, path=model_dir),
                            mixed_precision="bf16")

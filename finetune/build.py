@@ -33,7 +33,9 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
     if cfg.model.fp8 != "off":
         from .run.checks import check_fp8
         check_fp8(cfg)  # again: bench sets model.fp8 for each point after the command checked its config
-        t.float8 = partial(_float8, cfg=cfg, device=device, shards=dims.mesh.shape[-1] if dims is not None else 1)
+        from .kernels.float8 import float8_transform
+        t.float8 = partial(float8_transform, cfg=cfg, device=device,
+                           shards=dims.mesh.shape[-1] if dims is not None else 1)
     if dims is not None and dims.cp > 1:
         from .parallel.context import apply_cp, cp_group
         t.context_parallel = partial(apply_cp, group=cp_group(dims, device.type))
@@ -41,7 +43,7 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
         from .parallel.expert import apply_ep
         t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
     if cfg.lora.rank:
-        from .adapters.lora import lora_settings
+        from .adapters.lora import lora_settings, lora_transforms
         t = lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
                             mixed_precision=cfg.train.mixed_precision, into=t, quantize_base=cfg.lora.quantize_base,
                             shards=dims.mesh.shape[-1] if dims is not None else 1)
@@ -51,31 +53,6 @@ def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
         from .memory.offload import HostOffload, Offloaded
         t.ac_wrap = partial(Offloaded, offload=HostOffload())  # one copy stream and block order for the model
     return t
-
-
-def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: str = "bf16",
-                    into: Transforms | None = None, quantize_base: str = "none", shards: int = 1) -> Transforms:
-    """`into` (or empty transforms) with LoRA's slots filled: apply_lora's `settings` on a frozen base in bf16 (fp32
-    when mixed_precision is fp32; quantize_base "nf4": its linear weights NF4, sharded over `shards` ranks),
-    adapters initialised from `seed`, tied to the base weights at `path`."""
-    from .adapters.lora import apply_lora
-    t = into or Transforms()
-    base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    quantize = None
-    if quantize_base == "nf4":
-        from .adapters.qlora import apply_nf4, fill_nf4, nf4_params
-        quantize, t.fill, t.unsharded = partial(apply_nf4, shards=shards, dtype=base_dtype), fill_nf4, nf4_params
-    t.adapters = partial(apply_lora, **settings, base_dtype=base_dtype, quantize=quantize)
-    t.after_load = partial(_init_adapters, seed=seed, path=path)
-    return t
-
-
-def _init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
-    """After the load: the adapters initialised from `seed`, the base weights' fingerprint recorded in `settings`."""
-    from .hf.fingerprint import base_fingerprint
-    from .adapters.lora import init_lora_weights
-    init_lora_weights(model, seed)
-    settings["base_fingerprint"] = base_fingerprint(path)
 
 
 def _samples_apart(model, layers) -> None:
@@ -92,15 +69,6 @@ def _kernels(model, layers, *, experts: str, liger: bool, compile: bool) -> None
     if liger:
         from .kernels.liger import apply_kernels
         apply_kernels(model, compile)
-
-
-def _float8(model, layers, *, cfg: Config, device: torch.device, shards: int) -> None:
-    """The float8 slot: refusals and notes for this device, then Linear layers swapped for torchao's Float8Linear."""
-    from .kernels.float8 import apply_float8, check_float8
-    m = cfg.model
-    check_float8(m.fp8, device, compile=resolve_compile(m.compile, device.type == "cuda"),
-                 hidden_size=model.config.get_text_config().hidden_size)
-    apply_float8(model, m.fp8, shards=shards, all_gather=m.fp8_all_gather, emulate=device.type != "cuda")
 
 
 def task(cfg: Config, run: Run, name: str = "sft") -> Task:

@@ -14,7 +14,6 @@ from .tools.commands import COMMANDS, options
 from .run.console import setup as setup_console
 from .run.flag_hints import Commands
 from .run.locks import hold_run_lock, release_lock
-from .run.rank_errors import rank_errors
 from .launch import guarded, launch as launch_ranks
 from .outdir import check_writable
 
@@ -25,9 +24,12 @@ app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, pret
 app.callback()(options)
 
 
-def launch(*args, **kwargs):
-    """launch.launch with the ranks' errors as one line (run/rank_errors.py)."""
-    return launch_ranks(*args, errors=rank_errors, **kwargs)
+def launch(entry, args: tuple, nproc: int, debug: bool, nnodes: int = 1, **kwargs):
+    """launch.launch; ranks it starts end with their errors as one line (run/rank_errors.py)."""
+    errors = None
+    if nproc > 1 or nnodes > 1:
+        from .run.rank_errors import rank_errors as errors
+    return launch_ranks(entry, args, nproc, debug, nnodes=nnodes, errors=errors, **kwargs)
 
 
 DPO_PRESET = DEFAULT_PRESET.parent / "tiny_dpo.toml"  # `finetune dpo`'s embedded default

@@ -36,7 +36,7 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     mesh = dims.mesh
     lora_cfg = dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=[]) \
         if lora else None
-    from finetune.build import lora_transforms
+    from finetune.adapters.lora import lora_transforms
     from finetune.model import Transforms
     t = lora_transforms(lora_cfg, seed=0, path=str(model_dir)) if lora else Transforms()
     model, _ = build_model(str(model_dir), device, mesh, t, mixed_precision="bf16" if lora else "fp32")

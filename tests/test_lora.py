@@ -203,7 +203,7 @@ def train_on_prepared_base(llama_dir, tmp_path):
     mesh = dims.mesh
     prepared = prepare_checkpoint(str(llama_dir), str(tmp_path / "prepared"))
     lora = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-    from finetune.build import lora_transforms
+    from finetune.adapters.lora import lora_transforms
     model, settings = build_model(str(prepared), device, mesh, lora_transforms(lora, seed=0, path=str(prepared)),
                                   mixed_precision="bf16")
     optimizer = build_optimizer(model, 1e-2, 0.0, (0.9, 0.95), 1e-8)

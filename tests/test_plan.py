@@ -31,7 +31,7 @@ def measure_real(path: str, mixed_precision: str, ratios: list[float], micro_bat
         del model  # the previous model's memory first (0.5B: 1 GB of fp32 shards and as much of gradients a rank)
         gc.collect()
         lora = dict(rank=lora_rank, alpha=16.0, dropout=0.0, target_modules="all-linear", modules_to_save=[])
-        from finetune.build import lora_transforms
+        from finetune.adapters.lora import lora_transforms
         t = lora_transforms(lora, seed=0, path=path, mixed_precision=mixed_precision) if lora_rank else None
         model, _ = build_model(path, device, dims.mesh, t, mixed_precision=mixed_precision, ac_ratio=ratio)
         ids = torch.randint(model.config.vocab_size, (micro_batch_size, seq_len))

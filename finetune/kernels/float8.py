@@ -163,3 +163,12 @@ def float8_scales(cfg, run) -> None:
     """Tensorwise fp8 with fp8 all-gather: every weight's scale in one all-reduce after each optimizer step."""
     if cfg.model.fp8 == "tensorwise" and cfg.model.fp8_all_gather:
         precompute_scales_after_step(run.model, run.optimizer)
+
+
+def float8_transform(model: nn.Module, layers, *, cfg, device: torch.device, shards: int) -> None:
+    """The float8 slot: refusals and notes for this device, then Linear layers swapped for torchao's Float8Linear."""
+    from ..model import resolve_compile
+    m = cfg.model
+    check_float8(m.fp8, device, compile=resolve_compile(m.compile, device.type == "cuda"),
+                 hidden_size=model.config.get_text_config().hidden_size)
+    apply_float8(model, m.fp8, shards=shards, all_gather=m.fp8_all_gather, emulate=device.type != "cuda")

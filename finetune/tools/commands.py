@@ -12,8 +12,7 @@ import typer
 from .. import args
 from ..args import CONFIG, DATASET, DEBUG, MODEL, NPROC, OVERRIDES, check_flag
 from ..config import ConfigError
-from ..launch import guarded, launch, set_threads
-from ..outdir import check_writable
+from ..launch import guarded, set_threads
 from ..run import checks
 
 
@@ -116,33 +115,8 @@ def prepare_checkpoint(overrides: Optional[List[str]] = OVERRIDES, model: Option
                                                                 "checkpoint dir to write (replaces an earlier one)"),
                        nproc_per_node: int = NPROC, debug: bool = DEBUG):
     """Load, cast to fp32 and shard a HF model once; save it as a DCP checkpoint that later runs load in seconds."""
-    from ..run.locks import hold_run_lock, release_lock
-
-    def prepare():
-        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
-        if not model or not output_dir:
-            raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
-        cfg = build_config(None, overrides, **{"model.path": model, "output_dir": output_dir})
-        out = Path(cfg.output_dir).resolve()
-        check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
-        from ..hf.files import load_generation_config
-        from ..model import load_hf_config, load_tokenizer
-        from .prepare import check_prepare_target
-        check_prepare_target(Path(cfg.output_dir), cfg.model.path)
-        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before
-        load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # any rank starts
-        load_generation_config(cfg.model.path, hf_config)
-        lock = out.parent / f".{out.name}.lock"  # beside it: `out` is replaced
-        hold_run_lock(lock, f"--output-dir {out}")
-        return cfg, lock
-    cfg, lock = guarded(prepare, debug)
-    from .prepare import prepare_checkpoint as run_prepare
-    from ..run.rank_errors import rank_errors
-    try:
-        launch(run_prepare, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
-                             cfg.model.attn_implementation), nproc_per_node, debug, errors=rank_errors)
-    finally:
-        release_lock(lock)
+    from .prepare import command
+    command(overrides, model, output_dir, nproc_per_node, debug)
 
 
 def print_version(value: bool) -> None:

@@ -16,15 +16,20 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from .. import __version__
 from ..distributed import init_distributed, is_main, print0, world_size
+from ..args import build_config, check_flag
+from ..config import ConfigError
 from ..errors import ModelError
+from ..launch import guarded, launch
 from ..weights import MANIFEST
-from ..hf.files import save_hf_files
-from ..model import Transforms, build_model, load_hf_config
-from ..outdir import check_output_dir, staging
+from ..hf.files import load_generation_config, save_hf_files
+from ..model import Transforms, build_model, load_hf_config, load_tokenizer
+from ..outdir import check_output_dir, check_writable, staging
 from ..weights import arch_of, tied_groups
 from ..hf.fingerprint import fingerprint
 from .. import hub
-from ..run import pins
+from ..run import checks, pins
+from ..run.locks import hold_run_lock, release_lock
+from ..run.rank_errors import rank_errors
 from ..kernels.varlen import register
 
 
@@ -75,3 +80,29 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
     print0(f"prepared {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {len(sd)} tensors, fp32 "
            f"DCP; train with `finetune sft --model {out}` at any --nproc-per-node")
     return out
+
+
+def command(overrides: list[str] | None, model: str | None, output_dir: str | None, nproc_per_node: int,
+            debug: bool) -> None:
+    """`finetune prepare-checkpoint` (tools/commands.py: its flags): checked, then run on the launched ranks under
+    the output dir's lock."""
+    def prepare():
+        check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
+        if not model or not output_dir:
+            raise ConfigError("prepare-checkpoint needs --model ID|DIR and --output-dir DIR")
+        cfg = build_config(None, overrides, checks=checks, **{"model.path": model, "output_dir": output_dir})
+        out = Path(cfg.output_dir).resolve()
+        check_writable(out.parent, f"--output-dir {out} (written beside it, then renamed)")
+        check_prepare_target(Path(cfg.output_dir), cfg.model.path)
+        hf_config = load_hf_config(cfg.model.path, cfg.model.trust_remote_code)  # bad input fails here, before
+        load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # any rank starts
+        load_generation_config(cfg.model.path, hf_config)
+        lock = out.parent / f".{out.name}.lock"  # beside it: `out` is replaced
+        hold_run_lock(lock, f"--output-dir {out}")
+        return cfg, lock
+    cfg, lock = guarded(prepare, debug)
+    try:
+        launch(prepare_checkpoint, (cfg.model.path, cfg.output_dir, cfg.model.trust_remote_code,
+                                    cfg.model.attn_implementation), nproc_per_node, debug, errors=rank_errors)
+    finally:
+        release_lock(lock)
