@@ -38,9 +38,9 @@ def child(model_dir: str, data: str, out: str, lora_rank: int, steps: int, warmu
     from finetune.data import build_samples
     from finetune.distributed import init_distributed, is_main
     from finetune.model import build_model, load_tokenizer
-    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.optim import build_optimizer, build_scheduler, clip_grad_norm
     from finetune.loss import token_loss_sum
-    from finetune.train import clip_grad_norm, next_micro_batches
+    from finetune.train import next_micro_batches
     cfg = load_config(None, {"model.path": model_dir, "data.path": data, "output_dir": out, "lora.rank": lora_rank,
                              "train.mixed_precision": "bf16", "data.max_seq_len": seq_len})
     device, dims = init_distributed()
