@@ -103,7 +103,7 @@ def per_sample_forward(forward, lengths: dict, route: dict | None, *args, **kwar
 def check_route(forward, lengths: dict, hidden: torch.Tensor, *args, **kwargs) -> bool:
     """Whether `forward` given the boundaries gives its per-sample outputs (to the dtype's rounding) on this batch: a
     module that reads them but leaves one token-mixing step blind to them would mix samples in silence; a torch
-    fallback refuses them (ValueError). Says which path the linear-attention layers take, once."""
+    fallback refuses them (ValueError). Says which path the layers take, once for each."""
     try:
         fast = flat_forward(forward, lengths["cu"], hidden, *args, **kwargs)
     except ValueError:
@@ -112,8 +112,9 @@ def check_route(forward, lengths: dict, hidden: torch.Tensor, *args, **kwargs) -
     fast, slow = (o[0] if isinstance(o, tuple) else o for o in (fast, slow))
     tol = 1e-4 if slow.dtype == torch.float32 else 2e-2
     exact = fast is not None and bool(((fast - slow).abs() <= tol * (1 + slow.abs())).all())
-    if not lengths.get("said"):
-        lengths["said"] = True
+    said = lengths.setdefault("said", set())
+    if exact not in said:
+        said.add(exact)
         how = "get the packed boundaries (fla/causal-conv1d)" if exact else \
             "run per packed sample (their packed path differs from it)"
         print0(f"kernels: linear-attention layers {how}")
@@ -124,10 +125,13 @@ def flat_forward(forward, cu: torch.Tensor, hidden: torch.Tensor, *args, **kwarg
     """forward on the (batch x seq) tokens as one row with the boundaries: `cu_seq_lens_q` (transformers hands it to
     flash-linear-attention as cu_seqlens) and `seq_idx`, each token's segment (causal-conv1d's)."""
     batch, seq = hidden.shape[:2]
-    seq_idx = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device, dtype=torch.int32), cu.diff())
+    cu = cu.to(hidden.device)
+    # output_size: no device-to-host sync for each layer
+    seq_idx = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device, dtype=torch.int32), cu.diff(),
+                                      output_size=batch * seq)
     flat = [flatten_tokens(v, batch, seq) for v in (hidden, *args)]
     out = forward(*flat, **{k: flatten_tokens(v, batch, seq) for k, v in kwargs.items()}, cu_seq_lens_q=cu,
-                  seq_idx=seq_idx[None].to(hidden.device))
+                  seq_idx=seq_idx[None])
     if isinstance(out, tuple):
         return (out[0].view(batch, seq, *out[0].shape[2:]), *(None,) * (len(out) - 1))
     return out.view(batch, seq, *out.shape[2:])
