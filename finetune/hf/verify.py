@@ -206,21 +206,29 @@ def streamed_logits(model: nn.Module, fetch, input_ids: torch.Tensor) -> torch.T
         for m, a, p in params:
             m._parameters[a] = nn.Parameter(fetch(canonical[id(p)]).float(), requires_grad=False)
 
-    def drop(params, module, args, output):
+    # Between its unit's runs a weight is one NaN on CPU, broadcast to its shape, not a meta tensor: a model may
+    # consult a weight outside its module (Llama 4 moves input_ids to embed_tokens.weight.device before calling it),
+    # and meta indices make F.embedding return uninitialised memory (NaN or a different gap in each run); a value
+    # read outside its module makes the logits NaN, so the check fails instead of passing by chance
+    def drop(params, module=None, args=None, output=None):
         for m, a, p in params:
-            m._parameters[a] = p  # back to meta: the weights are freed
+            m._parameters[a] = nn.Parameter(torch.full((1,) * p.dim(), math.nan).expand(p.shape), requires_grad=False)
 
-    handles, was_training = [], model.training
+    handles, restore, was_training = [], [], model.training
     for unit in units:  # (module, attribute, meta parameter) for each parameter the unit runs with
         params = [(m, a, p) for m in (unit.modules() if unit in layers else [unit])
                   for a, p in m._parameters.items() if p is not None]
         handles += [unit.register_forward_pre_hook(partial(load, params)),
                     unit.register_forward_hook(partial(drop, params))]
+        drop(params)
+        restore += params
     try:
         return model.eval()(input_ids=input_ids, use_cache=False).logits
     finally:
         for h in handles:
             h.remove()
+        for m, a, p in restore:
+            m._parameters[a] = p
         model.train(was_training)
 
 

@@ -1,6 +1,8 @@
 """Packed samples kept apart in the layers that mix tokens outside attention (linear attention, state space, sequence
 convolutions): `apply_sample_boundaries` runs each such module once per packed sample, from a fresh state, and hands
-it an unpacked batch without the boundaries (transformers' torch fallbacks refuse any, as if the rows were packed)."""
+it an unpacked batch without the boundaries (transformers' torch fallbacks refuse any, as if the rows were packed);
+where flash-linear-attention and causal-conv1d are installed (CUDA), a module whose packed path gives its per-sample
+outputs on the first packed batch gets the boundaries instead (`cu_seq_lens_q`, `seq_idx`: one flattened row)."""
 from __future__ import annotations
 
 import inspect
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from ..attention import ATTENTION_LAYER_TYPES
+from ..distributed import print0
 
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -27,18 +30,20 @@ def find_mixers(layer: nn.Module, kind: str | None) -> list[nn.Module]:
 
 
 def apply_sample_boundaries(model: nn.Module, layers: nn.ModuleList) -> None:
-    """Wrap each layer's mixers (find_mixers) to run per packed sample; sets `model.keeps_samples_apart` when every
+    """Wrap each layer's mixers (find_mixers) to run per packed sample (or, with the kernels, on the packed row with
+    its boundaries where that is exact: `routes`, check_route); sets `model.keeps_samples_apart` when every
     token-mixing part that check_packing would refuse (its layer type, a Conv1d, no attention heads) is wrapped."""
     config = model.config.get_text_config()
     kinds = list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
     heads = bool(getattr(config, "num_attention_heads", None))
     lengths: dict = {}  # the packed micro-batch's sample lengths (None: unpacked, or no boundaries), set per forward
+    fast = packed_kernels()
     covered, wrapped = len(kinds) in (0, len(layers)), 0
     for i, layer in enumerate(layers):
         kind = kinds[i] if kinds and len(kinds) == len(layers) else None
         mixers = find_mixers(layer, kind)
         for mixer in mixers:
-            mixer.forward = partial(per_sample_forward, mixer.forward, lengths)
+            mixer.forward = partial(per_sample_forward, mixer.forward, lengths, {} if fast and routes(mixer) else None)
         inside = {id(m) for mixer in mixers for m in mixer.modules()}
         convs = [m for m in layer.modules() if isinstance(m, nn.Conv1d)]
         needed = (kind is not None and kind not in ATTENTION_LAYER_TYPES) or convs or not heads
@@ -53,13 +58,31 @@ def record_lengths(module: nn.Module, args, kwargs: dict, *, lengths: dict) -> N
     """Before the model's forward: the lengths of the flattened tokens' segments (each row's samples, then its
     padding) when the batch is packed (boundaries and no attention_mask: pad_collate), read to the host once."""
     cu = kwargs.get("cu_seq_lens_q")
-    lengths["packed"] = cu.diff().tolist() if cu is not None and kwargs.get("attention_mask") is None else None
+    packed = cu is not None and kwargs.get("attention_mask") is None
+    lengths["packed"], lengths["cu"] = (cu.diff().tolist(), cu) if packed else (None, None)
+
+
+def packed_kernels() -> bool:
+    """Whether transformers runs linear attention and its convolutions with flash-linear-attention and causal-conv1d
+    (both installed, CUDA), whose kernels take packed boundaries; its torch fallbacks take none."""
+    from transformers.utils.import_utils import is_causal_conv1d_available, is_flash_linear_attention_available
+    return is_flash_linear_attention_available() and is_causal_conv1d_available()
+
+
+def routes(mixer: nn.Module) -> bool:
+    """Whether `mixer` may hand packed boundaries to the kernels: it passes on keyword arguments it does not name (as
+    transformers' linear-attention modules hand theirs to fla and causal-conv1d) and has a convolution (a
+    causal-conv1d user, not an attention module)."""
+    params = inspect.signature(mixer.forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in params) and any(isinstance(m, nn.Conv1d) for m in mixer.modules())
 
 
 @torch.compiler.disable
-def per_sample_forward(forward, lengths: dict, *args, **kwargs):
-    """`forward` without the boundary kwargs: on the whole batch when it is not packed, else once per segment.
-    Compiled blocks run it eagerly: reading the lengths, they would compile again for each micro-batch."""
+def per_sample_forward(forward, lengths: dict, route: dict | None, *args, **kwargs):
+    """`forward` without the boundary kwargs: on the whole batch when it is not packed, else once per segment, or
+    with the boundaries on one flattened row where `route` (None: no kernels) says that is exact (decided on the
+    first packed batch). Compiled blocks run it eagerly: reading the lengths, they would compile again for each
+    micro-batch."""
     for key in BOUNDARY_KEYS:
         kwargs.pop(key, None)
     if "hidden_states" in kwargs:
@@ -68,7 +91,61 @@ def per_sample_forward(forward, lengths: dict, *args, **kwargs):
         hidden, args = args[0], args[1:]
     if lengths.get("packed") is None or kwargs.get("cache_params") is not None:
         return forward(hidden, *args, **kwargs)
+    if route is not None and not isinstance(kwargs.get("attention_mask"), torch.Tensor):
+        if "exact" not in route:
+            route["exact"] = check_route(forward, lengths, hidden, *args, **kwargs)
+        if route["exact"]:
+            return flat_forward(forward, lengths["cu"], hidden, *args, **kwargs)
     return split_forward(forward, lengths["packed"], hidden, *args, **kwargs)
+
+
+@torch.no_grad()
+def check_route(forward, lengths: dict, hidden: torch.Tensor, *args, **kwargs) -> bool:
+    """Whether `forward` given the boundaries gives its per-sample outputs (to the dtype's rounding) on this batch: a
+    module that reads them but leaves one token-mixing step blind to them would mix samples in silence; a torch
+    fallback refuses them (ValueError). Says which path the layers take, once for each."""
+    try:
+        fast = flat_forward(forward, lengths["cu"], hidden, *args, **kwargs)
+    except ValueError:
+        fast = None
+    slow = split_forward(forward, lengths["packed"], hidden, *args, **kwargs)
+    fast, slow = (o[0] if isinstance(o, tuple) else o for o in (fast, slow))
+    tol = 1e-4 if slow.dtype == torch.float32 else 2e-2
+    exact = fast is not None and bool(((fast - slow).abs() <= tol * (1 + slow.abs())).all())
+    said = lengths.setdefault("said", set())
+    if exact not in said:
+        said.add(exact)
+        how = "get the packed boundaries (fla/causal-conv1d)" if exact else \
+            "run per packed sample (their packed path differs from it)"
+        print0(f"kernels: linear-attention layers {how}")
+    return exact
+
+
+def flat_forward(forward, cu: torch.Tensor, hidden: torch.Tensor, *args, **kwargs):
+    """forward on the (batch x seq) tokens as one row with the boundaries: `cu_seq_lens_q` (transformers hands it to
+    flash-linear-attention as cu_seqlens) and `seq_idx`, each token's segment (causal-conv1d's)."""
+    batch, seq = hidden.shape[:2]
+    cu = cu.to(hidden.device)
+    # output_size: no device-to-host sync for each layer
+    seq_idx = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device, dtype=torch.int32), cu.diff(),
+                                      output_size=batch * seq)
+    flat = [flatten_tokens(v, batch, seq) for v in (hidden, *args)]
+    out = forward(*flat, **{k: flatten_tokens(v, batch, seq) for k, v in kwargs.items()}, cu_seq_lens_q=cu,
+                  seq_idx=seq_idx[None])
+    if isinstance(out, tuple):
+        return (out[0].view(batch, seq, *out[0].shape[2:]), *(None,) * (len(out) - 1))
+    return out.view(batch, seq, *out.shape[2:])
+
+
+def flatten_tokens(value, batch: int, seq: int):
+    """`value` shaped (batch, seq, ...) as (1, batch * seq, ...), tuples and dicts of such alike; else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch, seq):
+        return value.reshape(1, batch * seq, *value.shape[2:])
+    if isinstance(value, tuple):
+        return tuple(flatten_tokens(v, batch, seq) for v in value)
+    if isinstance(value, dict):
+        return {k: flatten_tokens(v, batch, seq) for k, v in value.items()}
+    return value
 
 
 def split_forward(forward, segments: list[int], hidden: torch.Tensor, *args, **kwargs):
