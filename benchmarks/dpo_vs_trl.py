@@ -30,7 +30,6 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
     from finetune.config import load_config
     from finetune.distributed import init_distributed
     from finetune.tasks.dpo import LABELLERS, MEANS, collate_pairs, make_loss
-    from finetune.model import Transforms
     from finetune.train import Task
     from finetune.data.chat_template import run_tokenizer
     from finetune.task import build_run_samples
@@ -40,7 +39,7 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
                              "train.mixed_precision": "fp32", "eval.path": "", "model.attn_implementation": attn})
     device, dims = init_distributed(1, 0)
     tok, _ = run_tokenizer(cfg)
-    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, Transforms())
+    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, [])
     samples = iter(build_run_samples(cfg, tok, labellers=LABELLERS))
     loss_fn = make_loss(cfg.dpo, "precomputed")
     collate = partial(collate_pairs, table=defaultdict(lambda: [0.0, 0.0]))

@@ -48,7 +48,7 @@ def resolve_attn_implementation(hf_config, requested: str | None, varlen: Callab
     if requested == VARLEN:
         if varlen is None:
             raise ConfigError(f"model.attn_implementation={VARLEN} needs kernels/varlen.py's register "
-                              f"(model.Transforms.varlen), which this model build was not given")
+                              f"(an attention-stage model.Transform), which this model build was not given")
         varlen()
     if requested not in (None, "sdpa"):
         return requested

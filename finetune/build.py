@@ -8,61 +8,64 @@ from functools import partial
 import torch
 
 from .config import Config
-from .model import Transforms, resolve_compile, router_recorder
+from .attention import mixing_problem
+from .model import Transform, resolve_compile, router_recorder
 from .task import Run, Task
 
 
-def transforms(cfg: Config, dims, device: torch.device) -> Transforms:
-    """The model transforms `cfg` asks for (varlen, per-sample linear attention, experts, Liger, fp8, cp, LoRA,
-    op-level AC, offload), configured."""
+def transforms(cfg: Config, dims, device: torch.device) -> list[Transform]:
+    """The model transforms `cfg` asks for, in model.STAGES order: the varlen attention, per-sample token mixing, the
+    experts' implementation and Liger, fp8, cp, ep, LoRA (QLoRA), op-level AC, activation offload."""
     from .distributed import print0
     from .kernels.varlen import register
-    t = Transforms(varlen=register, samples_apart=_samples_apart)
-    if cfg.ac.mode == "op":
-        from .memory.sac import checkpoint_kwargs
-        t.sac = checkpoint_kwargs
     cuda = device.type == "cuda"
     compile, liger = resolve_compile(cfg.model.compile, cuda), False
     # "auto" is on only on CUDA: a CPU run does not load the Liger module
     if cfg.model.liger is True or (cfg.model.liger == "auto" and cuda):
         from .kernels.liger import resolve_liger
-        if liger := resolve_liger(cfg.model.liger, cuda):
-            t.lm_head_in_root = True
-            t.note = "Liger fused loss only (compiled blocks)" if compile else "Liger on"
-    t.kernels = partial(_kernels, experts=cfg.model.experts_implementation, liger=liger, compile=compile)
+        liger = resolve_liger(cfg.model.liger, cuda)
+    note = ("Liger fused loss only (compiled blocks)" if compile else "Liger on") if liger else "Liger off"
+    shards = dims.mesh.shape[-1] if dims is not None else 1
+    t = [Transform("attention", register), Transform("kernels", _samples_apart),
+         Transform("kernels", partial(_kernels, experts=cfg.model.experts_implementation, liger=liger,
+                                      compile=compile), note=note, lm_head_in_root=liger)]
     if cfg.model.fp8 != "off":
         from .run.checks import check_fp8
         check_fp8(cfg)  # again: bench sets model.fp8 for each point after the command checked its config
         from .kernels.float8 import float8_transform
-        t.float8 = partial(float8_transform, cfg=cfg, device=device,
-                           shards=dims.mesh.shape[-1] if dims is not None else 1)
+        t.append(Transform("float8", partial(float8_transform, cfg=cfg, device=device, shards=shards)))
     if dims is not None and dims.cp > 1:
         from .parallel.context import apply_cp, cp_group
-        t.context_parallel = partial(apply_cp, group=cp_group(dims, device.type))
+        t.append(Transform("context_parallel", partial(apply_cp, group=cp_group(dims, device.type))))
     if dims is not None and dims.ep > 1:
         from .parallel.expert import apply_ep
-        t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
+        t.append(Transform("expert_parallel", partial(apply_ep, mesh=dims.expert_mesh)))
     if cfg.lora.rank:
         from .adapters.lora import lora_settings, lora_transforms
-        t = lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
-                            mixed_precision=cfg.train.mixed_precision, into=t, quantize_base=cfg.lora.quantize_base,
-                            shards=dims.mesh.shape[-1] if dims is not None else 1)
+        t += lora_transforms(lora_settings(cfg), seed=cfg.train.seed, path=cfg.model.path,
+                             mixed_precision=cfg.train.mixed_precision, quantize_base=cfg.lora.quantize_base,
+                             shards=shards)
+    if cfg.ac.mode == "op":
+        from .memory.sac import op_level
+        t.append(Transform("ac", op_level()))
     if cfg.ac.offload and not cuda:
         print0("note: ac.offload is a no-op on CPU: activations already live in host memory")
     elif cfg.ac.offload:
         from .memory.offload import HostOffload, Offloaded
-        t.ac_wrap = partial(Offloaded, offload=HostOffload())  # one copy stream and block order for the model
+        # one copy stream and block order for the model
+        t.append(Transform("ac", partial(Offloaded, offload=HostOffload())))
     return t
 
 
 def _samples_apart(model, layers) -> None:
-    """The per-sample slot: the layers that mix tokens other than through attention run each packed sample apart."""
-    from .kernels.linear_attention import apply_sample_boundaries
-    apply_sample_boundaries(model, layers)
+    """Layers that mix tokens other than through attention (attention.mixing_problem) run each packed sample apart."""
+    if mixing_problem(model, layers):
+        from .kernels.linear_attention import apply_sample_boundaries
+        apply_sample_boundaries(model, layers)
 
 
 def _kernels(model, layers, *, experts: str, liger: bool, compile: bool) -> None:
-    """The kernels slot: the MoE experts' implementation (a dense model has none), then Liger's kernels."""
+    """The MoE experts' implementation (a dense model has none), then Liger's kernels."""
     if router_recorder(model) is not None:
         from .kernels.moe import apply_experts_implementation
         apply_experts_implementation(model, experts)

@@ -14,33 +14,34 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from .attention import (attention_notes, check_packing, check_trainable, mixing_problem,
-                        resolve_attn_implementation)
+from .attention import attention_notes, check_packing, check_trainable, resolve_attn_implementation
 from .compat import CheckpointImpl, checkpoint_wrapper
-from .config import ConfigError
 from .distributed import print0
 from .errors import ModelError, one_line
 from .load import check_manifest, load_hf_weights
 from .weights import is_prepared
 
 
+# the stages of the model transforms, in the order they run; activation checkpointing's wraps are "ac"'s, then compile
+# and FSDP follow (tensor parallel, not built, would come after the kernels)
+STAGES = ("attention", "kernels", "context_parallel", "expert_parallel", "float8", "adapters", "ac")
+
+
 @dataclass
-class Transforms:
-    """What extensions do to the model, by slot: each fn(model, layers) on the meta skeleton, unless noted."""
-    kernels: Callable | None = None  # fused kernels patched into the plain HF modules (Liger; see loss.token_loss_sum)
-    context_parallel: Callable | None = None  # each row split over the cp ranks (tensor parallel: not built)
-    expert_parallel: Callable | None = None  # MoE experts split over the ep ranks (their FSDP mesh: `fsdp_mesh`)
-    float8: Callable | None = None  # Linear layers swapped for float8 ones
-    adapters: Callable | None = None  # adapters injected, the base frozen; returns the settings checkpoints record
-    ac_wrap: Callable | None = None  # (block) -> block: around each checkpointed block (activation offload)
-    sac: Callable | None = None  # () -> checkpoint()'s arguments for ac.mode=op (op-level selective AC)
-    after_load: Callable = lambda model, settings: None  # once the weights are in (the adapters' init)
-    lm_head_in_root: bool = False  # the kernels read lm_head.weight outside lm_head's forward (Liger's fused loss)
-    note: str = "Liger off"  # what the kernels slot does, for the start-up line
-    varlen: Callable | None = None  # () -> None: registers the varlen attention ("auto" picks it where it can run)
-    samples_apart: Callable = lambda model, layers: None  # layers that mix tokens otherwise run per sample (first)
+class Transform:
+    """One model transform, the interface of kernels/, parallel/, adapters/ and memory/ (build.transforms makes them
+    from the config): `apply` at its `stage` (STAGES), and what else it adds to the build.
+    - "attention": apply() registers an attention function before the skeleton is built (varlen);
+    - "kernels" to "float8": apply(model, layers) on the meta skeleton's plain HF modules, in STAGES order;
+    - "adapters": apply(model, layers) -> the settings its checkpoints record (the base frozen);
+    - "ac": apply(block) -> what wraps each checkpointed block (op-level AC's checkpoint, activation offload)."""
+    stage: str
+    apply: Callable
+    note: str = ""  # what it does, for the start-up line
+    after_load: Callable | None = None  # (model, settings): once the weights are in (the adapters' init)
     fill: Callable | None = None  # (param, rows) -> bool: the load writes rows into a base held quantized (QLoRA)
     unsharded: Callable | None = None  # (model) -> params that FSDP over one rank leaves alone (QLoRA's NF4)
+    lm_head_in_root: bool = False  # lm_head.weight read outside lm_head's forward (Liger's fused loss)
 
 
 def load_hf_config(path: str, trust_remote_code: bool = False):
@@ -147,17 +148,13 @@ def ac_layer_ids(num_layers: int, ratio: float) -> list[int]:
     return [i for i in range(num_layers) if (i + 1) * k // num_layers > i * k // num_layers]
 
 
-def apply_ac(model: nn.Module, ratio: float, mode: str = "block", wrap: Callable | None = None,
-             sac: Callable | None = None) -> list[int]:
-    """Wrap the chosen blocks in non-reentrant checkpoint (mode "op": `sac`'s arguments), then `wrap`; their ids."""
-    if mode == "op" and sac is None:
-        raise ConfigError("ac.mode='op' needs memory/sac.py's arguments (model.Transforms.sac), not given")
+def apply_ac(model: nn.Module, ratio: float, wraps=()) -> list[int]:
+    """Wrap the chosen blocks in non-reentrant checkpoint, then in each of `wraps` (the "ac" transforms); their ids."""
     layers = find_layers(model)
     ids = ac_layer_ids(len(layers), ratio)
-    kwargs = sac() if mode == "op" else {}
     for i in ids:
-        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
-        if wrap is not None:
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        for wrap in wraps:
             layers[i] = wrap(layers[i])
     return ids
 
@@ -214,49 +211,55 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             b.copy_(buffers[n])
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: Transforms, *, mixed_precision: str,
-                ac_ratio: float = 0.0, ac_mode: str = "block", compile: bool = False) -> dict | None:
-    """The transforms in their order (module docstring); returns the adapters slot's settings (None without)."""
-    t, layers = transforms, find_layers(model)
-    for slot in (t.kernels, t.context_parallel, t.expert_parallel, t.float8):
-        if slot is not None:
-            slot(model, layers)
-    settings = t.adapters(model, layers) if t.adapters is not None else None
-    apply_ac(model, ac_ratio, ac_mode, t.ac_wrap, t.sac)
+def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: list[Transform], *, mixed_precision: str,
+                ac_ratio: float = 0.0, compile: bool = False) -> dict | None:
+    """`transforms` in STAGES order (module docstring), then activation checkpointing with the "ac" wraps, compile and
+    FSDP; returns the adapters' settings (None without)."""
+    layers, settings = find_layers(model), None
+    for t in sorted((t for t in transforms if t.stage not in ("attention", "ac")), key=lambda t: STAGES.index(t.stage)):
+        out = t.apply(model, layers)
+        settings = out if t.stage == "adapters" else settings
+    apply_ac(model, ac_ratio, [t.apply for t in transforms if t.stage == "ac"])
     apply_compile(model, compile)
-    ignored = t.unsharded(model) if t.unsharded is not None and mesh.shape[-1] == 1 else None
-    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not t.lm_head_in_root, ignored=ignored)
+    ignored = {p for t in transforms if t.unsharded for p in t.unsharded(model)} if mesh.shape[-1] == 1 else set()
+    apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not any(t.lm_head_in_root for t in transforms),
+               ignored=ignored or None)
     return settings
 
 
-def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: Transforms | None = None, *,
-                mixed_precision: str = "bf16", ac_ratio: float = 0.0, ac_mode: str = "block",
-                compile: bool | str = False, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: list[Transform] | None = None, *,
+                mixed_precision: str = "bf16", ac_ratio: float = 0.0, compile: bool | str = False,
+                attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                 packing: bool = False) -> tuple[nn.Module, dict | None]:
     """(model, adapter settings or None) over `mesh`, `path`'s weights: fp32 masters, or adapters on a frozen base."""
-    transforms = transforms or Transforms()
+    transforms = transforms or []
+    varlen = next((t.apply for t in transforms if t.stage == "attention"), None)
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
     asked = "auto" in (attn_implementation, compile)
     compile = resolve_compile(compile, device.type == "cuda")
-    model = build_skeleton(hf_config, attn_implementation, trust_remote_code, transforms.varlen)
+    model = build_skeleton(hf_config, attn_implementation, trust_remote_code, varlen)
     attn = model.config._attn_implementation
     check_trainable(attn, device.type)
-    print0(f"kernels: attention {attn}{attention_notes(model, attn)}, {transforms.note}, regional compile "
+    note = next((t.note for t in transforms if t.note), "Liger off")
+    print0(f"kernels: attention {attn}{attention_notes(model, attn)}, {note}, regional compile "
            f"{'on' if compile else 'off'} ({'auto on ' if asked else ''}{device.type})")
     find_decoder(model)  # the loss reads its output: a model without one is refused before loading
     layers = find_layers(model)
-    # before check_packing, which lets a model pack whose token-mixing layers run per sample
-    if mixing_problem(model, layers):
-        transforms.samples_apart(model, layers)
+    # the kernels first: check_packing lets a model pack whose token-mixing layers they made run per sample
+    kernels = [t for t in transforms if t.stage == "kernels"]
+    for t in kernels:
+        t.apply(model, layers)
     if packing:
         check_packing(model, layers, attn)
-    settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
-                           ac_mode=ac_mode, compile=compile)
+    settings = parallelize(model, mesh, [t for t in transforms if t not in kernels], mixed_precision=mixed_precision,
+                           ac_ratio=ac_ratio, compile=compile)
     _materialize(model, device)
     # the name map comes from a clean skeleton (the model's own is wrapped by now); a prepared dir's load needs none
     skeleton = None if is_prepared(path) else build_skeleton(hf_config, None, trust_remote_code)
-    load_hf_weights(model, skeleton, path, trust_remote_code, transforms.fill)
-    transforms.after_load(model, settings)
+    load_hf_weights(model, skeleton, path, trust_remote_code, next((t.fill for t in transforms if t.fill), None))
+    for t in transforms:
+        if t.after_load is not None:
+            t.after_load(model, settings)
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     # invariant: sharded trainable weights are fp32 masters; a frozen base is in base_dtype, and what the model class
     # itself freezes (ERNIE-4.5-MoE's moe_statics) stays fp32

@@ -18,7 +18,7 @@ from .distributed import all_reduce, init_distributed, is_main, print0, world_si
 from .errors import FinetuneError
 from .loss import collate_labelled
 from .metrics import MetricsLogger, peak_mem_mb
-from .model import Transforms, build_model
+from .model import Transform, build_model
 from .optim import build_optimizer, build_scheduler, by_mesh, clip_grad_norm
 from .run.checks import validate
 from .run import locks
@@ -84,11 +84,11 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     return result, skipped
 
 
-def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: Transforms):
+def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transforms: list[Transform]):
     """(the model with `transforms`, its AdamW, its adapters' settings) as configured."""
     m, tc = cfg.model, cfg.train
     model, lora = build_model(m.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
-                              ac_ratio=cfg.ac.ratio, ac_mode=cfg.ac.mode, compile=m.compile, packing=cfg.data.packing,
+                              ac_ratio=cfg.ac.ratio, compile=m.compile, packing=cfg.data.packing,
                               attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 

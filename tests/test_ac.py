@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from finetune.memory.sac import checkpoint_kwargs
+from finetune.memory.sac import op_level
 from finetune.model import ac_layer_ids, apply_ac, clean_child, find_layers
 from finetune.weights import clean_fqn
 from helpers import read_metrics, sft
@@ -73,7 +73,7 @@ def test_apply_ac_wraps_that_many_blocks_and_keeps_parameter_names(model8, ratio
 def test_losses_and_gradients_equal_no_checkpointing(model8, batch, ratio, mode):
     ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model8), batch)
     model = copy.deepcopy(model8)
-    apply_ac(model, ratio, mode, sac=checkpoint_kwargs)
+    apply_ac(model, ratio, [op_level()] if mode == "op" else [])
     loss, grads = loss_and_grads(model, batch)
     assert torch.equal(loss, ref_loss), (loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
@@ -84,7 +84,7 @@ def test_losses_and_gradients_equal_no_checkpointing(model8, batch, ratio, mode)
 @pytest.mark.parametrize("ratio, mode", [(0.0, "block"), *CASES])
 def test_checkpointed_blocks_run_again_in_backward(model8, batch, ratio, mode):
     model = copy.deepcopy(model8)
-    ids = apply_ac(model, ratio, mode, sac=checkpoint_kwargs)
+    ids = apply_ac(model, ratio, [op_level()] if mode == "op" else [])
     calls = [0] * 8
     for i, layer in enumerate(find_layers(model)):
         # a pre-hook: non-reentrant recompute stops early, once the saved tensors are back, so no post-hook
@@ -100,7 +100,7 @@ def test_block_mode_recomputes_matmuls_and_op_mode_keeps_them(model8, batch):
     attention outputs, so it adds none (it recomputes only pointwise ops)."""
     def flops(ratio, mode):
         model = copy.deepcopy(model8)
-        apply_ac(model, ratio, mode, sac=checkpoint_kwargs)
+        apply_ac(model, ratio, [op_level()] if mode == "op" else [])
         with FlopCounterMode(display=False) as fwd:
             loss = model(**batch, use_cache=False).loss
         with FlopCounterMode(display=False) as bwd:
@@ -158,6 +158,6 @@ def test_op_mode_passes_the_block_nothing_of_checkpoints_own(model8, batch):
     seen = []
     for layer in find_layers(model):
         layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
-    apply_ac(model, 1.0, "op", sac=checkpoint_kwargs)
+    apply_ac(model, 1.0, [op_level()])
     model(**batch, use_cache=False).loss.backward()
     assert seen and not any("respect_saved_tensors_hooks" in k for k in seen), seen

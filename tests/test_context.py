@@ -161,8 +161,8 @@ def offload_saved(model_dir: str, offload: bool) -> tuple[float, list[float], li
     from functools import partial
 
     from finetune.memory.offload import HostOffload, Offloaded
-    wrap = partial(Offloaded, offload=HostOffload()) if offload else None  # the ac_wrap slot, as build fills it
-    apply_ac(model, 1.0, "block", wrap)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
+    wraps = [partial(Offloaded, offload=HostOffload())] if offload else []  # the "ac" transform, as build makes it
+    apply_ac(model, 1.0, wraps)  # wraps the FSDP-sharded blocks: what parallelize does before FSDP
     taken, entries, blocks = [], [], []
     if offload:
         host = find_layers(model)[0].offload

@@ -21,12 +21,12 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
     from finetune.distributed import all_reduce, init_distributed
     from finetune.parallel.expert import apply_ep
     from finetune.kernels.moe import apply_experts_implementation, find_experts, router_recorder
-    from finetune.model import Transforms, build_model
+    from finetune.model import Transform, build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed(ep=ep)
-    t = Transforms(kernels=lambda model, layers: apply_experts_implementation(model, experts))
+    t = [Transform("kernels", lambda model, layers: apply_experts_implementation(model, experts))]
     if ep > 1:
-        t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
+        t.append(Transform("expert_parallel", partial(apply_ep, mesh=dims.expert_mesh)))
     reads, read_rows = [], finetune.load.read_rows
     finetune.load.read_rows = lambda entry, start, stop: (len(entry.shape) == 3 and reads.append((start, stop))) or \
         read_rows(entry, start, stop)

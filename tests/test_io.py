@@ -37,8 +37,7 @@ def both_loads(model_dir, lora: bool = False, dp_replicate: int = 1):
     lora_cfg = dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=[]) \
         if lora else None
     from finetune.adapters.lora import lora_transforms
-    from finetune.model import Transforms
-    t = lora_transforms(lora_cfg, seed=0, path=str(model_dir)) if lora else Transforms()
+    t = lora_transforms(lora_cfg, seed=0, path=str(model_dir)) if lora else []
     model, _ = build_model(str(model_dir), device, mesh, t, mixed_precision="bf16" if lora else "fp32")
     located = locate_slices(model, build_skeleton(model.config, None), str(model_dir))
     new = {n: p.to_local().clone() for n, p in model.named_parameters()}

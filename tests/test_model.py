@@ -21,7 +21,8 @@ def test_attention_implementation_is_resolved_per_model_class_and_device(monkeyp
     assert resolve(T.RwkvConfig(), "auto", register) == "eager"  # its layers take no attention kwargs (nor sdpa)
     assert resolve(T.LlamaConfig(), "auto") == "sdpa"  # without the varlen kernel (no varlen register given)
     with pytest.raises(ConfigError, match=r"^model.attn_implementation=varlen needs kernels/varlen.py's register "
-                                          r"\(model.Transforms.varlen\), which this model build was not given$"):
+                                          r"\(an attention-stage model.Transform\), which this model build was not "
+                                          r"given$"):
         resolve(T.LlamaConfig(), "varlen")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.attn_implementation=flash_attention_2 needs a CUDA device and the "

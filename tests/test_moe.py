@@ -76,7 +76,7 @@ def our_logits(model_dirs, prepare=None) -> list[tuple[str, torch.Tensor, dict]]
     from finetune.distributed import init_distributed
     from finetune.load import locate_slices
     from finetune.weights import is_prepared
-    from finetune.model import Transforms, build_model, build_skeleton
+    from finetune.model import build_model, build_skeleton
     from finetune.tools.prepare import prepare_checkpoint
     device, dims = init_distributed()
     if prepare:
@@ -84,7 +84,7 @@ def our_logits(model_dirs, prepare=None) -> list[tuple[str, torch.Tensor, dict]]
         model_dirs = [*model_dirs, prepare[1]]
     out = []
     for model_dir in model_dirs:
-        model, _ = build_model(str(model_dir), device, dims.mesh, Transforms(),
+        model, _ = build_model(str(model_dir), device, dims.mesh, [],
                                mixed_precision="fp32")
         path = "prepared" if is_prepared(model_dir) else locate_slices(model, build_skeleton(model.config, None),
                                                                       str(model_dir))
@@ -168,13 +168,13 @@ def aux_on_ranks(model_dir, cases):
 
     from finetune.distributed import init_distributed
     from finetune.kernels.moe import RouterLoss
-    from finetune.model import Transforms, build_model
+    from finetune.model import build_model
     from finetune.weights import clean_fqn
     device, dims = init_distributed()
     models, results = {}, []
     for ac_ratio, micro_batches_per_rank in cases:
         if ac_ratio not in models:
-            t = Transforms()
+            t = []
             models[ac_ratio] = build_model(str(model_dir), device, dims.mesh, t, mixed_precision="fp32",
                                            ac_ratio=ac_ratio)[0]
             models[ac_ratio].router = RouterLoss(models[ac_ratio], COEF)

@@ -36,7 +36,7 @@ def test_offload_packs_activations_and_never_a_parameter(model2, monkeypatch, co
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     want = loss_and_grads(copy.deepcopy(model2), ids)
     model = copy.deepcopy(model2)
-    apply_ac(model, 1.0, "block", partial(Offloaded, offload=HostOffload()))  # the ac_wrap slot, as build fills
+    apply_ac(model, 1.0, [partial(Offloaded, offload=HostOffload())])  # the "ac" transform, as build makes
     if compiled:  # apply_compile's path, with a backend that needs no C++ compiler: AOTAutograd saves as inductor
         compile_ = nn.Module.compile
         monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager", **kw))

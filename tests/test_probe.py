@@ -55,9 +55,9 @@ def test_a_set_dp_shard_that_does_not_fit_names_the_world_and_dp_shard_that_do(l
 
 def expert_placements(model_dir: str) -> dict:
     from finetune.distributed import init_distributed
-    from finetune.model import Transforms, build_model
+    from finetune.model import build_model
     device, dims = init_distributed()
-    model, _ = build_model(model_dir, device, dims.mesh, Transforms(), mixed_precision="fp32")
+    model, _ = build_model(model_dir, device, dims.mesh, [], mixed_precision="fp32")
     return {n: (str(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()
             if "experts" in n or "gate.weight" in n}
 

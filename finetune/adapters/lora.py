@@ -13,7 +13,7 @@ from torch import nn
 from ..checkpoint import CheckpointError, read_marker
 from ..config import ConfigError
 from ..distributed import print0
-from ..model import Transforms
+from ..model import Transform
 from ..weights import is_adapter
 
 
@@ -152,19 +152,17 @@ def lora_settings(cfg) -> dict | None:
 
 
 def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: str = "bf16",
-                    into: Transforms | None = None, quantize_base: str = "none", shards: int = 1) -> Transforms:
-    """`into` (or empty transforms) with LoRA's slots filled: apply_lora's `settings` on a frozen base in bf16 (fp32
-    when mixed_precision is fp32; quantize_base "nf4": its linear weights NF4, sharded over `shards` ranks),
-    adapters initialised from `seed`, tied to the base weights at `path`."""
-    t = into or Transforms()
+                    quantize_base: str = "none", shards: int = 1) -> list[Transform]:
+    """LoRA's transform: apply_lora's `settings` on a frozen base in bf16 (fp32 when mixed_precision is fp32;
+    quantize_base "nf4": its linear weights NF4, sharded over `shards` ranks), adapters initialised from `seed`, tied
+    to the base weights at `path`."""
     base_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    quantize = None
+    quantize = fill = unsharded = None
     if quantize_base == "nf4":
         from .qlora import apply_nf4, fill_nf4, nf4_params
-        quantize, t.fill, t.unsharded = partial(apply_nf4, shards=shards, dtype=base_dtype), fill_nf4, nf4_params
-    t.adapters = partial(apply_lora, **settings, base_dtype=base_dtype, quantize=quantize)
-    t.after_load = partial(init_adapters, seed=seed, path=path)
-    return t
+        quantize, fill, unsharded = partial(apply_nf4, shards=shards, dtype=base_dtype), fill_nf4, nf4_params
+    return [Transform("adapters", partial(apply_lora, **settings, base_dtype=base_dtype, quantize=quantize),
+                      after_load=partial(init_adapters, seed=seed, path=path), fill=fill, unsharded=unsharded)]
 
 
 def init_adapters(model, settings: dict, *, seed: int, path: str) -> None:

@@ -1,2 +1,2 @@
-"""Activation memory: op-level selective checkpointing (ac.mode=op: checkpoint()'s arguments) and host offload of
-checkpointed blocks' inputs (ac.offload: the AC wrapper). Entered from build.py."""
+"""Activation memory: op-level selective checkpointing (ac.mode=op) and host offload of checkpointed blocks' inputs
+(ac.offload), each an "ac" model.Transform wrapping the checkpointed blocks. Entered from build.py."""

@@ -1,11 +1,14 @@
 """ac.mode=op: op-level selective activation checkpointing (keep the matmul and attention outputs, recompute the
-pointwise ops), the checkpoint() arguments that the model transforms' `sac` slot hands apply_ac."""
+pointwise ops): `op_level`, the "ac" transform's wrap that gives each checkpointed block these checkpoint()
+arguments."""
 from __future__ import annotations
 
 import inspect
 from functools import partial
 
 import torch
+
+from ..compat import CheckpointImpl, checkpoint_wrapper
 
 
 def sac_hooks_kwargs() -> dict:
@@ -49,3 +52,13 @@ def op_sac_policy():
 def checkpoint_kwargs() -> dict:
     """apply_ac's checkpoint() arguments for op-level AC: op_sac_policy's contexts and sac_hooks_kwargs()."""
     return {"context_fn": op_sac_policy(), **sac_hooks_kwargs()}
+
+
+def op_level():
+    """The "ac" wrap of ac.mode=op: each checkpointed block checkpointed with checkpoint_kwargs instead."""
+    kwargs = checkpoint_kwargs()
+
+    def wrap(block):
+        return checkpoint_wrapper(block._checkpoint_wrapped_module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                  **kwargs)
+    return wrap

@@ -66,18 +66,19 @@ def build_fake_models(hf_config, cfg: Config, mesh, fake_mode, ratios: set[float
     import copy
     from dataclasses import replace
 
-    from ..model import build_skeleton, parallelize
+    from ..model import Transform, build_skeleton, parallelize
     from ..build import transforms
     # flash/flex attention need a GPU (flex on fake CPU tensors even crashes): sdpa (CPU's flash kernel) stands in,
     # saving the same O(seq) output and log-sum-exp for backward; eager (seq x seq probabilities) is planned as is
     attn = "eager" if cfg.model.attn_implementation == "eager" else "sdpa"
     skeleton, models = build_skeleton(hf_config, attn, cfg.model.trust_remote_code), {}
     # fp8: plan_float8_bytes; nf4: plan_nf4 (NF4 weights do not run on fake tensors)
-    t = replace(transforms(replace(cfg, lora=replace(cfg.lora, quantize_base="none")), None, torch.device("cuda")),
-                kernels=None, float8=None, lm_head_in_root=liger)
+    t = [x for x in transforms(replace(cfg, lora=replace(cfg.lora, quantize_base="none")), None, torch.device("cuda"))
+         if x.stage not in ("attention", "kernels", "float8")]
+    t.append(Transform("kernels", lambda model, layers: None, lm_head_in_root=liger))
     for ratio in sorted(ratios):
         models[ratio] = model = copy.deepcopy(skeleton)
-        parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ratio, ac_mode=cfg.ac.mode)
+        parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ratio)
         with fake_mode:
             model.to_empty(device="cpu")
     return models

@@ -22,7 +22,7 @@ from ..errors import ModelError
 from ..launch import guarded, launch
 from ..weights import MANIFEST
 from ..hf.files import load_generation_config, save_hf_files
-from ..model import Transforms, build_model, load_hf_config, load_tokenizer
+from ..model import Transform, build_model, load_hf_config, load_tokenizer
 from ..outdir import check_output_dir, check_writable, staging
 from ..weights import arch_of, tied_groups
 from ..hf.fingerprint import fingerprint
@@ -65,7 +65,7 @@ def prepare_checkpoint(model_path: str, output_dir: str, trust_remote_code: bool
     out = Path(output_dir)
     hf_config = load_hf_config(model_path, trust_remote_code)
     t0 = time.perf_counter()
-    t = Transforms(varlen=register)
+    t = [Transform("attention", register)]
     model, _ = build_model(model_path, device, dims.mesh, t, mixed_precision="fp32",
                            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     print0(f"loaded {model_path} into {world_size()} shard(s) in {time.perf_counter() - t0:.1f}s")
