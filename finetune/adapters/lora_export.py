@@ -16,6 +16,7 @@ from ..load import is_prepared
 from ..model import build_skeleton
 from ..weights import arch_diffs, disk_to_memory, open_dcp
 from ..hf.fingerprint import base_fingerprint
+from .expert_lora import peft_tensor, transposed_params
 from .lora import check_base as check_trained_base, merge_lora_tensor, peft_config, peft_key
 from ..hf.verify import open_safetensors
 
@@ -82,9 +83,11 @@ def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tupl
         print0(f"merged into the original base weights of {source.model_path} as stored (the adapters trained on "
                f"them held as {quantized}; the export is not quantized)")
 
+    transposed = transposed_params(skeleton)
+
     def load(name: str) -> torch.Tensor:
         return merge_lora_tensor(name, load_base(name if name in on_disk else embedding),
-                                 lambda k: load_adapter(k) if k in adapters else None, scale)
+                                 lambda k: load_adapter(k) if k in adapters else None, scale, name in transposed)
     return skeleton, metas, load
 
 
@@ -92,7 +95,8 @@ def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dty
     """A LoRA checkpoint's PEFT adapter dir as save_pretrained lays it out, checked by peft; returns the marker's."""
     from safetensors.torch import save_file
     from ..hf.verify import check_adapter
-    tensors = {k: load(k) for k in adapters}
+    # LoRA on the experts: peft's layout of its factors (peft's target_parameters)
+    tensors = dict(peft_tensor(k, load(k), source.lora.get("target_parameters", [])) for k in adapters)
     peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
     save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
