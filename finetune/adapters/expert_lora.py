@@ -82,6 +82,20 @@ def apply_expert_lora(model: nn.Module, targets: list[str], rank: int, scale: fl
             module.forward = partial(adapted_forward, module, forward=type(module).forward)
 
 
+def adapted_summary(model: nn.Module, experts: dict[str, list[str]]) -> str:
+    """What LoRA adapted, in words: the linear layers of attention and of the MLPs, the expert tensors."""
+    linear = [n[:-len(".lora_A")] for n, _ in model.named_modules()
+              if n.endswith(".lora_A") and n[:-len(".lora_A")] not in experts]
+    attention = sum(1 for n in linear if "attn" in n or "attention" in n)
+    text = f"{len(linear)} linear layers (attention {attention}, MLP {len(linear) - attention})"
+    adapted = [model.get_submodule(m) for m in experts if "lora_A" in model.get_submodule(m)._modules]
+    if adapted:
+        names = sorted({p for m in adapted for p in m.lora_A["default"]})
+        text += (f" and {sum(len(m.lora_A['default']) for m in adapted)} expert tensors ({', '.join(names)}; "
+                 f"{len(adapted)} MoE layers of {adapted[0].num_experts} experts)")
+    return text
+
+
 def adapted_forward(module: nn.Module, *args, forward, **kwargs):
     """The experts' own forward over their adapted tensors."""
     return forward(ExpertsView(module, expert_tensors(module), module.num_experts), *args, **kwargs)

@@ -13,7 +13,6 @@ from ..checkpoint import CheckpointError, read_marker
 from ..config import ConfigError
 from ..distributed import print0
 from ..weights import is_adapter
-from .expert_lora import apply_expert_lora, ends, expert_delta, expert_params, match_expert_params
 
 
 def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
@@ -22,6 +21,7 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     "all-linear": a regex naming every Linear inside the decoder blocks (peft's "all-linear" would adapt any Linear but
     the output layer), and every expert parameter. A list of names: each matches Linear layers, experts modules
     ("experts") or expert parameters ("gate_up_proj"), at least one."""
+    from .expert_lora import ends, match_expert_params
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
@@ -61,6 +61,7 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
     if rank == 0:
         return None
     from peft import inject_adapter_in_model
+    from .expert_lora import adapted_summary, apply_expert_lora, expert_params
     experts = expert_params(model)
     targets, expert_targets = resolve_targets(model, layers, target_modules, experts)
     check_names_match(model, "modules_to_save", modules_to_save)
@@ -84,20 +85,6 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
     print0(f"lora: rank {rank}, alpha {alpha:g} on {adapted_summary(model, experts)}; trainable "
            f"{trainable / 1e6:.3f}M of {total / 1e6:.1f}M params ({trainable / total:.2%})")
     return settings
-
-
-def adapted_summary(model: nn.Module, experts: dict[str, list[str]]) -> str:
-    """What LoRA adapted, in words: the linear layers of attention and of the MLPs, the expert tensors."""
-    linear = [n[:-len(".lora_A")] for n, _ in model.named_modules()
-              if n.endswith(".lora_A") and n[:-len(".lora_A")] not in experts]
-    attention = sum(1 for n in linear if "attn" in n or "attention" in n)
-    text = f"{len(linear)} linear layers (attention {attention}, MLP {len(linear) - attention})"
-    adapted = [model.get_submodule(m) for m in experts if "lora_A" in model.get_submodule(m)._modules]
-    if adapted:
-        names = sorted({p for m in adapted for p in m.lora_A["default"]})
-        text += (f" and {sum(len(m.lora_A['default']) for m in adapted)} expert tensors ({', '.join(names)}; "
-                 f"{len(adapted)} MoE layers of {adapted[0].num_experts} experts)")
-    return text
 
 
 class LoraSettings(dict):
@@ -157,6 +144,7 @@ def merge_lora_tensor(name: str, base: torch.Tensor, load_adapter, scale: float,
     """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target (an expert parameter: per expert, its
     [E, in, out] layout where `transposed`), the trained copy of a module to save, else the base tensor;
     load_adapter(checkpoint key) returns that tensor, or None."""
+    from .expert_lora import expert_delta
     module, leaf = name.rsplit(".", 1)
     copy = load_adapter(f"{module}.modules_to_save.default.{leaf}")
     if copy is not None:

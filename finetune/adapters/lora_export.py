@@ -16,7 +16,6 @@ from ..load import is_prepared
 from ..model import build_skeleton
 from ..weights import arch_diffs, disk_to_memory, open_dcp
 from ..hf.fingerprint import base_fingerprint
-from .expert_lora import peft_tensor, transposed_params
 from .lora import check_base as check_trained_base, merge_lora_tensor, peft_config, peft_key
 from ..hf.verify import open_safetensors
 
@@ -59,6 +58,7 @@ def trained_apart(skeleton, adapters: dict) -> list[str]:
 def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tuple[object, dict, Callable]:
     """(the meta skeleton, {HF name: metadata}, name -> tensor) of the merged model (W + alpha/r * B @ A in fp32 over
     the base weights of a prepared or HF dir); tied embeddings that LoRA trained apart untied (in hf_config too)."""
+    from .expert_lora import transposed_params
     skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
     if apart := trained_apart(skeleton, adapters):  # exported untied: the model is then another one
         hf_config.tie_word_embeddings = False
@@ -95,6 +95,7 @@ def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dty
     """A LoRA checkpoint's PEFT adapter dir as save_pretrained lays it out, checked by peft; returns the marker's."""
     from safetensors.torch import save_file
     from ..hf.verify import check_adapter
+    from .expert_lora import peft_tensor
     # LoRA on the experts: peft's layout of its factors (peft's target_parameters)
     tensors = dict(peft_tensor(k, load(k), source.lora.get("target_parameters", [])) for k in adapters)
     peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
