@@ -87,10 +87,9 @@ def count_collectives(counts: dict) -> None:
     counts["_restore"] = wrapped
 
 
-def rank_main(rank: int, world_size: int, port: int, model_dir: str, ep: int, tokens: int, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def count_step(model_dir: str, ep: int, tokens: int) -> dict:
+    """On each rank of an initialised gloo world: {kind: [calls, buffer bytes, wire bytes]} of one forward and
+    backward of `tokens` tokens through build_model's model at parallel.ep=`ep` (bf16 mixed precision)."""
     from finetune.distributed import init_distributed
     from finetune.hf import loader
     from finetune.kernels.moe import apply_experts_implementation
@@ -101,22 +100,31 @@ def rank_main(rank: int, world_size: int, port: int, model_dir: str, ep: int, to
     if ep > 1:
         t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
     model = build_model(model_dir, device, dims.mesh, t, mixed_precision="bf16")[0]
-    ids = torch.randint(0, SIZES["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(0, SIZES["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(dist.get_rank()))
     dist.barrier()
     counts = defaultdict(lambda: [0, 0, 0])
     count_collectives(counts)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    for name, fn in counts.pop("_restore").items():
-        setattr(dist, name, fn)
-    queue.put((rank, dict(counts)))
+    try:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        for name, fn in counts.pop("_restore").items():
+            setattr(dist, name, fn)
+    return dict(counts)
+
+
+def rank_main(rank: int, world_size: int, port: int, model_dir: str, ep: int, tokens: int, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    counts = count_step(model_dir, ep, tokens)
+    queue.put((rank, counts))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def measure(model_dir: Path, world_size: int, ep: int, tokens: int) -> dict:
-    """{kind: [calls, buffer bytes, wire bytes]} averaged over the ranks (every rank's are equal but all-to-all's
-    wire bytes, which follow the routing)."""
+    """{kind: [calls, buffer bytes, wire bytes]} averaged over the ranks (every rank's are equal but all-to-all's,
+    which follow the routing)."""
     import multiprocessing as mp
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -144,8 +152,9 @@ def formula(sizes: dict, num_layers: int, ep: int, world_size: int, tokens: int)
     ranks; a group of one (ep = world) moves nothing ([g > 1]).
       all-gather     = 2 bytes x [(2L - 1) (D + [g > 1] X / ep) + 3 V H + H]           (bf16 params)
       reduce-scatter = 4 bytes x [L (D + [g > 1] X / ep) + 2 V H + H]                   (fp32 gradients)
-      all-to-all     = L x [8 E (the counts) + 4 x T k H x 2 bytes] for ep > 1 (rows there and back, forward and
-                       backward: each of a rank's T tokens sends k rows of H bf16 values whatever the routing)
+      all-to-all     = L x [8 E (the counts) + 4 x T k H x 2 bytes] for ep > 1: a rank sends its T k rows of H
+                       bf16 values there and the R rows its experts received back, and in backward their gradients
+                       the other way (2 T k + 2 R rows); R follows the routing, T k on average over the ranks
     """
     s = sizes
     h, e, i, v, k, d = (s["hidden_size"], s["num_experts"], s["moe_intermediate_size"], s["vocab_size"],
