@@ -164,6 +164,10 @@ def test_target_modules_name_the_experts_by_module_or_parameter_and_dropout_on_t
         adapted("all-linear", dropout=0.1)
     with pytest.raises(ConfigError, match="lora.target_modules: 'up_proj' matches no module of Qwen3MoeForCausalLM"):
         adapted(["up_proj"])
+    model = build_skeleton(load_hf_config(str(qwen3_moe_dir)))
+    with pytest.raises(ConfigError, match=r"^lora.modules_to_save=\['lm_head'\] with LoRA on the experts only: name a "
+                                          r"Linear layer in lora.target_modules too"):
+        apply_lora(model, find_layers(model), 4, 8.0, 0.0, ["experts"], ["lm_head"], torch.float32)
 
 
 def test_dpo_trains_the_experts_adapters(qwen3_moe_dir, tmp_path):

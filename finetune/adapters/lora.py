@@ -65,13 +65,18 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
     experts = expert_params(model)
     targets, expert_targets = resolve_targets(model, layers, target_modules, experts)
     check_names_match(model, "modules_to_save", modules_to_save)
-    if expert_targets and dropout:  # peft's target_parameters refuses it too
+    # peft's target_parameters refuses it too
+    if expert_targets and dropout:
         raise ConfigError(f"lora.dropout={dropout:g} cannot apply to LoRA on the experts ({expert_targets[0]}, ...): "
                           f"their adapters act on the merged weight, not on each input; set lora.dropout=0 or leave "
                           f"the experts out of lora.target_modules")
+    # peft injects modules_to_save only beside a Linear target
+    if modules_to_save and not targets:
+        raise ConfigError(f"lora.modules_to_save={list(modules_to_save)} with LoRA on the experts only: name a Linear "
+                          f"layer in lora.target_modules too (e.g. \"q_proj\") or use \"all-linear\"")
     settings = LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
                             modules_to_save=list(modules_to_save), target_parameters=expert_targets)
-    if targets or modules_to_save:
+    if targets:
         inject_adapter_in_model(peft_config({**settings, "target_parameters": []}), model)
     apply_expert_lora(model, expert_targets, rank, alpha / rank)
     for name, p in model.named_parameters():  # frozen weights are never trained: no fp32 master copy of them
@@ -128,7 +133,8 @@ def init_lora_weights(model: nn.Module, seed: int) -> None:
         if not is_adapter(name):
             continue
         full = torch.zeros(p.shape, dtype=p.dtype)
-        if ".lora_A." in name:  # an expert's A [E, r, in]: each expert's r rows as one [r, in] Linear's
+        # an expert's A [E, r, in]: each expert's r rows drawn as one [r, in] Linear's
+        if ".lora_A." in name:
             nn.init.kaiming_uniform_(full.view(-1, full.shape[-1]), a=math.sqrt(5), generator=gen)
         p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
 
