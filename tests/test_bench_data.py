@@ -78,3 +78,17 @@ def test_gpu_stages_dry_run_on_cpu_up_to_their_first_cuda_call(tmp_path):
     assert (tmp_path / "work" / "llama3-8b-8layers" / "config.json").exists()  # the 8B slice's config, no weights
     assert not (tmp_path / "work" / "llama3-8b-8layers" / "model.safetensors.index.json").exists()
     assert not (tmp_path / "results").exists()
+
+
+def test_ep_bytes_counts_what_its_formula_predicts_on_2_ranks(tmp_path):
+    """benchmarks/ep_bytes.py's counts (RESULTS.md's table at 8 ranks) equal its formula: FSDP alone and ep 2 on 2
+    gloo ranks, 2 layers of 128 experts, 32 tokens a rank, bf16 (the experts' all-gather halves, the all-to-all
+    appears)."""
+    from ep_bytes import SIZES, count_step, formula, make_model
+    from helpers import run_ranks
+    make_model(tmp_path, 2)
+    for ep in (1, 2):
+        ranks = run_ranks(count_step, 2, str(tmp_path), ep, 32)
+        # the all-to-all's bytes follow the routing on each rank (the rows its experts received); their mean does not
+        mean = {k: sum(c.get(k, [0, 0])[1] for c in ranks) / 2 for k in ("all-gather", "reduce-scatter", "all-to-all")}
+        assert mean == formula(SIZES, 2, ep, 2, 32), (ep, ranks)

@@ -150,10 +150,14 @@ def lora_reference(model_dir, data, *extra):
     return results
 
 
-@pytest.mark.parametrize("extra", [(), ("lora.modules_to_save=['lm_head']",)], ids=["adapters", "lm_head_saved"])
-def test_lora_reference_is_the_base_with_adapters_off(llama_dir, pairs_file, extra):
-    """With lora.modules_to_save the reference also uses the frozen original module, not the trained copy."""
-    for off, on, base in run_ranks(lora_reference, 2, llama_dir, pairs_file, *extra):
+@pytest.mark.parametrize("extra", [(), ("lora.modules_to_save=['lm_head']",), ("lora.target_modules=['experts']",)],
+                         ids=["adapters", "lm_head_saved", "experts"])
+def test_lora_reference_is_the_base_with_adapters_off(llama_dir, pairs_file, extra, tmp_path):
+    """With lora.modules_to_save the reference also uses the frozen original module, not the trained copy; with LoRA
+    on the experts only (Qwen3-MoE) their adapters are off too."""
+    from test_moe import make_moe_dir
+    model_dir = make_moe_dir(tmp_path / "moe", "qwen3_moe", num_layers=1) if "experts" in str(extra) else llama_dir
+    for off, on, base in run_ranks(lora_reference, 2, model_dir, pairs_file, *extra):
         off, on, base = map(torch.tensor, (off, on, base))
         assert torch.allclose(off, base, atol=1e-5)
         assert not torch.allclose(on, base, atol=1e-3)  # the adapters do change the log-probs

@@ -172,8 +172,6 @@ def test_ep2_equals_one_process_for_mixtral_deepseek_v3_and_gpt_oss(arch, tmp_pa
 
 @pytest.mark.parametrize("overrides, message", [
     (("parallel.ep=0",), "parallel.ep must be >= 1, got 0"),
-    (("parallel.ep=2", "lora.rank=8"), "parallel.ep=2 with LoRA (lora.rank > 0) is not supported yet; set "
-                                       "parallel.ep=1"),
     (("parallel.ep=2", "parallel.cp=2"), "parallel.ep=2 with context parallel (parallel.cp > 1) is not supported "
                                          "yet; set parallel.ep=1"),
     (("parallel.ep=2", "model.fp8=tensorwise"), "parallel.ep=2 with model.fp8=tensorwise is not supported yet; set "

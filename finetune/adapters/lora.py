@@ -17,25 +17,34 @@ from ..model import Transform
 from ..weights import is_adapter
 
 
-def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules) -> str | list[str]:
-    """"all-linear" -> a regex naming every Linear inside the decoder blocks (peft's "all-linear" would adapt any
-    Linear but the output layer); a list of names: checked to match Linear layers only, each at least one."""
+def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
+                   experts: dict[str, list[str]]) -> tuple[str | list[str], list[str]]:
+    """(peft's target_modules, the "module.param" names of the expert parameters to adapt; `experts`: expert_params).
+    "all-linear": a regex naming every Linear inside the decoder blocks (peft's "all-linear" would adapt any Linear but
+    the output layer), and every expert parameter. A list of names: each matches Linear layers, experts modules
+    ("experts") or expert parameters ("gate_up_proj"), at least one."""
+    from .expert_lora import ends, match_expert_params
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
                          if isinstance(m, nn.Linear)})
-        return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})"
+        return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})", [f"{m}.{p}" for m, ps in experts.items()
+                                                                         for p in ps]
     if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
         raise ConfigError(f"lora.target_modules must be \"all-linear\" or a non-empty list of module names, "
                          f"got {target_modules!r}")
-    check_names_match(model, "target_modules", target_modules)
-    other = next(((t, n, m) for t in target_modules for n, m in model.named_modules()
-                  if (n == t or n.endswith("." + t)) and not isinstance(m, nn.Linear)), None)
+    expert_targets = match_expert_params(experts, target_modules)
+    check_names_match(model, "target_modules", [t for t in target_modules
+                                                if not match_expert_params(experts, [t])])
+    modules = [(n, m) for n, m in model.named_modules() if n not in experts]
+    linear_names = [t for t in target_modules if any(ends(n, t) for n, _ in modules)]
+    other = next(((t, n, m) for t in linear_names for n, m in modules
+                  if ends(n, t) and not isinstance(m, nn.Linear)), None)
     if other:  # peft's embedding adapters (lora_embedding_A/B) have no load, merge or adapter-export path here
         raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), not a "
                           f"Linear layer: LoRA here adapts Linear layers only; to train it in full, name it in "
                           f"lora.modules_to_save instead (lora.modules_to_save=['{other[0]}'])")
-    return list(target_modules)
+    return linear_names, expert_targets
 
 
 def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:
@@ -54,29 +63,34 @@ def apply_lora(model: nn.Module, layers: nn.ModuleList, rank: int, alpha: float,
     if rank == 0:
         return None
     from peft import inject_adapter_in_model
-    from ..kernels.moe import find_experts
-    experts = find_experts(model)
-    if target_modules == "all-linear" and experts:  # never attention-only in silence
-        raise ConfigError(f"lora.target_modules=\"all-linear\" on {type(model).__name__} would adapt no expert: its "
-                          f"experts ({len(experts)} MoE layers) are fused 3-D parameters, not Linear layers, and LoRA "
-                          f"on them is not supported yet; train the attention only (lora.target_modules=[\"q_proj\", "
-                          f"\"k_proj\", \"v_proj\", \"o_proj\"] or the model's own names) or train in full "
-                          f"(lora.rank=0)")
-    targets = resolve_targets(model, layers, target_modules)
+    from .expert_lora import adapted_summary, apply_expert_lora, expert_params
+    experts = expert_params(model)
+    targets, expert_targets = resolve_targets(model, layers, target_modules, experts)
     check_names_match(model, "modules_to_save", modules_to_save)
+    # peft's target_parameters refuses it too
+    if expert_targets and dropout:
+        raise ConfigError(f"lora.dropout={dropout:g} cannot apply to LoRA on the experts ({expert_targets[0]}, ...): "
+                          f"their adapters act on the merged weight, not on each input; set lora.dropout=0 or leave "
+                          f"the experts out of lora.target_modules")
+    # peft injects modules_to_save only beside a Linear target
+    if modules_to_save and not targets:
+        raise ConfigError(f"lora.modules_to_save={list(modules_to_save)} with LoRA on the experts only: name a Linear "
+                          f"layer in lora.target_modules too (e.g. \"q_proj\") or use \"all-linear\"")
     settings = LoraSettings(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
-                            modules_to_save=list(modules_to_save))
-    inject_adapter_in_model(peft_config(settings), model)
-    for p in model.parameters():  # frozen weights are never trained: no fp32 master copy of them
+                            modules_to_save=list(modules_to_save), target_parameters=expert_targets)
+    if targets:
+        inject_adapter_in_model(peft_config({**settings, "target_parameters": []}), model)
+    apply_expert_lora(model, expert_targets, rank, alpha / rank)
+    for name, p in model.named_parameters():  # frozen weights are never trained: no fp32 master copy of them
+        p.requires_grad_(is_adapter(name) or ".modules_to_save.default." in name)
         if not p.requires_grad:
             p.data = p.data.to(base_dtype)
     if quantize is not None:
         quantize(model, layers)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    num_adapted = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
-    print0(f"lora: rank {rank}, alpha {alpha:g} on {num_adapted} linear layers; trainable {trainable / 1e6:.3f}M of "
-           f"{total / 1e6:.1f}M params ({trainable / total:.2%})")
+    print0(f"lora: rank {rank}, alpha {alpha:g} on {adapted_summary(model, experts)}; trainable "
+           f"{trainable / 1e6:.3f}M of {total / 1e6:.1f}M params ({trainable / total:.2%})")
     return settings
 
 
@@ -108,7 +122,8 @@ def peft_config(lora: dict, **kwargs):
     """peft's LoraConfig for our settings (training and the adapter dir use the same one)."""
     from peft import LoraConfig
     return LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      target_modules=lora["target_modules"], modules_to_save=lora["modules_to_save"] or None, **kwargs)
+                      target_modules=lora["target_modules"] or None, modules_to_save=lora["modules_to_save"] or None,
+                      target_parameters=lora.get("target_parameters") or None, **kwargs)
 
 
 @torch.no_grad()
@@ -120,8 +135,9 @@ def init_lora_weights(model: nn.Module, seed: int) -> None:
         if not is_adapter(name):
             continue
         full = torch.zeros(p.shape, dtype=p.dtype)
+        # an expert's A [E, r, in]: each expert's r rows drawn as one [r, in] Linear's
         if ".lora_A." in name:
-            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+            nn.init.kaiming_uniform_(full.view(-1, full.shape[-1]), a=math.sqrt(5), generator=gen)
         p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
 
 
@@ -131,17 +147,20 @@ def peft_key(fqn: str) -> str:
         ".lora_B.default.", ".lora_B.").replace(".modules_to_save.default.", ".")
 
 
-def merge_lora_tensor(name: str, base: torch.Tensor, load_adapter, scale: float) -> torch.Tensor:
-    """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target, the trained copy of a module to save,
-    else the base tensor; load_adapter(checkpoint key) returns that tensor, or None."""
+def merge_lora_tensor(name: str, base: torch.Tensor, load_adapter, scale: float,
+                      transposed: bool = False) -> torch.Tensor:
+    """The export tensor `name`: W + scale * B @ A in fp32 for a LoRA target (an expert parameter: per expert, its
+    [E, in, out] layout where `transposed`), the trained copy of a module to save, else the base tensor;
+    load_adapter(checkpoint key) returns that tensor, or None."""
+    from .expert_lora import expert_delta
     module, leaf = name.rsplit(".", 1)
     copy = load_adapter(f"{module}.modules_to_save.default.{leaf}")
     if copy is not None:
         return copy.float()
-    lora_a = load_adapter(f"{module}.lora_A.default.weight") if leaf == "weight" else None
+    lora_a = load_adapter(f"{module}.lora_A.default.{leaf}")
     if lora_a is None:
         return base
-    return base.float() + scale * (load_adapter(f"{module}.lora_B.default.weight").float() @ lora_a.float())
+    return base.float() + scale * expert_delta(lora_a, load_adapter(f"{module}.lora_B.default.{leaf}"), transposed)
 
 
 def lora_settings(cfg) -> dict | None:

@@ -58,6 +58,7 @@ def trained_apart(skeleton, adapters: dict) -> list[str]:
 def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tuple[object, dict, Callable]:
     """(the meta skeleton, {HF name: metadata}, name -> tensor) of the merged model (W + alpha/r * B @ A in fp32 over
     the base weights of a prepared or HF dir); tied embeddings that LoRA trained apart untied (in hf_config too)."""
+    from .expert_lora import transposed_params
     skeleton = build_skeleton(hf_config, None, source.trust_remote_code)
     if apart := trained_apart(skeleton, adapters):  # exported untied: the model is then another one
         hf_config.tie_word_embeddings = False
@@ -82,9 +83,11 @@ def open_merged(source: Source, hf_config, adapters: dict, load_adapter) -> tupl
         print0(f"merged into the original base weights of {source.model_path} as stored (the adapters trained on "
                f"them held as {quantized}; the export is not quantized)")
 
+    transposed = transposed_params(skeleton)
+
     def load(name: str) -> torch.Tensor:
         return merge_lora_tensor(name, load_base(name if name in on_disk else embedding),
-                                 lambda k: load_adapter(k) if k in adapters else None, scale)
+                                 lambda k: load_adapter(k) if k in adapters else None, scale, name in transposed)
     return skeleton, metas, load
 
 
@@ -92,7 +95,9 @@ def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dty
     """A LoRA checkpoint's PEFT adapter dir as save_pretrained lays it out, checked by peft; returns the marker's."""
     from safetensors.torch import save_file
     from ..hf.verify import check_adapter
-    tensors = {k: load(k) for k in adapters}
+    from .expert_lora import peft_tensor
+    # LoRA on the experts: peft's layout of its factors (peft's target_parameters)
+    tensors = dict(peft_tensor(k, load(k), source.lora.get("target_parameters", [])) for k in adapters)
     peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
     save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -51,6 +51,24 @@ def apply_experts_implementation(model: nn.Module, name: str) -> None:
            f"{f' of {experts[0].num_experts} experts' if experts else ''})")
 
 
+class ExpertsView:
+    """An experts module as its own forward sees it through `self`: the tensors it computes with, their count."""
+
+    def __init__(self, module: nn.Module, tensors: dict, num_experts: int):
+        self.__dict__.update(tensors, num_experts=num_experts, _module=module)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def expert_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the experts forward of `module` computes with: each of its own parameters (a DTensor's local part:
+    this rank's experts under expert parallel), through its `adapt_experts` (LoRA on the experts) where it has one."""
+    tensors = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in module.named_parameters(recurse=False)}
+    adapt = vars(module).get("adapt_experts")
+    return adapt(tensors) if adapt is not None else tensors
+
+
 def default_aux_coef(model: nn.Module) -> float:
     """The architecture's router_aux_loss_coef; 0 without routers or one (DeepSeek-V3 balances with a bias)."""
     if router_recorder(model) is None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..distributed import print0
-from ..kernels.moe import find_experts, router_recorder
+from ..kernels.moe import ExpertsView, expert_tensors, find_experts, router_recorder
 
 
 class _AllToAll(torch.autograd.Function):
@@ -41,16 +41,6 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return out
 
 
-class _LocalExperts:
-    """An experts module as its own forward sees it through `self`: its local experts' tensors, their count."""
-
-    def __init__(self, module: nn.Module, tensors: dict, num_experts: int):
-        self.__dict__.update(tensors, num_experts=num_experts, _module=module)
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
-
-
 def ep_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, *, forward, group, ep: int) -> torch.Tensor:
     """The experts of `module` (this rank's num_experts / ep of them) over the ep group's tokens routed to them."""
@@ -67,8 +57,9 @@ def ep_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
     rows = _AllToAll.apply(hidden_states[order // top_k], received_splits, sent_splits, group)
     # the rows come by source rank, then by local expert
     local_ids = torch.arange(num_local, device=flat.device).repeat(ep).repeat_interleave(received)
-    tensors = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
-    out = forward(_LocalExperts(module, tensors, num_local), rows, local_ids[:, None],
+    # LoRA on the experts (adapters/expert_lora.py): its deltas on these local tensors
+    tensors = expert_tensors(module)
+    out = forward(ExpertsView(module, tensors, num_local), rows, local_ids[:, None],
                   torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device))
     if rows.shape[0] == 0:
         # no row came (an eager loop then uses neither the rows nor the experts): every rank's backward must still

@@ -58,7 +58,7 @@ def check_ep(cfg: Config, task: str) -> None:
     if ep < 1:
         raise ConfigError(f"parallel.ep must be >= 1, got {ep!r}")
     other = next((name for name, on in (
-        ("LoRA (lora.rank > 0)", cfg.lora.rank), ("context parallel (parallel.cp > 1)", p.cp > 1),
+        ("context parallel (parallel.cp > 1)", p.cp > 1),
         ("HSDP (parallel.dp_replicate > 1)", p.dp_replicate > 1),
         (f"model.fp8={cfg.model.fp8}", cfg.model.fp8 != "off"), (f"finetune {task}", task != "sft")) if on), None)
     if ep > 1 and other:

@@ -86,14 +86,16 @@ def pair_logps(model, batch: dict) -> torch.Tensor:
 
 @contextmanager
 def adapters_off(model):
-    """The base model: peft's adapters and lora.modules_to_save copies switched off (a flag per layer)."""
+    """The base model: peft's adapters, the experts' and lora.modules_to_save copies switched off (a flag per layer)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
+    from ..adapters.expert_lora import switch_expert_adapters
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     # the wrapper's own flag only: ModulesToSaveWrapper.enable_adapters also flips requires_grad of the trained copy
     wrappers = [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
 
     def switch(on: bool) -> None:
+        switch_expert_adapters(model, on)
         for m in layers:
             m.enable_adapters(on)
         for m in wrappers:
