@@ -13,7 +13,7 @@ from ..compat import TorchDispatchMode, fake_world_parts, fsdp_param_group, stor
 
 
 @contextmanager
-def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1):
+def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: int = 1, ep: int = 1):
     """A fake process group of world_size (this process is rank 0), its ParallelDims and the fake tensor mode."""
     import torch.distributed as dist
 
@@ -21,15 +21,16 @@ def fake_world(world_size: int, dp_replicate: int = 1, dp_shard: int = 0, cp: in
     store, fake_mode = fake_world_parts()
     dist.init_process_group("fake", store=store, rank=0, world_size=world_size)
     try:
-        yield build_parallel_dims("cpu", dp_replicate, dp_shard, cp), fake_mode
+        yield build_parallel_dims("cpu", dp_replicate, dp_shard, cp, ep), fake_mode
     finally:
         dist.destroy_process_group()
 
 
-def build_fake_models(hf_config, cfg: Config, mesh, fake_mode, ratios: set[float], liger: bool) -> dict:
+def build_fake_models(hf_config, cfg: Config, mesh, fake_mode, ratios: set[float], liger: bool,
+                      expert_mesh=None) -> dict:
     """{ac.ratio: model} for each of `ratios`: build_model's parallelize (the run's transforms but for the kernels,
-    which cannot run on fake tensors, and compile; with Liger's FSDP layout) of a copy of one meta skeleton built once
-    (fully_shard is slow on fake tensors), then fake storage."""
+    which cannot run on fake tensors, and compile; with Liger's FSDP layout; with `expert_mesh` expert parallel) of a
+    copy of one meta skeleton built once (fully_shard is slow on fake tensors), then fake storage."""
     import copy
     from dataclasses import replace
 
@@ -42,6 +43,11 @@ def build_fake_models(hf_config, cfg: Config, mesh, fake_mode, ratios: set[float
     # fp8: plan_float8_bytes; nf4: plan_nf4 (NF4 weights do not run on fake tensors)
     t = replace(transforms(replace(cfg, lora=replace(cfg.lora, quantize_base="none")), None, torch.device("cuda")),
                 kernels=None, float8=None, lm_head_in_root=liger)
+    if expert_mesh is not None:
+        from functools import partial
+
+        from ..parallel.expert import apply_ep
+        t = replace(t, expert_parallel=partial(apply_ep, mesh=expert_mesh))
     for ratio in sorted(ratios):
         models[ratio] = model = copy.deepcopy(skeleton)
         parallelize(model, mesh, t, mixed_precision=cfg.train.mixed_precision, ac_ratio=ratio, ac_mode=cfg.ac.mode)
@@ -109,23 +115,35 @@ def measure_state(model, nf4: dict | None = None) -> dict:
             key = f"{kind} {'nf4' if id(p) in nf4 else str(t.dtype).removeprefix('torch.')}"
             state[key] = state.get(key, 0) + t.numel() * nf4.get(id(p), t.element_size())
         params.append((tuple(p.shape), p.numel(), nf4.get(id(p), sum(t.element_size() for _, t in tensors))))
-    held, units, unit_grads = 0, [], 0
+    from ..model import find_layers
+    block_of = {id(m): i for i, layer in enumerate(find_layers(model)) for m in layer.modules()}
+    held, blocks, others, unit_grads = 0, {}, [0], 0
     for m in model.modules():
         group = fsdp_param_group(m)
         if group is None:
             continue
+        for fp in group.fsdp_params:  # the dtypes FSDP's lazy init sets (the EP model runs no forward)
+            if not hasattr(fp, "param_dtype"):
+                fp.init_dtype_attrs(fp.mp_policy)
         fps = [(math.prod(fp._orig_size), fp.param_dtype or fp.orig_dtype, fp.reduce_dtype, fp.sharded_param)
                for fp in group.fsdp_params]
         unit = sum(n * nf4.get(id(p), dt.itemsize) for n, dt, _, p in fps)
         unit_grads = max(unit_grads, sum(n * (dt.itemsize + (rd.itemsize if rd not in (None, dt) else 0))
                                          for n, dt, rd, p in fps if p.requires_grad))
-        if group.post_forward_mesh_info is None:  # not resharded after forward: unsharded until its backward
+        # not resharded after forward: unsharded until its backward (the root too, before its lazy init)
+        if group.post_forward_mesh_info is None or m is model:
             held += unit
+        elif id(m) in block_of:  # a block's units (with EP its experts' too) are in flight together
+            blocks[block_of[id(m)]] = blocks.get(block_of[id(m)], 0) + unit
         else:
-            units.append(unit)
-    in_flight = {"held": held, "current+next": sum(sorted(units)[-2:]), "grads+reduce": unit_grads,
+            others.append(unit)
+    largest = sorted(blocks.values())[-2:]
+    # backward gathers a block while the one before it is prefetched; the embedding's unit is gathered only at the
+    # forward's start, beside the first block and before any activation: `forward_start`, not summed with those
+    in_flight = {"held": held, "current+next": sum(largest), "grads+reduce": unit_grads,
                  **({"nf4 dequantized": nf4["dequantized"]} if nf4 else {})}
-    return {"state": state, "params": params, "in_flight": in_flight}
+    return {"state": state, "params": params, "in_flight": in_flight,
+            "forward_start": max(others) + max(largest, default=0)}
 
 
 def sharded_bytes(params: list, world_size: int) -> int:
@@ -139,13 +157,11 @@ def sharded_bytes(params: list, world_size: int) -> int:
 
 def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], shapes: list[tuple[int, int]],
                  liger: bool) -> tuple[dict, dict]:
-    """{(ratio, (micro-batch, tokens per rank)): measure_micro_batch} at every ratio and 0, and measure_state."""
+    """{(ratio, (micro-batch, tokens per rank)): measure_micro_batch} at every ratio and 0, and measure_fixed."""
     models = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0, *ratios}, liger)
-    from ..adapters.qlora import plan_nf4
-    nf4 = plan_nf4(models[max(models)], cfg.lora.quantize_base, dims.mesh.shape[-1], LivePeak)
     with fake_mode:
         runs = {(r, (mbs, seq)): measure_micro_batch(m, mbs, seq) for r, m in models.items() for mbs, seq in shapes}
-        measured = measure_state(model := models[max(models)], nf4)
+    measured = measure_fixed(hf_config, cfg, dims, fake_mode, model := models[max(models)], liger)
     if cfg.model.fp8 != "off":  # fp8's weight copies in flight and scales (the fake model itself stays unconverted)
         from ..kernels.float8 import plan_float8_bytes
         measured["in_flight"]["fp8"] = plan_float8_bytes(model, cfg.model.fp8, all_gather=cfg.model.fp8_all_gather,
@@ -153,8 +169,32 @@ def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], s
     return runs, measured
 
 
-def point(runs: dict, ratio: float, shape: tuple[int, int], fixed: float, num_layers: int) -> dict:
-    """One (ratio, shape)'s bytes per GPU; the recompute of one checkpointed block is 1/L of the ratio-0 activations."""
-    run = runs[ratio, shape]
+def measure_fixed(hf_config, cfg: Config, dims, fake_mode, model, liger: bool) -> dict:
+    """measure_state of `model` (after a forward); with parallel.ep that of the model built with EP (whose dispatch,
+    data-dependent, cannot run on fake tensors: the forwards run without it), under "without_ep" the former, and the
+    all-to-all buffers a token adds (its top-k rows of the hidden size sent and received)."""
+    from ..adapters.qlora import plan_nf4
+    nf4 = plan_nf4(model, cfg.lora.quantize_base, dims.mesh.shape[-1], LivePeak)
+    with fake_mode:
+        measured = measure_state(model, nf4)
+    if dims.ep == 1:
+        return measured
+    ep_model = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0}, liger, dims.expert_mesh)[0.0]
+    text = hf_config.get_text_config()
+    row_bytes = text.hidden_size * (2 if cfg.train.mixed_precision == "bf16" else 4)
+    with fake_mode:
+        return {**measure_state(ep_model, plan_nf4(ep_model, cfg.lora.quantize_base, dims.mesh.shape[-1], LivePeak)),
+                "without_ep": measured, "ep_dispatch_per_token": 2 * text.num_experts_per_tok * row_bytes}
+
+
+def point(runs: dict, ratio: float, shape: tuple[int, int], measured: dict, num_layers: int) -> dict:
+    """One (ratio, shape)'s bytes per GPU at its peak: backward's (the state, the units in flight, the activations,
+    one checkpointed block's recompute: 1/L of the ratio-0 activations, the head's peak, EP's all-to-all buffers), or
+    the forward's start."""
+    run, state = runs[ratio, shape], sum(measured["state"].values())
     recompute = runs[0.0, shape]["activations"] / num_layers if ratio > 0 else 0
-    return {**run, "recompute": recompute, "total": fixed + run["activations"] + recompute + run["logits_loss"]}
+    dispatch = measured.get("ep_dispatch_per_token", 0) * math.prod(shape)
+    backward = sum(measured["in_flight"].values()) + run["activations"] + recompute + run["logits_loss"] + dispatch
+    start = measured["in_flight"]["held"] + measured["forward_start"]
+    return {**run, "recompute": recompute, **({"ep_dispatch": dispatch} if dispatch else {}),
+            "total": state + max(backward, start)}

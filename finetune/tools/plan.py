@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..errors import one_line
-from .memory_model import LivePeak, build_fake_models, fake_world, measure_micro_batch, measure_runs, measure_state, \
-    point, sharded_bytes
+from .memory_model import build_fake_models, fake_world, measure_fixed, measure_micro_batch, measure_runs, point, \
+    sharded_bytes
 
 SAFETY = 0.10  # of GPU memory kept free: CUDA context, NCCL buffers, allocator fragmentation
 GIB = 2**30
@@ -51,23 +51,24 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     world, cp = nnodes * nproc, cfg.parallel.cp
     liger = resolve_liger(cfg.model.liger, cuda=True)  # as build_model does on the planned GPUs
     local_seq = -(-cfg.data.max_seq_len // cp)
-    with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp) as (dims, fake_mode):
+    with fake_world(world, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cp, cfg.parallel.ep) as (dims, fake_mode):
         runs, measured = measure_runs(hf_config, cfg, dims, fake_mode, ratios,
                                       [(mbs, local_seq) for mbs in micro_batch_sizes], liger)
-    in_flight = sum(measured["in_flight"].values())
-    fixed = sum(measured["state"].values()) + in_flight
     usable = gpu_bytes * (1 - SAFETY)
     points = []
     for ratio, (mbs, seq) in runs:
         if ratio in ratios:
-            p = point(runs, ratio, (mbs, seq), fixed, hf_config.num_hidden_layers)
+            p = point(runs, ratio, (mbs, seq), measured, hf_config.num_hidden_layers)
+            if "without_ep" in measured:  # the same point with FSDP alone: every expert of a block all-gathered
+                p["total_without_ep"] = point(runs, ratio, (mbs, seq), measured["without_ep"],
+                                              hf_config.num_hidden_layers)["total"]
             points.append({"ac_ratio": ratio, "micro_batch_size": mbs, **p, "free": gpu_bytes - p["total"],
                            "fits": p["total"] <= usable})
     fits = [p for p in points if p["fits"]]
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
     smallest, replicas = None, cfg.parallel.dp_replicate
     if not fits:  # more GPUs shrink only the sharded state (a set dp_shard grows with them), to one row a GPU at most
-        least = min(p["total"] - fixed for p in points) + in_flight
+        least = min(p["total"] for p in points) - sum(measured["state"].values())
         floor = least + sum(numel // max(s, default=1) * nbytes for s, numel, nbytes in measured["params"])
         smallest = None if floor > usable else next((w for w in range(world + nproc, 2**16, nproc) if w % replicas == 0
                                                      and sharded_bytes(measured["params"], w // replicas) + least
@@ -79,11 +80,11 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
 def describe(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, dims, liger: bool, measured) -> dict:
     """What a plan is of (the header of its table)."""
     return {"model": cfg.model.path, "num_params": sum(n for _, n, _ in measured["params"]), "nnodes": nnodes,
-            "nproc_per_node": nproc, "world_size": nnodes * nproc, "parallel": str(dims),
+            "nproc_per_node": nproc, "world_size": nnodes * nproc, "parallel": str(dims), "ep": dims.ep,
             "parallel_config": asdict(cfg.parallel), "gpu_memory": gpu_bytes, "safety": SAFETY,
             "seq_len": cfg.data.max_seq_len, "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode,
             "ac_offload": cfg.ac.offload, "liger": liger, "state": measured["state"],
-            "in_flight": measured["in_flight"]}
+            "in_flight": measured["in_flight"], "forward_start": measured["forward_start"]}
 
 
 MAX_LOCAL_TOKENS = 2**22  # tokens per rank where the --max-seq-len search stops doubling (4M: beyond any model's)
@@ -94,13 +95,12 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
     (within a node, dividing the heads). A rank's bytes depend on its S / cp tokens only: measured, never extrapolated
     (fake forwards from 1024 tokens per rank, doubled while they fit, then bisected to a multiple of 1024)."""
     from ..kernels.liger import resolve_liger
-    from ..adapters.qlora import plan_nf4
     world, unit = nnodes * nproc, 1024
     heads = hf_config.get_text_config().num_attention_heads
     cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if nproc % c == 0 and heads % c == 0]
     liger = resolve_liger(cfg.model.liger, cuda=True)
     usable, num_layers = gpu_bytes * (1 - SAFETY), hf_config.num_hidden_layers
-    with fake_world(world, cfg.parallel.dp_replicate) as (dims, fake_mode):
+    with fake_world(world, cfg.parallel.dp_replicate, ep=cfg.parallel.ep) as (dims, fake_mode):
         models = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0, *ratios}, liger)
         runs, sizes = {}, {r: {} for r in ratios}  # sizes: what each ratio measured, {tokens per rank: bytes}
 
@@ -109,14 +109,12 @@ def run_seq_search(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: i
                 if (r, (1, tokens)) not in runs:
                     with fake_mode:
                         runs[r, (1, tokens)] = measure_micro_batch(models[r], 1, tokens)
-            sizes[ratio][tokens] = point(runs, ratio, (1, tokens), fixed, num_layers)["total"]
+            sizes[ratio][tokens] = point(runs, ratio, (1, tokens), measured, num_layers)["total"]
             return sizes[ratio][tokens]
 
         with fake_mode:  # the state and the units in flight (after a forward: FSDP's lazy init decides resharding)
             runs[0.0, (1, unit)] = measure_micro_batch(models[0.0], 1, unit)
-            measured = measure_state(models[0.0], plan_nf4(models[0.0], cfg.lora.quantize_base, dims.mesh.shape[-1],
-                                                            LivePeak))
-        fixed = sum(measured["state"].values()) + sum(measured["in_flight"].values())
+        measured = measure_fixed(hf_config, cfg, dims, fake_mode, models[0.0], liger)
         longest, totals = {}, {}  # per ratio: the most tokens per rank measured to fit, and their bytes
         for ratio in ratios:
             fits, fails = 0, None
@@ -169,6 +167,8 @@ def format_plan(r: dict) -> str:
              "", f"per GPU, every step ({name}):"]
     lines += [f"  {k:<24} {size(v):>8}" for k, v in r["state"].items()]
     lines += [f"  {'in flight: ' + k:<24} {size(v):>8}" for k, v in r["in_flight"].items()]
+    lines.append(f"  {'or at the forward start':<24} {size(r['forward_start']):>8}  (embedding and first block "
+                 f"gathered, no activation yet: in place of the above and what follows, where larger)")
     lines += ["", f"per GPU and micro-batch ({name}):",
               "| ac.ratio | micro-batch | activations | recompute | logits/loss | total | free | fits |",
               "|---:|---:|---:|---:|---:|---:|---:|:--:|"]
@@ -176,6 +176,9 @@ def format_plan(r: dict) -> str:
         lines.append(f"| {p['ac_ratio']:g} | {p['micro_batch_size']} | {size(p['activations'])} | "
                      f"{size(p['recompute'])} | {size(p['logits_loss'])} | {size(p['total'])} | "
                      f"{size(p['free'])} ({p['free'] / r['gpu_memory']:.0%}) | {'yes' if p['fits'] else 'no'} |")
+    if dispatch := [p for p in r["points"] if "ep_dispatch" in p]:
+        lines.append(f"(totals include EP's all-to-all buffers: {size(dispatch[0]['ep_dispatch'])} {name} at "
+                     f"micro-batch {dispatch[0]['micro_batch_size']}, each token's top-k rows sent and received)")
     if r["liger"]:
         lines.append("(logits/loss measured without Liger, whose fused loss cannot run on fake tensors: an upper "
                      "bound)")
@@ -185,6 +188,11 @@ def format_plan(r: dict) -> str:
                      f"{b['micro_batch_size']}: {size(b['total'])} of {size(r['gpu_memory'])} {name}, "
                      f"{size(b['free'])} {name} ({b['free'] / r['gpu_memory']:.0%}) free "
                      f"(>= {r['safety']:.0%} kept free)")
+        if r["ep"] > 1:  # the same point with FSDP alone: does EP decide the fit?
+            alone, usable = b["total_without_ep"], r["gpu_memory"] * (1 - r["safety"])
+            lines.append(f"parallel.ep={r['ep']} is what makes it fit: FSDP alone (a block's experts all-gathered "
+                         f"whole) needs {size(alone)} {name} there" if alone > usable else
+                         f"FSDP alone (parallel.ep=1) fits this point too: {size(alone)} {name}")
     else:
         world, pc = r["smallest_world_size"], r["parallel_config"]
         lines.append(f"\ndoes not fit: no point leaves {r['safety']:.0%} of {size(r['gpu_memory'])} {name} free; "
