@@ -1,7 +1,7 @@
 """`finetune plan`: its figures against the real thing at 2 gloo ranks (bytes saved for backward at AC ratios 0 /
 0.5 / 1, sharded parameters, gradients and AdamW state, tied and untied; HSDP 2x2 shards as FSDP 2), the 70B preset
 fitting 8 x 8 H100s offline, a model that fits nowhere (exit 1, the smallest world that fits, which then does), bad
-flags (one line, exit 2)."""
+flags (one line, exit 2); parallel.ep against the real expert-parallel model at 2 ranks."""
 from __future__ import annotations
 
 import gc
