@@ -186,11 +186,16 @@ def test_ep_settings_it_does_not_compose_with_are_one_line_and_exit_2(qwen3_moe_
     assert result.exit_code == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.output
 
 
-def test_plan_refuses_ep_in_one_line(qwen3_moe_dir):
+@pytest.mark.parametrize("model, overrides, message", [
+    ("qwen3_moe_dir", ("parallel.ep=3",), "parallel.ep=3 does not divide the 8 data-parallel ranks "
+                                          "(parallel.dp_shard)"),
+    ("qwen3_moe_dir", ("parallel.ep=2", "parallel.cp=2"), "parallel.ep=2 with context parallel (parallel.cp > 1) is "
+                                                          "not supported yet; set parallel.ep=1")])
+def test_plan_refuses_what_ep_does_not_compose_with_in_one_line(model, overrides, message, request):
+    """sft's refusals (check_ep; the ranks'), in one line; a dense model: apply_ep's, tested with sft below."""
     from helpers import invoke
-    result = invoke("plan", "--model", qwen3_moe_dir, "parallel.ep=2")
-    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
-        "error: parallel.ep must be 1 (plan does not model expert parallel yet), got 2"], result.output
+    result = invoke("plan", "--model", request.getfixturevalue(model), *overrides)
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [f"error: {message}"], result.output
 
 
 def test_ep_on_a_dense_model_or_an_expert_count_it_does_not_divide_is_refused(llama_dir, chat_file, tmp_path):

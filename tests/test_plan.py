@@ -1,7 +1,7 @@
 """`finetune plan`: its figures against the real thing at 2 gloo ranks (bytes saved for backward at AC ratios 0 /
 0.5 / 1, sharded parameters, gradients and AdamW state, tied and untied; HSDP 2x2 shards as FSDP 2), the 70B preset
 fitting 8 x 8 H100s offline, a model that fits nowhere (exit 1, the smallest world that fits, which then does), bad
-flags (one line, exit 2)."""
+flags (one line, exit 2); parallel.ep against the real expert-parallel model at 2 ranks."""
 from __future__ import annotations
 
 import gc
@@ -200,3 +200,47 @@ def test_a_plan_that_more_gpus_cannot_fit_does_not_search_every_world_size(llama
     assert alone["best"] is None and alone["smallest_world_size"] is None and tried == []
     state = planned(llama_dir, "fp32", [0.0], 1, 256, nproc=1, gpu_bytes=12 * 2**20)  # 4 MB of state on 1 rank
     assert state["best"] is None and tried == list(range(2, state["smallest_world_size"] + 1))
+
+
+def ep_storage(model_dir, ep: int) -> tuple[dict, int]:
+    """On each rank: the bytes of its parameters by dtype (sft's model with parallel.ep=`ep`) and those of the first
+    block gathered (its FSDP units: the block's, and the experts' over the ranks holding the same experts)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from finetune.build import transforms
+    from finetune.distributed import init_distributed
+    from finetune.model import build_model, find_layers
+    device, dims = init_distributed(ep=ep)
+    cfg = load_config(None, {"model.path": str(model_dir), "data.path": "-", "parallel.ep": ep,
+                             "train.mixed_precision": "bf16"})
+    model, _ = build_model(str(model_dir), device, dims.mesh, transforms(cfg, dims, device),
+                           mixed_precision=cfg.train.mixed_precision)
+    params = {}
+    for p in model.parameters():
+        key = f"params {str(p.dtype).removeprefix('torch.')}"
+        params[key] = params.get(key, 0) + p.to_local().numel() * p.element_size()
+    model(input_ids=torch.zeros(1, 8, dtype=torch.long))  # FSDP's lazy init: its bf16 all-gathers
+    for unit in (m for m in find_layers(model)[0].modules() if isinstance(m, FSDPModule)):
+        unit.unshard()
+    block = find_layers(model)[0].parameters()
+    return params, sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in block)
+
+
+def test_plan_with_ep_holds_each_ranks_experts_as_the_real_model_and_says_ep_decides_the_fit(tmp_path):
+    """ep 2 on 2 ranks: the parameters a rank holds and a block in flight (attention and its 4 of the 8 experts, not
+    all 8) as the real model's; --json carries ep and each point's total with FSDP alone."""
+    from test_moe import make_moe_dir
+    path = make_moe_dir(tmp_path / "moe", "qwen3_moe", fused=True, num_layers=3)
+    params, block = run_ranks(ep_storage, 2, path, 2)[0]
+    result = invoke("plan", "--model", path, "--nproc-per-node", 2, "--sac-ratios", "0", "--micro-batch-sizes", 1,
+                    "--json", "parallel.ep=2", "data.max_seq_len=32", "train.mixed_precision=bf16")
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = json.loads(result.stdout)
+    assert plan["ep"] == 2 and plan["parallel"] == "FSDP 2, experts ep 2"
+    assert plan["state"]["params float32"] == pytest.approx(params["params float32"], rel=0.05)
+    # three blocks: the last is held from forward to backward, the other two are in flight in turn
+    assert plan["in_flight"]["current+next"] == pytest.approx(2 * block, rel=0.05)
+    point = plan["points"][0]
+    assert point["total_without_ep"] > point["total"] > 0
+    # a token's 2 chosen experts' rows of 64 bf16 values, sent and received, for 32 tokens
+    assert point["ep_dispatch"] == 2 * 2 * 64 * 2 * 32

@@ -156,6 +156,46 @@ def test_each_rank_holds_the_rows_of_the_whole_tensor_quantized_at_once_at_half_
             assert plan["in_flight"]["nf4 dequantized"] > 0
 
 
+def layer_in_flight(model_dir, data):
+    """On each rank: the bytes of the first block gathered (its NF4 weights, bf16 norms and adapters) and the peak
+    bytes that its largest NF4 Linear's forward allocates (the weight dequantized)."""
+    from finetune.adapters.qlora import is_nf4
+    from finetune.build import transforms
+    from finetune.distributed import build_parallel_dims
+    from finetune.model import build_model, find_layers
+    from finetune.tools.memory_model import LivePeak
+    cfg = helpers.sft_config(model_dir, data, "unused", *QLORA, "train.mixed_precision=bf16")
+    dims = build_parallel_dims("cpu")
+    model, _ = build_model(cfg.model.path, torch.device("cpu"), dims.mesh, transforms(cfg, dims, torch.device("cpu")),
+                           mixed_precision=cfg.train.mixed_precision)
+    layer = find_layers(model)[0]
+    layer.unshard()
+    unit, linears = 0, []
+    for m in layer.modules():
+        for p in m.parameters(recurse=False):
+            inner = [getattr(p, a) for a in ("quantized_data", "quantized_scalers", "quantization_factor")] \
+                if is_nf4(p) else [p]
+            unit += sum(t.numel() * t.element_size() for t in inner)
+            linears += [m] if is_nf4(p) else []
+    largest = max(linears, key=lambda m: m.weight.numel())
+    with torch.no_grad(), LivePeak() as peak:
+        largest(torch.zeros(1, largest.in_features, dtype=torch.bfloat16))
+    return unit, peak.peak
+
+
+def test_plan_counts_a_gathered_4bit_block_and_its_dequantized_weight_as_the_real_ones(qlora_dir, chat_file):
+    """Per GPU in flight: a block's NF4 weights all-gathered and the bf16 copy its largest weight is dequantized
+    into (2 bytes a value and one chunk's work, not torchao's 14 bytes a value), as the real 2-rank model's."""
+    from test_plan import planned
+    unit, dequantized = helpers.run_ranks(layer_in_flight, 2, qlora_dir, chat_file)[0]
+    plan = planned(qlora_dir, "bf16", [1.0], 1, 64, **{"lora.rank": 4, "lora.quantize_base": "nf4"})
+    # two blocks: the last stays gathered from forward to backward (held), so one is in flight beside it
+    assert plan["in_flight"]["current+next"] == pytest.approx(unit, rel=0.05)
+    assert plan["in_flight"]["nf4 dequantized"] == pytest.approx(dequantized, rel=0.05)
+    weights = SIZES["hidden_size"] * SIZES["intermediate_size"]
+    assert dequantized < 9 * weights  # torchao's own dequantization keeps 14 bytes a value alive
+
+
 def test_bad_qlora_input_is_one_line_and_exit_2(qlora_dir, chat_file, tmp_path):
     cases = [(["lora.quantize_base=nf4"], "lora.quantize_base=nf4 quantizes the frozen base under LoRA adapters, "
                                           "and lora.rank=0 trains every weight in full"),

@@ -2,8 +2,11 @@
 quantized shard by shard while the weights load, each rank's bytes those of the whole tensor quantized at once."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import print0
@@ -12,6 +15,10 @@ BLOCK = 64  # elements per NF4 scale (torchao's default block_size)
 SCALER_BLOCK = 256  # scales per double-quantization factor (torchao's default scaler_block_size)
 GRANULE = BLOCK * SCALER_BLOCK  # a shard holding whole factors: its bytes need no other rank's
 NF4_BYTES = 0.5 + 1 / BLOCK + 2 / GRANULE  # per element: a 4-bit code, an int8 scale a block, a bf16 factor a granule
+# values dequantized at once: torchao's whole-tensor dequantization keeps ~14 bytes a value alive (int64 codes, two
+# halves, their scaled copies, the stack): 3.3 GB for one 28672 x 8192 weight of a 70B model; a chunk of 2^24 values
+# keeps that to ~110 MB (measured: ~6.5 bytes a chunk value) beside the weight's bf16 copy, in few kernel launches
+CHUNK = 2**24
 
 
 def nf4_misfit(shape, shards: int) -> str | None:
@@ -37,6 +44,7 @@ def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch
             continue
         meta = torch.empty(mod.weight.shape, dtype=dtype, device="meta")
         mod.weight = nn.Parameter(to_nf4(meta, BLOCK, SCALER_BLOCK), requires_grad=False)
+        mod.forward = partial(nf4_linear, mod)
         num_quantized += 1
     print0(f"qlora: {num_quantized} frozen linear weights of the blocks held as NF4 (blocks of {BLOCK}, scales "
            f"double-quantized in blocks of {SCALER_BLOCK}); embeddings, norms, lm_head and biases stay "
@@ -49,6 +57,43 @@ def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch
     return kept
 
 
+def nf4_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An NF4 Linear's forward: torchao's (a frozen weight dequantized for the matmul, again in backward) with
+    dequantize_nf4's bounded memory."""
+    out = _LinearNF4.apply(x, module.weight)
+    return out if module.bias is None else out + module.bias
+
+
+class _LinearNF4(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return F.linear(x, dequantize_nf4(weight, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ dequantize_nf4(ctx.saved_tensors[0], grad.dtype), None
+
+
+@torch.no_grad()
+def dequantize_nf4(weight, dtype: torch.dtype, chunk: int = CHUNK) -> torch.Tensor:
+    """`weight` (an NF4Tensor) in `dtype`, equal to torchao's get_original_weight().to(dtype), computed `chunk` values
+    at a time into the result (torchao's way at once keeps ~14 bytes a value alive, this 2 or 4 and one chunk's)."""
+    from ..compat import local_tensor
+    w = local_tensor(weight)
+    out = torch.empty(w.shape, dtype=dtype, device=w.quantized_data.device)
+    pairs = out.view(-1, 2)
+    # each byte holds two consecutive values (high, low nibble); a scale covers BLOCK values, BLOCK // 2 bytes
+    scalers = w.dequantize_scalers(w.quantized_scalers, w.quantization_factor, w.scaler_block_size)
+    step = chunk // 2 // (BLOCK // 2) * (BLOCK // 2) or BLOCK // 2
+    for start in range(0, w.quantized_data.numel(), step):
+        codes = w.quantized_data[start:start + step]
+        scales = scalers[start // (BLOCK // 2):(start + codes.numel()) // (BLOCK // 2)].repeat_interleave(BLOCK // 2)
+        pairs[start:start + codes.numel(), 0].copy_(w.nf4[(codes >> 4).long()] * scales)
+        pairs[start:start + codes.numel(), 1].copy_(w.nf4[(codes & 0b1111).long()] * scales)
+    return out
+
+
 def frozen_linears(layers: nn.ModuleList) -> list[tuple[str, nn.Linear]]:
     """(name, module) of each Linear in the blocks `layers` whose weight is frozen (what apply_nf4 quantizes)."""
     return [(n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad]
@@ -56,18 +101,26 @@ def frozen_linears(layers: nn.ModuleList) -> list[tuple[str, nn.Linear]]:
 
 def plan_nf4(model: nn.Module, quantize_base: str, shards: int, meter) -> dict | None:
     """For plan (its fake model built unquantized; None without QLoRA): {id(weight): bytes per element} of the weights
-    apply_nf4 would hold as NF4 over `shards` ranks, and "dequantized": the bytes NF4's dequantization of the largest
-    one allocates (`meter`: a dispatch mode with the peak bytes of what ops create, measured on one granule)."""
+    apply_nf4 would hold as NF4 over `shards` ranks, and "dequantized": the bytes dequantize_nf4 allocates for the
+    largest one (`meter`: a dispatch mode with the peak bytes of what ops create), measured on two small weights:
+    the bytes a value (its copy, its scale) and those of a chunk's work, which CHUNK bounds."""
     if quantize_base != "nf4":
         return None
     from torchao.quantization import to_nf4
     from ..model import find_layers
     weights = [m.weight for _, m in frozen_linears(find_layers(model)) if nf4_misfit(m.weight.shape, shards) is None]
-    probe = to_nf4(torch.ones(1, GRANULE, dtype=torch.bfloat16), BLOCK, SCALER_BLOCK)
-    with meter() as peak:
-        probe.get_original_weight()
+    dtype = weights[0].dtype if weights else torch.bfloat16
+    peaks = []
+    for rows in (1, 2):
+        probe = to_nf4(torch.ones(rows, GRANULE, dtype=dtype), BLOCK, SCALER_BLOCK)
+        with meter() as peak:
+            dequantize_nf4(probe, dtype, chunk=GRANULE)
+        peaks.append(peak.peak)
+    per_value = (peaks[1] - peaks[0]) / GRANULE
+    per_chunk_value = (peaks[0] - per_value * GRANULE) / GRANULE
     largest = max((w.numel() for w in weights), default=0)
-    return {**{id(w): NF4_BYTES for w in weights}, "dequantized": peak.peak / GRANULE * largest}
+    return {**{id(w): NF4_BYTES for w in weights},
+            "dequantized": per_value * largest + per_chunk_value * min(largest, CHUNK)}
 
 
 def is_nf4(param) -> bool:

@@ -98,7 +98,8 @@ def plan(overrides: Optional[List[str]] = OVERRIDES, config: Optional[Path] = CO
         check_flag("--nproc-per-node", nproc_per_node >= 1, ">= 1", nproc_per_node)
         gpu_bytes = p.parse_gpu_memory(gpu_memory)
         cfg = build_config(config, overrides, check=False, **{"model.path": model, "data.path": "-"})
-        check_flag("parallel.ep", cfg.parallel.ep == 1, "1 (plan does not model expert parallel yet)", cfg.parallel.ep)
+        from ..run.checks import check_ep
+        check_ep(cfg, "sft")
         with contextlib.redirect_stdout(sys.stderr):  # notes of the model build (once per ratio) stay off the table
             result = p.run_seq_search(cfg, p.load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios) \
                 if max_seq_len else p.run_plan(cfg, p.load_arch(cfg, model), nnodes, nproc_per_node, gpu_bytes, ratios,
