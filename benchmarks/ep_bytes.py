@@ -91,14 +91,13 @@ def count_step(model_dir: str, ep: int, tokens: int) -> dict:
     """On each rank of an initialised gloo world: {kind: [calls, buffer bytes, wire bytes]} of one forward and
     backward of `tokens` tokens through build_model's model at parallel.ep=`ep` (bf16 mixed precision)."""
     from finetune.distributed import init_distributed
-    from finetune.hf import loader
     from finetune.kernels.moe import apply_experts_implementation
-    from finetune.model import Transforms, build_model
+    from finetune.model import Transform, build_model
     from finetune.parallel.expert import apply_ep
     device, dims = init_distributed(ep=ep)
-    t = Transforms(loader=loader, kernels=lambda model, layers: apply_experts_implementation(model, "grouped_mm"))
+    t = [Transform("kernels", lambda model, layers: apply_experts_implementation(model, "grouped_mm"))]
     if ep > 1:
-        t.expert_parallel = partial(apply_ep, mesh=dims.expert_mesh)
+        t.append(Transform("expert_parallel", partial(apply_ep, mesh=dims.expert_mesh)))
     model = build_model(model_dir, device, dims.mesh, t, mixed_precision="bf16")[0]
     ids = torch.randint(0, SIZES["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(dist.get_rank()))
     dist.barrier()
