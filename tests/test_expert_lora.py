@@ -110,7 +110,7 @@ def test_sft_at_ep2_equals_one_process_resumes_and_both_exports_agree_with_peft(
     stores them [E, in, out]), and peft (target_parameters) on the adapter export gives the merged export's logits."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.weights import open_dcp
+    from finetune.hf.files import open_dcp
     from helpers import export_hf, sft
     model_dir = make_moe_dir(tmp_path / "model", arch, fused=True, num_layers=1)
     common = ("lora.rank=4", "lora.alpha=8", "train.lr=2e-2", "train.max_steps=3", "checkpoint.interval=2",
@@ -173,7 +173,7 @@ def test_target_modules_name_the_experts_by_module_or_parameter_and_dropout_on_t
 def test_dpo_trains_the_experts_adapters(qwen3_moe_dir, tmp_path):
     """2 dpo steps with LoRA on the attention and the experts (reference: the adapters off): the second step's
     policy differs from the reference (rewards non-zero) and the experts' B factors left zero."""
-    from finetune.weights import open_dcp
+    from finetune.hf.files import open_dcp
     from test_dpo import dpo, make_pairs
     from helpers import write_jsonl
     pairs = write_jsonl(tmp_path / "pairs.jsonl", make_pairs(8))
