@@ -212,11 +212,12 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: list[Transform], *, mixed_precision: str,
-                ac_ratio: float = 0.0, compile: bool = False) -> dict | None:
-    """`transforms` in STAGES order (module docstring), then activation checkpointing with the "ac" wraps, compile and
-    FSDP; returns the adapters' settings (None without)."""
+                ac_ratio: float = 0.0, compile: bool = False, done: tuple = ()) -> dict | None:
+    """`transforms` in STAGES order (module docstring; the stages `done` already applied), then activation
+    checkpointing with the "ac" wraps, compile and FSDP; returns the adapters' settings (None without)."""
     layers, settings = find_layers(model), None
-    for t in sorted((t for t in transforms if t.stage not in ("attention", "ac")), key=lambda t: STAGES.index(t.stage)):
+    skip = ("attention", "ac", *done)
+    for t in sorted((t for t in transforms if t.stage not in skip), key=lambda t: STAGES.index(t.stage)):
         out = t.apply(model, layers)
         settings = out if t.stage == "adapters" else settings
     apply_ac(model, ac_ratio, [t.apply for t in transforms if t.stage == "ac"])
@@ -246,13 +247,13 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: l
     find_decoder(model)  # the loss reads its output: a model without one is refused before loading
     layers = find_layers(model)
     # the kernels first: check_packing lets a model pack whose token-mixing layers they made run per sample
-    kernels = [t for t in transforms if t.stage == "kernels"]
-    for t in kernels:
-        t.apply(model, layers)
+    for t in transforms:
+        if t.stage == "kernels":
+            t.apply(model, layers)
     if packing:
         check_packing(model, layers, attn)
-    settings = parallelize(model, mesh, [t for t in transforms if t not in kernels], mixed_precision=mixed_precision,
-                           ac_ratio=ac_ratio, compile=compile)
+    settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
+                           compile=compile, done=("kernels",))
     _materialize(model, device)
     # the name map comes from a clean skeleton (the model's own is wrapped by now); a prepared dir's load needs none
     skeleton = None if is_prepared(path) else build_skeleton(hf_config, None, trust_remote_code)
