@@ -92,6 +92,16 @@ def test_all_linear_adapts_the_experts_and_two_ranks_at_ep_1_and_2_equal_one_pro
             assert_same(got, want, f"ep {ep}")
 
 
+def test_four_ranks_at_ep_2_x_fsdp_2_equal_one_process(qwen3_moe_dir):
+    """ep 2 over 4 ranks (each expert group's 4 experts and their A and B FSDP-sharded over 2 ranks), each rank its own
+    batch: one process's loss and adapter gradients."""
+    parts = batches(4)
+    want = run_ranks(lora_step, 1, qwen3_moe_dir, 1, [cat(*parts)])[0]
+    for got in run_ranks(lora_step, 4, qwen3_moe_dir, 2, parts):
+        assert got[2] == (2, 4, 64, "efsdp", "ep"), got[2]  # gate_up_proj's A: 2 of its group's 4 experts
+        assert_same(got, want, "ep 2 x efsdp 2")
+
+
 def logits_of(model_dir, adapter=None) -> torch.Tensor:
     """fp32 logits of the HF model at `model_dir` (with peft's PeftModel of `adapter` on it) on fixed tokens."""
     from peft import PeftModel
