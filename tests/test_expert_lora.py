@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import run_ranks
-from test_expert_parallel import batches
+from test_expert_parallel import batches, rank_loss_backward
 from test_moe import cat, make_moe_dir
 
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, modules_to_save=[])
@@ -22,7 +22,6 @@ def lora_step(model_dir, ep: int, parts: list[dict], target_modules="all-linear"
     import io
     from functools import partial
 
-    import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
     from finetune.adapters.lora import lora_transforms
@@ -46,12 +45,7 @@ def lora_step(model_dir, ep: int, parts: list[dict], target_modules="all-linear"
             if ".lora_B." in name:
                 full = torch.randn(p.shape, generator=gen) * 0.1
                 p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
-    batch = parts[dist.get_rank()]
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)[:, 1:]
-    num_labels = sum(int((b["attention_mask"][:, 1:] != 0).sum()) for b in parts)
-    logits = model(**batch, use_cache=False).logits[:, :-1]
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_labels
-    loss.backward()
+    loss = rank_loss_backward(model, parts)
     grads = {clean_fqn(n): p.grad.full_tensor().numpy() for n, p in model.named_parameters() if p.requires_grad}
     lora_a = find_experts(model)[0].lora_A["default"]["gate_up_proj"]
     return (all_reduce(loss.detach()).item(), grads, (*lora_a.to_local().shape, *lora_a.device_mesh.mesh_dim_names),

@@ -36,12 +36,7 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
         gate.register_forward_hook(lambda module, args, out: (*out[:2], out[2] % fold))
     calls, exchange = [], dist.all_to_all_single
     dist.all_to_all_single = lambda *a, **k: calls.append(1) or exchange(*a, **k)
-    batch = batches[dist.get_rank()]
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)[:, 1:]
-    num_labels = sum(int((b["attention_mask"][:, 1:] != 0).sum()) for b in batches)
-    logits = model(**batch, use_cache=False).logits[:, :-1]
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_labels
-    loss.backward()
+    loss = rank_loss_backward(model, batches)
     dist.all_to_all_single = exchange
     grads = {clean_fqn(n): p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
     weight = find_experts(model)[0].gate_up_proj
@@ -53,6 +48,18 @@ def ep_step(model_dir, ep: int, batches: list[dict], experts: str = "grouped_mm"
 def qwen3_moe_dir(tmp_path_factory):
     """Fused experts on disk: each rank reads its slices (save_pretrained's per-expert layout: rank 0 reads it)."""
     return make_moe_dir(tmp_path_factory.mktemp("qwen3_moe_ep"), "qwen3_moe", fused=True, num_layers=1)
+
+
+def rank_loss_backward(model, parts: list[dict]):
+    """This rank's batch (parts[rank]): its summed token loss over every rank's label count, backward run."""
+    import torch.distributed as dist
+    batch = parts[dist.get_rank()]
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)[:, 1:]
+    num_labels = sum(int((b["attention_mask"][:, 1:] != 0).sum()) for b in parts)
+    logits = model(**batch, use_cache=False).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_labels
+    loss.backward()
+    return loss
 
 
 def batches(world_size: int) -> list[dict]:
