@@ -1,8 +1,10 @@
 """MFU (model FLOPs utilisation) for a run's metrics: training FLOPs per token as torchtitan counts them, and as they
-run (lm_head only at the label positions), over the device's dense bf16 peak; train.train calls `meter`."""
+run (lm_head only at the label positions), over the device's dense bf16 peak (`meter`: train.train's); the device's
+name (`device_name`: bench's)."""
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,16 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def device_name() -> str:
+    """GPU name, or the CPU model from /proc/cpuinfo. (Called in the workers: the parent never touches CUDA.)"""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import platform
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
+    return f"{cpu or 'unknown'} (CPU)"
 
 
 def flops_per_token(model, seq_len: float, label_fraction: float = 1.0) -> float:

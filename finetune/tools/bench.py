@@ -21,18 +21,8 @@ import torch
 from ..config import Config, ConfigError, load_config, to_toml
 from ..errors import one_line
 from ..compat import storage_key
-from ..run.mfu import MFU_CONVENTION, MFU_RAN
+from ..run.mfu import MFU_CONVENTION, MFU_RAN, device_name
 from ..memory.offload import Offloaded
-
-
-def device_name() -> str:
-    """GPU name, or the CPU model from /proc/cpuinfo. (Called in the workers: the parent never touches CUDA.)"""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    import platform
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
-    return f"{cpu or 'unknown'} (CPU)"
 
 
 def default_budget_mb() -> float:
