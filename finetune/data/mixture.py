@@ -35,7 +35,7 @@ class Mixture(SampleStream):
     fixed part of it), interleaved evenly in file order."""
     shares: list[tuple[int, int]] | tuple = ()  # each source's samples and real tokens an epoch (none when streaming)
 
-    def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
+    def choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
         chosen, self.shares = [], []
         for k, (ids, n) in enumerate(zip(kept, mixture_sizes([s.spec for s in self.sources], list(map(len, kept))))):
             reps, rest = divmod(n, len(ids))

@@ -112,8 +112,9 @@ def _labeller(source: Source, tokenizer, max_seq_len: int, on_unsupported: str, 
 
 class SampleStream(torch.utils.data.IterableDataset):
     """This rank's samples, forever (or epoch_limit epochs): global sample g (counted across epochs) goes to rank
-    g % world_size, from global sample start_sample on. An epoch: the samples _choose takes of each source, packed,
-    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process."""
+    g % world_size, from global sample start_sample on. An epoch: the samples choose takes of each source, packed,
+    then shuffled. `tokenizers[k](item, idx)` labels a row of sources[k]. Iterate it in the training process. A kind of
+    stream overrides tokenize, choose and epoch_samples (data/mixture.py, data/streaming.py)."""
     open_sources = staticmethod(open_sources)  # how build_samples opens its sources
 
     def __init__(self, sources: list[Source], tokenizers, *, max_seq_len=2048, packing=False, shuffle=True, seed=0,
@@ -127,9 +128,9 @@ class SampleStream(torch.utils.data.IterableDataset):
         self.counts = _new_counts()
         self.source_counts = [_new_counts() for _ in sources]
         self.num_samples: int | None = None
-        self._tokenize(num_proc)
+        self.tokenize(num_proc)
 
-    def _tokenize(self, num_proc: int) -> None:
+    def tokenize(self, num_proc: int) -> None:
         # Tokenize once; every epoch then only reorders sample indices.
         tokenizers, sources = self._tokenizers, self.sources
         seq, v = getattr(datasets, "List", datasets.Sequence), datasets.Value  # List is datasets>=4
@@ -169,13 +170,13 @@ class SampleStream(torch.utils.data.IterableDataset):
             self.counts.update(counts)
             if not ids:
                 raise DataError(f"{src.spec['path']}: no usable samples ({describe_counts(counts)})")
-        order = self._choose(kept, lengths)
+        order = self.choose(kept, lengths)
         if not self.packing:
             return order, lengths[order]
         units = list(_best_fit_packs(((int(i), int(lengths[i])) for i in order), self.max_seq_len, self.pack_window))
         return units, np.asarray([lengths[u].sum() for u in units], dtype=np.int64)
 
-    def _choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
+    def choose(self, kept: list[list[int]], lengths: np.ndarray) -> np.ndarray:
         """An epoch's samples in order: every usable one of the one source (a mixture's shares: data/mixture.py)."""
         if len(kept) > 1 or any(src.spec.get(k) for src in self.sources for k in ("weight", "samples", "epochs")):
             raise ConfigError("data.sources: a mixture's shares need finetune/data/mixture.py (its build_samples)")
@@ -198,7 +199,7 @@ class SampleStream(torch.utils.data.IterableDataset):
         """Real tokens of each global unit of an epoch, in global order (not streaming)."""
         return self._unit_lengths[self._order(epoch)]
 
-    def _epoch(self, epoch: int, g0: int):
+    def epoch_samples(self, epoch: int, g0: int):
         n, order = self.num_samples, self._order(epoch)
         first = max(0, self.start_sample - g0)
         first += (self.rank - g0 - first) % self.world_size
@@ -214,7 +215,7 @@ class SampleStream(torch.utils.data.IterableDataset):
             if self.num_samples is not None and g0 + self.num_samples <= self.start_sample:
                 n = self.num_samples  # the whole epoch lies before the resume point
             else:
-                n = yield from self._epoch(epoch, g0)
+                n = yield from self.epoch_samples(epoch, g0)
             g0, epoch = g0 + n, epoch + 1
 
 

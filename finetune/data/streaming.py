@@ -48,10 +48,10 @@ class Streamed(SampleStream):
     number of samples an epoch and the counts are known after the first pass."""
     open_sources = staticmethod(open_streamed)
 
-    def _tokenize(self, num_proc: int) -> None:
+    def tokenize(self, num_proc: int) -> None:
         pass  # rows are labelled as they are read
 
-    def _epoch(self, epoch: int, g0: int):
+    def epoch_samples(self, epoch: int, g0: int):
         first_pass = self.num_samples is None
         if first_pass:  # counts describe one pass over the data
             self.counts = _new_counts()
