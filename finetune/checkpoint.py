@@ -224,9 +224,10 @@ class Checkpointer:
 
     def write(self, path: Path, sd: dict, marker: dict) -> None:
         dcp.save(sd, checkpoint_id=str(path))
-        self._finish(path, marker)
+        self.finish(path, marker)
 
-    def _finish(self, path: Path, marker: dict) -> None:
+    def finish(self, path: Path, marker: dict) -> None:
+        """After DCP wrote `path` (its .metadata last): rank 0 writes the marker, then prunes."""
         if is_main():
             write_marker(path, marker)
             prune(self.root, self.keep, self.locks)

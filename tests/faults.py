@@ -53,7 +53,7 @@ def pause_if(faults: dict, step: int, released: Callable[[], bool]) -> None:
 def install(text: str | None = None) -> dict[str, int]:
     """Patch this process's finetune so the faults of `text` (default FINETUNE_TEST_FAULTS) fire; returns them.
     The start of step N is the loop's call of train.next_micro_batches while the run's TrainState is at step N - 1;
-    "saved but not marked" is the start of Checkpointer._finish (every rank, then rank 0 writes the marker)."""
+    "saved but not marked" is the start of Checkpointer.finish (every rank, then rank 0 writes the marker)."""
     import finetune.checkpoint as ckpt
     import finetune.train as train
     faults = spec(text)
@@ -72,8 +72,8 @@ def install(text: str | None = None) -> dict[str, int]:
         return _original(*args, **kwargs)
     train.next_micro_batches = next_micro_batches
 
-    def _finish(self, path, marker, _original=ckpt.Checkpointer._finish):
+    def finish(self, path, marker, _original=ckpt.Checkpointer.finish):
         kill_if(faults, "kill_in_save", marker["step"])
         return _original(self, path, marker)
-    ckpt.Checkpointer._finish = _finish
+    ckpt.Checkpointer.finish = finish
     return faults

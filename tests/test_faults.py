@@ -38,7 +38,7 @@ def test_the_package_has_no_fault_code_and_a_rank_installs_it_from_the_tests_pat
     assert not (REPO / "finetune" / "faults.py").exists()
     mentions = [p.name for p in (REPO / "finetune").rglob("*.py") if "import faults" in p.read_text()]
     assert mentions == ["launch.py"]  # the one hook
-    for owner, name in ((train, "next_micro_batches"), (ckpt.Checkpointer, "_finish"), (ckpt.TrainState, "__init__"),
+    for owner, name in ((train, "next_micro_batches"), (ckpt.Checkpointer, "finish"), (ckpt.TrainState, "__init__"),
                         (ckpt.SignalFlag, "__enter__")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # what install() patches: restored after the test
     before = train.next_micro_batches

@@ -44,7 +44,7 @@ class Checkpointer(checkpoint.Checkpointer):
         def on_done(f):  # rank 0's save ends after DCP's .metadata is written: the marker can follow
             try:
                 f.result()
-                self._finish(path, marker)
+                self.finish(path, marker)
                 finished.set_result(None)
             except (Exception, CheckpointException) as e:  # raised by wait(), in the loop's thread
                 finished.set_exception(e)
