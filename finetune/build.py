@@ -31,7 +31,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> list[Transform]:
                                       compile=compile), note=note, lm_head_in_root=liger)]
     if cfg.model.fp8 != "off":
         from .run.checks import check_fp8
-        check_fp8(cfg)  # again: bench sets model.fp8 for each point after the command checked its config
+        # again: bench sets model.fp8 for each point after the command checked its config
+        check_fp8(cfg)
         from .kernels.float8 import float8_transform
         t.append(Transform("float8", partial(float8_transform, cfg=cfg, device=device, shards=shards)))
     if dims is not None and dims.cp > 1:
