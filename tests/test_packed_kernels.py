@@ -19,10 +19,11 @@ def segments(cu: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(cu[:-1].tolist(), cu[1:].tolist()))
 
 
-def install_kernels(monkeypatch, module, calls: list, conv_reads_seq_idx: bool = True) -> None:
+def install_kernels(monkeypatch, module, calls: list, conv_reads_seq_idx: bool | None = True) -> None:
     """Fake `fla` and `causal_conv1d` packages (the real entry points' signatures; each packed sample run by
     transformers' torch reference) in sys.modules, and `module`'s kernel functions resolved again against them.
-    `conv_reads_seq_idx=False`: a convolution blind to the boundaries (it mixes packed samples)."""
+    `conv_reads_seq_idx=False`: a convolution blind to the boundaries (it mixes packed samples); None: one that
+    rejects them (a RuntimeError, as a kernel refusing an index dtype would)."""
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback as resolve
     chunk_ref, conv_ref = module.torch_chunk_gated_delta_rule.__wrapped__, module.causal_conv1d_fn.__wrapped__
 
@@ -38,6 +39,8 @@ def install_kernels(monkeypatch, module, calls: list, conv_reads_seq_idx: bool =
     def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
                          final_states_out=None, activation=None):
         calls.append(("conv", tuple(x.shape), seq_idx))
+        if seq_idx is not None and conv_reads_seq_idx is None:
+            raise RuntimeError("seq_idx must be int32 on the same device")
         if seq_idx is None or not conv_reads_seq_idx:
             return conv_ref(x, weight, bias, activation)
         starts = torch.nonzero(seq_idx[0].diff()).flatten().add(1).tolist()
@@ -52,12 +55,14 @@ def install_kernels(monkeypatch, module, calls: list, conv_reads_seq_idx: bool =
     monkeypatch.setattr(module, "causal_conv1d_fn", resolve("causal_conv1d_fn", "causal_conv1d")(conv_ref))
 
 
-@pytest.mark.parametrize("conv_reads_seq_idx", [True, False], ids=["kernels", "a-conv-blind-to-boundaries"])
+@pytest.mark.parametrize("conv_reads_seq_idx", [True, False, None],
+                         ids=["kernels", "a-conv-blind-to-boundaries", "a-conv-that-rejects-them"])
 def test_packed_linear_attention_hands_the_kernels_the_boundaries_and_equals_unpacked(conv_reads_seq_idx,
                                                                                       monkeypatch, capsys):
     """Qwen3.5's gated delta-net layers, two packed rows: the kernels get one row of 24 tokens with cu_seqlens
     [0, 5, 12, 21, 24] (fla) and each token's sample index (causal-conv1d), and the logits are each sample's alone;
-    where the module's packed path would mix samples (the conv blind to seq_idx), it runs per sample instead."""
+    where the module's packed path would mix samples (the conv blind to seq_idx) or raises, it runs per sample
+    instead."""
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from finetune.data.collate import sample_boundaries
@@ -82,13 +87,16 @@ def test_packed_linear_attention_hands_the_kernels_the_boundaries_and_equals_unp
             torch.testing.assert_close(packed[a:b], alone, rtol=1e-5, atol=1e-6, msg=f"sample {i}")
     seq_idx = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
     flat = [c for c in packed_calls if c[2] is not None]
-    assert [c[0] for c in flat] == ["conv", "chunk"] * 2 * (2 if conv_reads_seq_idx else 1), packed_calls
+    want = ["conv"] * 2 if conv_reads_seq_idx is None else ["conv", "chunk"] * 2 * (2 if conv_reads_seq_idx else 1)
+    assert [c[0] for c in flat] == want, packed_calls
     for kind, shape, boundary in flat:  # the first two: the check of the route, on the first layer
         assert shape[0] == 1 and boundary.tolist() == ([seq_idx.tolist()] if kind == "conv" else
                                                        boundaries["cu_seq_lens_q"].tolist())
-    how = "get the packed boundaries" if conv_reads_seq_idx else "run per packed sample"
-    assert said == f"kernels: linear-attention layers {how}" + (
-        " (fla/causal-conv1d)\n" if conv_reads_seq_idx else " (their packed path differs from it)\n")
+    how = {True: "get the packed boundaries (fla/causal-conv1d)",
+           False: "run per packed sample (their packed path differs from it)",
+           None: "run per packed sample (their packed path raised RuntimeError: seq_idx must be int32 on the same "
+                 "device)"}[conv_reads_seq_idx]
+    assert said == f"kernels: linear-attention layers {how}\n"
 
 
 def packed_and_unpacked_with_kernels(source: str, data: str, out: str) -> tuple[list, list]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..attention import ATTENTION_LAYER_TYPES
+from ..errors import one_line
 from ..distributed import print0
 
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -103,11 +104,13 @@ def per_sample_forward(forward, lengths: dict, route: dict | None, *args, **kwar
 def check_route(forward, lengths: dict, hidden: torch.Tensor, *args, **kwargs) -> bool:
     """Whether `forward` given the boundaries gives its per-sample outputs (to the dtype's rounding) on this batch: a
     module that reads them but leaves one token-mixing step blind to them would mix samples in silence; a torch
-    fallback refuses them (ValueError). Says which path the layers take, once for each."""
+    fallback refuses them (ValueError), a kernel may reject what it is given (RuntimeError, TypeError): then the exact
+    per-sample path. Says which path the layers take, once for each."""
+    why = "their packed path differs from it"
     try:
         fast = flat_forward(forward, lengths["cu"], hidden, *args, **kwargs)
-    except ValueError:
-        fast = None
+    except (ValueError, RuntimeError, TypeError) as e:
+        fast, why = None, f"their packed path raised {one_line(e)}"
     slow = split_forward(forward, lengths["packed"], hidden, *args, **kwargs)
     fast, slow = (o[0] if isinstance(o, tuple) else o for o in (fast, slow))
     tol = 1e-4 if slow.dtype == torch.float32 else 2e-2
@@ -115,8 +118,7 @@ def check_route(forward, lengths: dict, hidden: torch.Tensor, *args, **kwargs) -
     said = lengths.setdefault("said", set())
     if exact not in said:
         said.add(exact)
-        how = "get the packed boundaries (fla/causal-conv1d)" if exact else \
-            "run per packed sample (their packed path differs from it)"
+        how = "get the packed boundaries (fla/causal-conv1d)" if exact else f"run per packed sample ({why})"
         print0(f"kernels: linear-attention layers {how}")
     return exact
 
