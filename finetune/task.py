@@ -32,11 +32,10 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, dict]:
 @dataclass
 class Task:
     """What a task does on the loop (default: sft). `loss(model, batch)` -> (summed loss, {statistic: 0-dim sum}), the
-    gradient / the global "count" (default: label tokens); reported: `means` per count, `totals` as sums."""
+    gradient / the global "count" (default: label tokens); the statistics named in `means` are reported per count."""
     loss: Callable = sft_loss
     collate: Callable = collate_labelled  # (items, pad_id, width) -> a micro-batch (on the host)
     means: tuple = ()
-    totals: tuple = ()
     begin_step: Callable = lambda micro_batches, device: None  # before the step's first forward
     end_step: Callable = lambda: {}  # -> {statistic: float64 0-dim tensor}: after the backward (MoE's aux loss)
     evaluate_before: Callable | None = None  # () -> the held-out result before training (a fresh run only)

@@ -75,8 +75,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
         torch._foreach_mul_([p.grad for p in group], (1 / count).float())
     grad_norm = clip_grad_norm(model, max_grad_norm)
     result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
-              **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means},
-              **{k: total[k] for k in task.totals}, **task.end_step()}
+              **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means}, **task.end_step()}
     skipped = skip_nonfinite and not bool(torch.isfinite(torch.stack([result["loss"], result["grad_norm"]])).all())
     if not skipped:
         optimizer.step()
