@@ -54,6 +54,12 @@ def tensors_of_checkpoint(d: Path) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     import torch
     try:
+        # fp8 checkpoints pickle torchao's weight wrapper: readable only once torchao is imported (whatever else this
+        # process imported before), so that two fingerprints read them alike
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        pass
+    try:
         with tempfile.TemporaryDirectory() as t:
             dcp_to_torch_save(str(d), f"{t}/x.pt")
             sd = torch.load(f"{t}/x.pt", weights_only=False)
