@@ -30,9 +30,8 @@ def ours(pairs: int, steps: int, warmup: int, attn: str = "auto") -> list[float]
     from finetune.config import load_config
     from finetune.distributed import init_distributed
     from finetune.tasks.dpo import LABELLERS, MEANS, collate_pairs, make_loss
-    from finetune.task import Task
+    from finetune.task import Task, build_run_samples
     from finetune.data.chat_template import run_tokenizer
-    from finetune.task import build_run_samples
     from finetune.train import build_model_and_optimizer, next_micro_batches, train_step
     cfg = load_config(None, {"model.path": str(MODEL), "data.path": str(DATA), "output_dir": "/tmp/dpo-bench",
                              "data.packing": False, "data.max_seq_len": 256, "train.micro_batch_size": pairs,
