@@ -24,7 +24,8 @@ def transforms(cfg: Config, dims, device: torch.device) -> list[Transform]:
     if cfg.model.liger is True or (cfg.model.liger == "auto" and cuda):
         from .kernels.liger import resolve_liger
         liger = resolve_liger(cfg.model.liger, cuda)
-    note = ("Liger fused loss only (compiled blocks)" if compile else "Liger on") if liger else "Liger off"
+    # without Liger the kernels say nothing: build_model's line says "Liger off"
+    note = ("Liger fused loss only (compiled blocks)" if compile else "Liger on") if liger else ""
     shards = dims.mesh.shape[-1] if dims is not None else 1
     t = [Transform("attention", register), Transform("kernels", _samples_apart),
          Transform("kernels", partial(_kernels, experts=cfg.model.experts_implementation, liger=liger,
