@@ -118,6 +118,9 @@ class ParallelConfig:
     dp_shard: int = 0  # ranks that shard the model in each group (0 = launched ranks / dp_replicate / cp)
     cp: int = 1  # context parallelism: each row's tokens split over this many ranks (FSDP shards over dp_shard x cp)
     ep: int = 1  # expert parallelism: each MoE layer's experts split over this many of the dp_shard ranks
+    # FSDP keeps each rank's parameter shards, their gradients and the AdamW state in pinned host memory (all-gathered
+    # to the GPU unit by unit; the optimizer steps on the CPU): QLoRA's 70B base on 24 GB GPUs (model.py, apply_fsdp)
+    cpu_offload: bool = False
 
 
 @dataclass

@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .attention import attention_notes, check_packing, check_trainable, resolve_attn_implementation
 from .compat import CheckpointImpl, checkpoint_wrapper
@@ -174,13 +174,16 @@ def shard_dim(shape, shards: int) -> int:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head_unit: bool = True,
-               ignored: set | None = None) -> None:
+               ignored: set | None = None, cpu_offload: bool = False) -> None:
     """fully_shard each block, the embedding and lm_head (not tied, `lm_head_unit`), the root (2-D mesh: HSDP);
-    the parameters `ignored` stay plain tensors."""
+    the parameters `ignored` stay plain tensors; `cpu_offload`: the shards, their gradients (and so the optimizer's
+    state) in host memory, pinned where there is a GPU, copied to it for each all-gather."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     def over(mesh: DeviceMesh) -> dict:
-        return dict(mesh=mesh, mp_policy=mp, shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])))
+        return dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    shard_placement_fn=lambda p: Shard(shard_dim(p.shape, mesh.shape[-1])))
     kw = dict(over(mesh), ignored_params=ignored)
     layers = find_layers(model)
     for i, layer in enumerate(layers):
@@ -203,18 +206,40 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
+    """Storage for the meta model on `device`; `cpu_offload`: FSDP's shards in host memory (which FSDP pins), what it
+    does not manage (buffers, the parameters it leaves alone) on `device`."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
+    if cpu_offload and device.type != "cpu":
+        moved = {}  # by id: a tensor two modules share stays one
+        for mod in model.modules():
+            for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+                if not isinstance(t, DTensor):
+                    new = t.to(device)
+                    setattr(mod, name, moved.setdefault(id(t), nn.Parameter(new, t.requires_grad)
+                                                        if isinstance(t, nn.Parameter) else new))
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device `model` computes on: its FSDP mesh's (with parallel.cpu_offload the parameters are in host
+    memory); a model without DTensors, its parameters'."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or mesh.device_type == p.device.type:
+        return p.device
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: list[Transform], *, mixed_precision: str,
-                ac_ratio: float = 0.0, compile: bool = False, done: tuple = ()) -> dict | None:
+                ac_ratio: float = 0.0, compile: bool = False, done: tuple = (),
+                cpu_offload: bool = False) -> dict | None:
     """`transforms` in STAGES order (module docstring; the stages `done` already applied), then activation
-    checkpointing with the "ac" wraps, compile and FSDP; returns the adapters' settings (None without)."""
+    checkpointing with the "ac" wraps, compile and FSDP (`cpu_offload`: its shards in host memory); returns the
+    adapters' settings (None without)."""
     layers, settings = find_layers(model), None
     skip = ("attention", "ac", *done)
     for t in sorted((t for t in transforms if t.stage not in skip), key=lambda t: STAGES.index(t.stage)):
@@ -223,16 +248,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: list[Transform],
     apply_ac(model, ac_ratio, [t.apply for t in transforms if t.stage == "ac"])
     apply_compile(model, compile)
     ignored = {p for t in transforms if t.unsharded for p in t.unsharded(model)} if mesh.shape[-1] == 1 else set()
+    if cpu_offload:
+        print0(f"offload: FSDP keeps the parameter shards, their gradients and AdamW's state in host memory"
+               f"{' (pinned)' if torch.cuda.is_available() else ''}; the optimizer steps on the CPU"
+               + (f" (on one rank {len(ignored)} parameters FSDP leaves alone, QLoRA's NF4 weights, stay on the "
+                  f"device)" if ignored else ""))
     apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not any(t.lm_head_in_root for t in transforms),
-               ignored=ignored or None)
+               ignored=ignored or None, cpu_offload=cpu_offload)
     return settings
 
 
 def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: list[Transform] | None = None, *,
                 mixed_precision: str = "bf16", ac_ratio: float = 0.0, compile: bool | str = False,
-                attn_implementation: str = "sdpa", trust_remote_code: bool = False,
-                packing: bool = False) -> tuple[nn.Module, dict | None]:
-    """(model, adapter settings or None) over `mesh`, `path`'s weights: fp32 masters, or adapters on a frozen base."""
+                attn_implementation: str = "sdpa", trust_remote_code: bool = False, packing: bool = False,
+                cpu_offload: bool = False) -> tuple[nn.Module, dict | None]:
+    """(model, adapter settings or None) over `mesh`, `path`'s weights: fp32 masters, or adapters on a frozen base
+    (`cpu_offload`: FSDP's shards in host memory)."""
     transforms = transforms or []
     varlen = next((t.apply for t in transforms if t.stage == "attention"), None)
     hf_config = load_hf_config(path, trust_remote_code)  # checks a prepared checkpoint's manifest
@@ -253,8 +284,8 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: l
     if packing:
         check_packing(model, layers, attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
-                           compile=compile, done=("kernels",))
-    _materialize(model, device)
+                           compile=compile, done=("kernels",), cpu_offload=cpu_offload)
+    materialize(model, device, cpu_offload)
     # the name map comes from a clean skeleton (the model's own is wrapped by now); a prepared dir's load needs none
     skeleton = None if is_prepared(path) else build_skeleton(hf_config, None, trust_remote_code)
     load_hf_weights(model, skeleton, path, trust_remote_code, next((t.fill for t in transforms if t.fill), None))

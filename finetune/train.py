@@ -18,7 +18,7 @@ from .distributed import all_reduce, init_distributed, is_main, print0, world_si
 from .errors import FinetuneError
 from .loss import collate_labelled
 from .metrics import MetricsLogger, peak_mem_mb
-from .model import Transform, build_model
+from .model import Transform, build_model, compute_device
 from .optim import build_optimizer, build_scheduler, by_mesh, clip_grad_norm
 from .run.checks import validate
 from .run import locks
@@ -49,7 +49,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     """One optimizer step: forward/backward, ONE all_reduce of the step's sums, gradients / the global count, clip,
     step. Returns ({CORE_STATS and the task's: float64 0-dim device tensor, not read here}, whether skipped)."""
     task = task or Task()
-    device = next(model.parameters()).device
+    device = compute_device(model)  # with parallel.cpu_offload not its parameters' (host memory)
     task.begin_step(micro_batches, device)
     sums: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
@@ -72,9 +72,9 @@ def train_step(model, optimizer, micro_batches: list[dict], *, num_input_tokens:
     total = dict(zip(keys, values))
     count = total.get("count", total["num_tokens"]).clamp(min=1)
     for group in by_mesh(p for p in model.parameters() if p.grad is not None):  # one foreach per device mesh
-        torch._foreach_mul_([p.grad for p in group], (1 / count).float())
-    grad_norm = clip_grad_norm(model, max_grad_norm)
-    result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double(),
+        torch._foreach_mul_([p.grad for p in group], (1 / count).float().to(group[0].grad.device))
+    grad_norm = clip_grad_norm(model, max_grad_norm)  # on the host with parallel.cpu_offload
+    result = {"loss": total["loss"] / count, "grad_norm": grad_norm.double().to(device),
               **{k: total[k] for k in counts}, **{k: total[k] / count for k in task.means}, **task.end_step()}
     skipped = skip_nonfinite and not bool(torch.isfinite(torch.stack([result["loss"], result["grad_norm"]])).all())
     if not skipped:
@@ -88,7 +88,8 @@ def build_model_and_optimizer(cfg: Config, device: torch.device, dims, transform
     m, tc = cfg.model, cfg.train
     model, lora = build_model(m.path, device, dims.mesh, transforms, mixed_precision=tc.mixed_precision,
                               ac_ratio=cfg.ac.ratio, compile=m.compile, packing=cfg.data.packing,
-                              attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
+                              attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
+                              cpu_offload=cfg.parallel.cpu_offload)
     return model, build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps), lora
 
 

@@ -37,6 +37,8 @@ def runs(qlora_dir, chat_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora_runs")
     sft(qlora_dir, chat_file, root / "one", *RUN, "train.micro_batch_size=4")
     sft(qlora_dir, chat_file, root / "two", *RUN, "train.micro_batch_size=2", nproc=2)
+    sft(qlora_dir, chat_file, root / "host", *RUN, "train.micro_batch_size=2", "parallel.cpu_offload=true",
+        "train.max_steps=2", nproc=2)  # the shards, gradients and AdamW state in host memory
     sft(qlora_dir, chat_file, root / "bf16", *RUN, "train.micro_batch_size=4", "lora.quantize_base=none",
         "train.max_steps=1")  # LoRA's bf16 base: the first loss, before any update, is the base's
     return root
@@ -59,6 +61,30 @@ def test_two_ranks_train_like_one_process_and_checkpoints_hold_only_the_adapters
     assert 12 * num_trainable <= data_bytes < num_params, (data_bytes, num_trainable, num_params)  # no base
     marker = json.loads((step / "finetune_complete.json").read_text())
     assert marker["config"]["lora"]["quantize_base"] == "nf4" and marker["lora"]["base_fingerprint"]
+
+
+def offloaded(model_dir, data):
+    """On each rank: (FSDP's parameters, those it keeps in host memory, NF4 ones among them) of the QLoRA model
+    built with parallel.cpu_offload."""
+    from finetune.adapters.qlora import is_nf4
+    from finetune.build import transforms
+    from finetune.compat import fsdp_param_group
+    from finetune.distributed import build_parallel_dims
+    from finetune.model import build_model
+    cfg = helpers.sft_config(model_dir, data, "unused", *QLORA, "parallel.cpu_offload=true")
+    dims = build_parallel_dims("cpu")
+    model, _ = build_model(cfg.model.path, torch.device("cpu"), dims.mesh, transforms(cfg, dims, torch.device("cpu")),
+                           cpu_offload=cfg.parallel.cpu_offload)
+    params = [fp for m in model.modules() if (group := fsdp_param_group(m)) for fp in group.fsdp_params]
+    return (len(params), sum(fp.offload_to_cpu for fp in params),
+            sum(fp.offload_to_cpu and is_nf4(fp.sharded_param) for fp in params))
+
+
+def test_host_offload_holds_every_shard_there_and_trains_as_on_the_device(runs, qlora_dir, chat_file):
+    """parallel.cpu_offload: FSDP offloads each parameter (the NF4 base's too) and the losses are the device's."""
+    assert losses(runs / "host") == pytest.approx(losses(runs / "two")[:2], rel=1e-6, abs=1e-6)
+    num, on_host, nf4 = helpers.run_ranks(offloaded, 2, qlora_dir, chat_file)[0]
+    assert num == on_host and nf4 == 2 * 7, (num, on_host, nf4)  # 2 blocks of 7 linear weights
 
 
 def test_resume_on_one_rank_from_two_continues_exactly(runs, qlora_dir, chat_file, tmp_path):

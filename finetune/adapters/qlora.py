@@ -137,8 +137,10 @@ def fill_nf4(param, rows: torch.Tensor) -> bool:
     from ..compat import local_tensor
     if not is_nf4(param):
         return False
-    local = local_tensor(param)
-    rows = rows.to(device=local.quantized_data.device, dtype=local.dtype).contiguous()
+    local, mesh = local_tensor(param), getattr(param, "device_mesh", None)
+    # quantized on the mesh's device (the GPU), also when the shard lives in host memory (parallel.cpu_offload)
+    home = local.quantized_data.device
+    rows = rows.to(device=mesh.device_type if mesh is not None else home, dtype=local.dtype).contiguous()
     scalers = rows.view(-1, BLOCK).abs().max(dim=1).values
     group = shard_group(param)
     if group is not None and dist.get_world_size(group) > 1:
@@ -155,7 +157,7 @@ def fill_nf4(param, rows: torch.Tensor) -> bool:
     local.quantized_scalers.copy_(quantized_scalers[rank * n:(rank + 1) * n])
     local.quantization_factor.copy_(factors[rank * k:(rank + 1) * k])
     # materialising the skeleton leaves these two on meta (torchao's empty_like makes the sharded tensors only)
-    local.scaler_mean, local.nf4 = mean, codes.nf4
+    local.scaler_mean, local.nf4 = mean.to(home), codes.nf4.to(home)
     return True
 
 

@@ -66,11 +66,15 @@ def check_ep(cfg: Config, task: str) -> None:
 
 
 def check_fp8(cfg: Config) -> None:
-    """model.fp8 with LoRA or tensor parallel, refused (needs no torchao; kernels/float8.py checks the device)."""
+    """model.fp8 with LoRA, host offload or tensor parallel, refused (needs no torchao; kernels/float8.py checks the
+    device)."""
     if cfg.model.fp8 != "off" and cfg.lora.rank:
         raise ConfigError(f"model.fp8={cfg.model.fp8} with LoRA (lora.rank={cfg.lora.rank}) is not supported yet "
                           "(peft's adapters over torchao's Float8Linear, their merge and adapter export are untested); "
                           "set model.fp8=off or lora.rank=0")
+    if cfg.model.fp8 != "off" and cfg.parallel.cpu_offload:  # its scales are computed on the sharded weights
+        raise ConfigError(f"model.fp8={cfg.model.fp8} with parallel.cpu_offload=true is not supported (torchao's "
+                          f"fp8 weights are untested in host memory); set model.fp8=off or parallel.cpu_offload=false")
     if cfg.model.fp8 != "off" and getattr(cfg.parallel, "tp", 1) > 1:  # once TP exists: NaNs (torchtitan#3109)
         raise ConfigError(f"model.fp8={cfg.model.fp8} with tensor parallel (parallel.tp={cfg.parallel.tp}) is not "
                           f"supported yet; set model.fp8=off")
