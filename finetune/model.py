@@ -206,32 +206,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
-def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
-    """Storage for the meta model on `device`; `cpu_offload`: FSDP's shards in host memory (which FSDP pins), what it
-    does not manage (buffers, the parameters it leaves alone) on `device`."""
+def _materialize(model: nn.Module, device: torch.device) -> None:
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    # with CPU offload FSDP moves each shard to pinned host memory as it materializes (FSDPParam.reset_sharded_param)
+    model.to_empty(device=device)
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
-    if cpu_offload and device.type != "cpu":
-        moved = {}  # by id: a tensor two modules share stays one
-        for mod in model.modules():
-            for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
-                if not isinstance(t, DTensor):
-                    new = t.to(device)
-                    setattr(mod, name, moved.setdefault(id(t), nn.Parameter(new, t.requires_grad)
-                                                        if isinstance(t, nn.Parameter) else new))
 
 
 def compute_device(model: nn.Module) -> torch.device:
-    """The device `model` computes on: its FSDP mesh's (with parallel.cpu_offload the parameters are in host
-    memory); a model without DTensors, its parameters'."""
+    """The device `model` computes on: its FSDP mesh's (with parallel.cpu_offload its shards are in host memory)."""
     p = next(model.parameters())
-    mesh = getattr(p, "device_mesh", None)
-    if mesh is None or mesh.device_type == p.device.type:
-        return p.device
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    kind = p.device_mesh.device_type if isinstance(p, DTensor) else p.device.type
+    return p.device if kind == p.device.type else torch.device(kind, torch.accelerator.current_device_index())
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: list[Transform], *, mixed_precision: str,
@@ -249,10 +237,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, transforms: list[Transform],
     apply_compile(model, compile)
     ignored = {p for t in transforms if t.unsharded for p in t.unsharded(model)} if mesh.shape[-1] == 1 else set()
     if cpu_offload:
-        print0(f"offload: FSDP keeps the parameter shards, their gradients and AdamW's state in host memory"
-               f"{' (pinned)' if torch.cuda.is_available() else ''}; the optimizer steps on the CPU"
-               + (f" (on one rank {len(ignored)} parameters FSDP leaves alone, QLoRA's NF4 weights, stay on the "
-                  f"device)" if ignored else ""))
+        kept = f" (on one rank the {len(ignored)} NF4 weights stay on the device)" if ignored else ""
+        print0(f"offload: FSDP keeps the parameter shards, their gradients and AdamW's state in host memory; the "
+               f"optimizer steps on the CPU{kept}")
     apply_fsdp(model, mesh, mixed_precision, lm_head_unit=not any(t.lm_head_in_root for t in transforms),
                ignored=ignored or None, cpu_offload=cpu_offload)
     return settings
@@ -285,7 +272,7 @@ def build_model(path: str, device: torch.device, mesh: DeviceMesh, transforms: l
         check_packing(model, layers, attn)
     settings = parallelize(model, mesh, transforms, mixed_precision=mixed_precision, ac_ratio=ac_ratio,
                            compile=compile, done=("kernels",), cpu_offload=cpu_offload)
-    materialize(model, device, cpu_offload)
+    _materialize(model, device)
     # the name map comes from a clean skeleton (the model's own is wrapped by now); a prepared dir's load needs none
     skeleton = None if is_prepared(path) else build_skeleton(hf_config, None, trust_remote_code)
     load_hf_weights(model, skeleton, path, trust_remote_code, next((t.fill for t in transforms if t.fill), None))

@@ -158,6 +158,10 @@ def test_config_refusals_are_one_line_and_exit_2(llama_dir, chat_file, tmp_path)
     r = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "o", *BASE,
                "model.fp8=fp4")
     assert r.exit_code == 2 and "model.fp8" in r.output
+    r = invoke("sft", "--model", llama_dir, "--dataset", chat_file, "--output-dir", tmp_path / "o", *BASE,
+               "model.fp8=tensorwise", "parallel.cpu_offload=true")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "model.fp8=tensorwise with parallel.cpu_offload=true is not supported" in r.stderr
     cfg = sft_config(llama_dir, chat_file, tmp_path / "o", "model.fp8=rowwise")
     cfg.parallel.tp = 2  # tensor parallel, not built yet: any such setting is refused
     with pytest.raises(ConfigError, match=r"model.fp8=rowwise with tensor parallel \(parallel.tp=2\)"):

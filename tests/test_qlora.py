@@ -64,8 +64,8 @@ def test_two_ranks_train_like_one_process_and_checkpoints_hold_only_the_adapters
 
 
 def offloaded(model_dir, data):
-    """On each rank: (FSDP's parameters, those it keeps in host memory, NF4 ones among them) of the QLoRA model
-    built with parallel.cpu_offload."""
+    """On each rank: (FSDP's parameters, those it keeps in host memory, NF4 ones among them, the bytes of its largest
+    unit's shards and of the largest unit's gradient shards) of the QLoRA model built with parallel.cpu_offload."""
     from finetune.adapters.qlora import is_nf4
     from finetune.build import transforms
     from finetune.compat import fsdp_param_group
@@ -74,17 +74,37 @@ def offloaded(model_dir, data):
     cfg = helpers.sft_config(model_dir, data, "unused", *QLORA, "parallel.cpu_offload=true")
     dims = build_parallel_dims("cpu")
     model, _ = build_model(cfg.model.path, torch.device("cpu"), dims.mesh, transforms(cfg, dims, torch.device("cpu")),
-                           cpu_offload=cfg.parallel.cpu_offload)
-    params = [fp for m in model.modules() if (group := fsdp_param_group(m)) for fp in group.fsdp_params]
+                           mixed_precision=cfg.train.mixed_precision, cpu_offload=cfg.parallel.cpu_offload)
+    units = [group.fsdp_params for m in model.modules() if (group := fsdp_param_group(m))]
+    params = [fp for unit in units for fp in unit]
+
+    def nbytes(local):
+        return sum(getattr(local, a).nbytes for a in ("quantized_data", "quantized_scalers", "quantization_factor")) \
+            if is_nf4(local) else local.nbytes
+    shards = max(sum(nbytes(fp.sharded_param.to_local()) for fp in unit) for unit in units)
+    grads = max(sum(fp.sharded_param.to_local().nbytes for fp in unit if fp.sharded_param.requires_grad)
+                for unit in units)
     return (len(params), sum(fp.offload_to_cpu for fp in params),
-            sum(fp.offload_to_cpu and is_nf4(fp.sharded_param) for fp in params))
+            sum(fp.offload_to_cpu and is_nf4(fp.sharded_param) for fp in params), shards, grads)
 
 
 def test_host_offload_holds_every_shard_there_and_trains_as_on_the_device(runs, qlora_dir, chat_file):
     """parallel.cpu_offload: FSDP offloads each parameter (the NF4 base's too) and the losses are the device's."""
     assert losses(runs / "host") == pytest.approx(losses(runs / "two")[:2], rel=1e-6, abs=1e-6)
-    num, on_host, nf4 = helpers.run_ranks(offloaded, 2, qlora_dir, chat_file)[0]
+    num, on_host, nf4, shards, grads = helpers.run_ranks(offloaded, 2, qlora_dir, chat_file)[0]
     assert num == on_host and nf4 == 2 * 7, (num, on_host, nf4)  # 2 blocks of 7 linear weights
+    # plan: the state moves to host memory; on the GPU the shards of two units (gathered, prefetched) and one
+    # unit's gradient shards, copied over; on one rank FSDP leaves the NF4 weights on the device
+    from test_plan import planned
+    qlora = {"lora.rank": 4, "lora.quantize_base": "nf4"}
+    device = planned(qlora_dir, "fp32", [0.0], 1, 64, **qlora)
+    host = planned(qlora_dir, "fp32", [0.0], 1, 64, **qlora, **{"parallel.cpu_offload": True})
+    assert host["state"] == {} and host["host"] == device["state"]
+    assert host["in_flight"]["offload copies"] == pytest.approx(2 * shards + grads, rel=1e-2)
+    added = host["in_flight"]["offload copies"] - sum(device["state"].values())
+    assert host["points"][0]["total"] == pytest.approx(device["points"][0]["total"] + added)
+    one = planned(qlora_dir, "fp32", [0.0], 1, 64, nproc=1, **qlora, **{"parallel.cpu_offload": True})
+    assert set(one["state"]) == {"params nf4"} and "params nf4" not in one["host"]
 
 
 def test_resume_on_one_rank_from_two_continues_exactly(runs, qlora_dir, chat_file, tmp_path):

@@ -118,7 +118,7 @@ def measure_state(model, nf4: dict | None = None) -> dict:
         params.append((tuple(p.shape), p.numel(), nf4.get(id(p), sum(t.element_size() for _, t in tensors))))
     from ..model import find_layers
     block_of = {id(m): i for i, layer in enumerate(find_layers(model)) for m in layer.modules()}
-    held, blocks, others, unit_grads = 0, {}, [0], 0
+    held, blocks, others, unit_grads, shards = 0, {}, [0], 0, {}
     for m in model.modules():
         group = fsdp_param_group(m)
         if group is None:
@@ -131,6 +131,9 @@ def measure_state(model, nf4: dict | None = None) -> dict:
         unit = sum(n * nf4.get(id(p), dt.itemsize) for n, dt, _, p in fps)
         unit_grads = max(unit_grads, sum(n * (dt.itemsize + (rd.itemsize if rd not in (None, dt) else 0))
                                          for n, dt, rd, p in fps if p.requires_grad))
+        # this rank's shards of the unit and of its gradients (what host offload copies over for a unit)
+        shards[m] = (sum(p.to_local().numel() * nf4.get(id(p), p.element_size()) for *_, p in fps),
+                     sum(p.to_local().numel() * p.element_size() for *_, p in fps if p.requires_grad))
         # not resharded after forward: unsharded until its backward (the root too, before its lazy init)
         if group.post_forward_mesh_info is None or m is model:
             held += unit
@@ -144,7 +147,20 @@ def measure_state(model, nf4: dict | None = None) -> dict:
     in_flight = {"held": held, "current+next": sum(largest), "grads+reduce": unit_grads,
                  **({"nf4 dequantized": nf4["dequantized"]} if nf4 else {})}
     return {"state": state, "params": params, "in_flight": in_flight,
-            "forward_start": max(others) + max(largest, default=0)}
+            "forward_start": max(others) + max(largest, default=0),
+            "unit_shards": max((p for p, _ in shards.values()), default=0),
+            "unit_grad_shards": max((g for _, g in shards.values()), default=0)}
+
+
+def offload_state(measured: dict, on_device: tuple = ()) -> dict:
+    """`measured` with parallel.cpu_offload: its state in host memory ("host") but the keys `on_device` (QLoRA's NF4
+    weights on one rank, which FSDP leaves alone); in flight, the shards of the unit gathered and of the one
+    prefetched, copied to the GPU for their all-gathers, and a unit's gradient shards before they go back."""
+    state = measured["state"]
+    copies = 2 * measured["unit_shards"] + measured["unit_grad_shards"]
+    return {**measured, "state": {k: v for k, v in state.items() if k in on_device},
+            "host": {k: v for k, v in state.items() if k not in on_device},
+            "in_flight": {**measured["in_flight"], "offload copies": copies}}
 
 
 def sharded_bytes(params: list, world_size: int) -> int:
@@ -173,19 +189,24 @@ def measure_runs(hf_config, cfg: Config, dims, fake_mode, ratios: list[float], s
 def measure_fixed(hf_config, cfg: Config, dims, fake_mode, model, liger: bool) -> dict:
     """measure_state of `model` (after a forward); with parallel.ep that of the model built with EP (whose dispatch,
     data-dependent, cannot run on fake tensors: the forwards run without it), under "without_ep" the former, and the
-    all-to-all buffers a token adds (its top-k rows of the hidden size sent and received)."""
+    all-to-all buffers a token adds (its top-k rows of the hidden size sent and received); with parallel.cpu_offload
+    the state in host memory (offload_state)."""
     from ..adapters.qlora import plan_nf4
-    nf4 = plan_nf4(model, cfg.lora.quantize_base, dims.mesh.shape[-1], LivePeak)
-    with fake_mode:
-        measured = measure_state(model, nf4)
+    shards = dims.mesh.shape[-1]
+
+    def state(m) -> dict:  # parallel.cpu_offload: on one rank FSDP leaves the NF4 weights on the device
+        nf4 = plan_nf4(m, cfg.lora.quantize_base, shards, LivePeak)  # real tensors: outside the fake mode
+        with fake_mode:
+            measured = measure_state(m, nf4)
+        return offload_state(measured, ("params nf4",) * (shards == 1)) if cfg.parallel.cpu_offload else measured
+    measured = state(model)
     if dims.ep == 1:
         return measured
     ep_model = build_fake_models(hf_config, cfg, dims.mesh, fake_mode, {0.0}, liger, dims.expert_mesh)[0.0]
     text = hf_config.get_text_config()
     row_bytes = text.hidden_size * (2 if cfg.train.mixed_precision == "bf16" else 4)
-    with fake_mode:
-        return {**measure_state(ep_model, plan_nf4(ep_model, cfg.lora.quantize_base, dims.mesh.shape[-1], LivePeak)),
-                "without_ep": measured, "ep_dispatch_per_token": 2 * text.num_experts_per_tok * row_bytes}
+    return {**state(ep_model), "without_ep": measured,
+            "ep_dispatch_per_token": 2 * text.num_experts_per_tok * row_bytes}
 
 
 def point(runs: dict, ratio: float, shape: tuple[int, int], measured: dict, num_layers: int) -> dict:
@@ -196,6 +217,6 @@ def point(runs: dict, ratio: float, shape: tuple[int, int], measured: dict, num_
     recompute = runs[0.0, shape]["activations"] / num_layers if ratio > 0 else 0
     dispatch = measured.get("ep_dispatch_per_token", 0) * math.prod(shape)
     backward = sum(measured["in_flight"].values()) + run["activations"] + recompute + run["logits_loss"] + dispatch
-    start = measured["in_flight"]["held"] + measured["forward_start"]
+    start = measured["in_flight"]["held"] + measured["forward_start"] + measured["in_flight"].get("offload copies", 0)
     return {**run, "recompute": recompute, **({"ep_dispatch": dispatch} if dispatch else {}),
             "total": state + max(backward, start)}

@@ -67,7 +67,9 @@ def run_plan(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, ra
     fits = [p for p in points if p["fits"]]
     best = min(fits, key=lambda p: (p["ac_ratio"], -p["micro_batch_size"])) if fits else None
     smallest, replicas = None, cfg.parallel.dp_replicate
-    if not fits:  # more GPUs shrink only the sharded state (a set dp_shard grows with them), to one row a GPU at most
+    # more GPUs shrink only the sharded state (a set dp_shard grows with them), to one row a GPU at most; offloaded,
+    # that state is in host memory
+    if not fits and "host" not in measured:
         least = min(p["total"] for p in points) - sum(measured["state"].values())
         floor = least + sum(numel // max(s, default=1) * nbytes for s, numel, nbytes in measured["params"])
         smallest = None if floor > usable else next((w for w in range(world + nproc, 2**16, nproc) if w % replicas == 0
@@ -84,7 +86,8 @@ def describe(cfg: Config, hf_config, nnodes: int, nproc: int, gpu_bytes: int, di
             "parallel_config": asdict(cfg.parallel), "gpu_memory": gpu_bytes, "safety": SAFETY,
             "seq_len": cfg.data.max_seq_len, "mixed_precision": cfg.train.mixed_precision, "ac_mode": cfg.ac.mode,
             "ac_offload": cfg.ac.offload, "liger": liger, "state": measured["state"],
-            "in_flight": measured["in_flight"], "forward_start": measured["forward_start"]}
+            "in_flight": measured["in_flight"], "forward_start": measured["forward_start"],
+            **({"host": measured["host"]} if "host" in measured else {})}
 
 
 MAX_LOCAL_TOKENS = 2**22  # tokens per rank where the --max-seq-len search stops doubling (4M: beyond any model's)
@@ -169,6 +172,11 @@ def format_plan(r: dict) -> str:
     lines += [f"  {'in flight: ' + k:<24} {size(v):>8}" for k, v in r["in_flight"].items()]
     lines.append(f"  {'or at the forward start':<24} {size(r['forward_start']):>8}  (embedding and first block "
                  f"gathered, no activation yet: in place of the above and what follows, where larger)")
+    if "host" in r:  # parallel.cpu_offload
+        host = sum(r["host"].values())
+        lines += ["", f"in pinned host memory, per GPU ({name}; parallel.cpu_offload, not in the totals: "
+                      f"{size(host * r['nproc_per_node'])} {name} a node):"]
+        lines += [f"  {k:<24} {size(v):>8}" for k, v in r["host"].items()]
     lines += ["", f"per GPU and micro-batch ({name}):",
               "| ac.ratio | micro-batch | activations | recompute | logits/loss | total | free | fits |",
               "|---:|---:|---:|---:|---:|---:|---:|:--:|"]
@@ -199,5 +207,6 @@ def format_plan(r: dict) -> str:
                      + (f"the smallest world size that would fit is {world} GPUs ({world // r['nproc_per_node']} "
                         f"nodes x {r['nproc_per_node']}" + (f"; parallel.dp_shard={world // pc['dp_replicate']}"
                                                             if pc["dp_shard"] else "") + ")" if world else
-                        "no world size fits: a smaller micro-batch, a higher ac.ratio or a shorter sequence"))
+                        "no world size fits: a smaller micro-batch, a higher ac.ratio or a shorter sequence"
+                        + ("" if "host" in r or r["state"] == {} else ", or parallel.cpu_offload=true")))
     return "\n".join(lines)
