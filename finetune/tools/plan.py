@@ -155,6 +155,9 @@ def format_seq_search(r: dict) -> str:
                  "\nnothing fits 1024 tokens per rank: more GPUs, a higher ac.ratio or ac.offload")
     if r["liger"]:
         lines.append("(logits/loss measured without Liger's fused loss, at every position: an upper bound)")
+    if "host" in r:
+        lines.append(f"(parallel.cpu_offload: {sum(r['host'].values()) / GIB:.1f} GiB of pinned host memory a GPU, "
+                     f"not counted)")
     return "\n".join(lines)
 
 
