@@ -199,6 +199,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: str, lm_head
         if head is not None and lm_head_unit:  # used last in forward, first in backward: kept unsharded between
             fully_shard(head, reshard_after_forward=False, **kw)
     fully_shard(model, **kw)
+    if cpu_offload:  # Llama 4 moves its ids to the embedding's (host) shard first: back to the gathered weight's device
+        embed.register_forward_pre_hook(lambda mod, args: tuple(a.to(mod.weight.device) for a in args))
     # gradients are summed over ranks, not averaged: train_step divides by the global label-token count itself
     for m in model.modules():
         if isinstance(m, FSDPModule):
