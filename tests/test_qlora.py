@@ -33,12 +33,13 @@ def sft(model_dir, data, out, *extra, nproc=1):
 
 @pytest.fixture(scope="module")
 def runs(qlora_dir, chat_file, tmp_path_factory):
-    """The same 4 QLoRA steps on 1 process (micro-batch 4) and on 2 ranks (2 each), checkpoints at steps 2 and 4."""
+    """The same 4 QLoRA steps on 1 process (micro-batch 4) and on 2 ranks (2 each), checkpoints at steps 2 and 4; 2 of
+    them on 4 ranks (1 each) with parallel.cpu_offload."""
     root = tmp_path_factory.mktemp("qlora_runs")
     sft(qlora_dir, chat_file, root / "one", *RUN, "train.micro_batch_size=4")
     sft(qlora_dir, chat_file, root / "two", *RUN, "train.micro_batch_size=2", nproc=2)
-    sft(qlora_dir, chat_file, root / "host", *RUN, "train.micro_batch_size=2", "parallel.cpu_offload=true",
-        "train.max_steps=2", nproc=2)  # the shards, gradients and AdamW state in host memory
+    sft(qlora_dir, chat_file, root / "host", *RUN, "train.micro_batch_size=1", "parallel.cpu_offload=true",
+        "train.max_steps=2", nproc=4)  # 4 ranks with the shards, gradients and AdamW state in host memory
     sft(qlora_dir, chat_file, root / "bf16", *RUN, "train.micro_batch_size=4", "lora.quantize_base=none",
         "train.max_steps=1")  # LoRA's bf16 base: the first loss, before any update, is the base's
     return root
@@ -89,8 +90,8 @@ def offloaded(model_dir, data):
 
 
 def test_host_offload_holds_every_shard_there_and_trains_as_on_the_device(runs, qlora_dir, chat_file):
-    """parallel.cpu_offload: FSDP offloads each parameter (the NF4 base's too) and the losses are the device's."""
-    assert losses(runs / "host") == pytest.approx(losses(runs / "two")[:2], rel=1e-6, abs=1e-6)
+    """parallel.cpu_offload: FSDP offloads each parameter (the NF4 base's too); 4 ranks so == 1 process."""
+    assert losses(runs / "host") == pytest.approx(losses(runs / "one")[:2], rel=1e-5, abs=1e-5)
     num, on_host, nf4, shards, grads = helpers.run_ranks(offloaded, 2, qlora_dir, chat_file)[0]
     assert num == on_host and nf4 == 2 * 7, (num, on_host, nf4)  # 2 blocks of 7 linear weights
     # plan: the state moves to host memory; on the GPU the shards of two units (gathered, prefetched) and one
