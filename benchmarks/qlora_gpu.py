@@ -1,25 +1,18 @@
-"""Issue 49 item 6 on one GPU: a model of Llama-3-70B's widths (hidden 8192, intermediate 28672, 64 heads, 8 kv heads,
-vocab 128256) cut to --layers decoder layers, QLoRA r16 (lora.quantize_base=nf4) against bf16 LoRA r16 on the same
-random weights, alternating, each measured against `finetune plan` on the same config.
+"""Issue 49 item 6 on one GPU: Llama-3-70B's widths (hidden 8192, intermediate 28672, 64/8 heads, vocab 128256) at
+--layers decoder layers, QLoRA r16 (lora.quantize_base=nf4) vs bf16 LoRA r16 on the same random weights, alternating,
+each against `finetune plan` on the same config. The script writes the random bf16 safetensors (no hub), a file per
+decoder layer, so the model of --small-layers links them; per layer = (figure at --layers - figure at --small-layers)
+/ the layers between (embedding, lm_head, logits drop out). Each build runs in this process through finetune's own
+functions (build_model_and_optimizer, train_step, the sft task and sample stream, as `bench`), on fixed packed rows:
+  built   memory_allocated after the build (NF4 or bf16 base, bf16 embedding and lm_head, fp32 adapters); load_peak
+  steady  memory_allocated after the warm-up steps (+ AdamW's state; no gradients), vs plan's state less gradients
+  peak    max_memory_allocated over the steps, vs plan's total (its terms per layer printed)
+  tokens/s  real tokens a step / its synchronised time: median and spread of the timed steps of all rounds
+On one rank FSDP leaves the NF4 weights out (adapters/qlora.nf4_params): not all-gathered, where plan counts two 4-bit
+blocks in flight. Without CUDA the memory figures are skipped (said once): --width tiny runs the path on any CPU.
 
-The weights are random bf16 safetensors the script writes (no hub): one file per decoder layer and one for the rest,
-so a second model of --small-layers (default half) links the first's files. Per layer = (the figure at --layers minus
-the figure at --small-layers) / the layers between, which leaves out what does not grow with depth (embedding,
-lm_head, logits). Each build runs in this process through finetune's own functions (build_model_and_optimizer,
-train_step, the sft task and sample stream, as `finetune bench` does), on fixed packed rows, between
-torch.cuda.memory_allocated baselines:
-  built   memory_allocated after the build (the weights: the NF4 or bf16 base, bf16 embedding and lm_head, fp32
-          adapters), and the load's peak (max_memory_allocated while it quantizes)
-  steady  memory_allocated between steps after the warm-up (+ AdamW's state; gradients are set to None), against
-          plan's state without the gradients
-  peak    max_memory_allocated over the steps, against plan's total
-  tokens/s  real tokens of a step / its time (CUDA synchronised), median and spread of the timed steps of all rounds
-One rank: FSDP leaves the NF4 weights out (adapters/qlora.nf4_params, model.parallelize): they are not all-gathered,
-where plan counts two 4-bit blocks in flight. Without CUDA the memory figures are skipped (said once); --width tiny
-runs the whole path on a CPU in a minute.
-
-    python3 benchmarks/qlora_gpu.py --layers 8 --out $OUT/qlora_gpu.json     # one GPU: ~3-4 min (gpu_check.sh qlora)
-    python3 benchmarks/qlora_gpu.py --width tiny --out /tmp/qlora_gpu.json    # any machine
+    python3 benchmarks/qlora_gpu.py --layers 8 --out $OUT/qlora_gpu.json     # one GPU: ~4 min (gpu_check.sh qlora)
+    python3 benchmarks/qlora_gpu.py --width tiny --out /tmp/qlora_gpu.json    # any machine: ~2 min on 2 cores
 """
 from __future__ import annotations
 
@@ -124,7 +117,9 @@ def read_plan(proc: subprocess.Popen) -> dict:
         state = plan["state"]
         return {"total": plan["points"][0]["total"], "state": sum(state.values()),
                 "steady": sum(v for k, v in state.items() if not k.startswith("grads")), "state_by_kind": state,
-                "in_flight": plan["in_flight"], "num_params": plan["num_params"]}
+                "in_flight": plan["in_flight"], "num_params": plan["num_params"],
+                "terms": {"state": sum(state.values()), "in flight": sum(plan["in_flight"].values()),
+                          **{k: plan["points"][0][k] for k in ("activations", "recompute", "logits_loss")}}}
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         return {"error": f"unreadable plan JSON ({type(e).__name__}: {e})"}
 
@@ -200,10 +195,6 @@ class Runner:
         return record
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def summarize(results: dict, depths: list[int], gpu_bytes: int) -> dict:
     """Per variant: tokens/s of the deepest model; per layer (deepest minus smallest) measured and planned, their
     ratio; the layers that would fit this GPU (plan's 10% kept free) at the measured per-layer peak."""
@@ -214,7 +205,8 @@ def summarize(results: dict, depths: list[int], gpu_bytes: int) -> dict:
         # each step computes its padded rows whatever their real tokens: the mean real tokens a step over each time
         rates = [statistics.mean(r["tokens_per_step"]) / t for r in runs if r["layers"] == deep
                  for t in r["step_times_s"]]
-        s = {"tokens_per_s": spread(rates) if rates else None}
+        s = {"tokens_per_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates),
+                              "n": len(rates)} if rates else None}
         plans = results["plans"].get(variant, {})
         for key, plan_key in (("built", None), ("load_peak", None), ("steady", "steady"), ("peak", "total")):
             got = {n: statistics.median(r[key] for r in runs if r["layers"] == n and key in r) for n in depths
@@ -229,6 +221,9 @@ def summarize(results: dict, depths: list[int], gpu_bytes: int) -> dict:
             if planned:
                 s[key].update(plan=plans[str(deep)][plan_key], plan_per_layer=planned,
                               ratio=per_layer / planned, within_bar=abs(per_layer / planned - 1) <= BAR)
+        if all("terms" in plans.get(str(n), {}) for n in (deep, small)):  # what plan's peak per layer is made of
+            s["plan_terms_per_layer"] = {k: (v - plans[str(small)]["terms"][k]) / (deep - small)
+                                         for k, v in plans[str(deep)]["terms"].items()}
         if "peak" in s and s["peak"]["per_layer"] > 0:
             fixed = s["peak"]["measured"] - deep * s["peak"]["per_layer"]
             s["layers_that_fit"] = int((gpu_bytes * 0.9 - fixed) // s["peak"]["per_layer"])
@@ -254,6 +249,9 @@ def report(summary: dict) -> None:
                              f"{f['plan_per_layer'] / GIB:.3f} GiB: {f['ratio'] - 1:+.1%} "
                              f"{'(within 5%)' if f['within_bar'] else '(OUTSIDE 5%)'}")
                 print(line)
+        if "plan_terms_per_layer" in s:
+            print("  plan's peak per layer, by term: " + ", ".join(f"{k} {v / GIB:.3f}" for k, v in
+                                                              s["plan_terms_per_layer"].items()) + " GiB")
         if "layers_that_fit" in s:
             print(f"  at the measured per-layer peak {s['layers_that_fit']} layers fit this GPU with 10% kept free "
                   f"(Llama-3-70B has 80)")
