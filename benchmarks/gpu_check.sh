@@ -10,7 +10,7 @@
 # $OUT/results.tgz at the end: untar it here, commit, `python3 benchmarks/results.py tables`):
 #   FINETUNE_COMMIT=<hash> bash benchmarks/gpu_check.sh peers | fp8 | moe30b | profile | offload131k | lora8b | full
 # then the checks of the GPU path:
-#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | moe | moesft
+#   env varlen evalcompile opac flce | offload | tests-a | tests-b | tests-c | bench | moe | moesft | qlora
 set -uo pipefail
 STAGES=(
   "peers        9 min  gpu_figures.py: finetune defaults vs TRL at its fastest, alternated, realistic rows, MFU"
@@ -33,6 +33,7 @@ STAGES=(
   "bench        6 min  finetune bench, 886M Llama, 8 packed rows x 2048: VARIANTS (default: auto and sdpa; +fp8: model.fp8=tensorwise)"
   "moe          3 min  finetune bench, a random 892M Qwen3-MoE (8 layers, 64 experts of 512, 8 a token): grouped_mm vs eager"
   "moesft       2 min  finetune sft, a random 193M Qwen3-MoE of 12 layers (> dynamo's recompile limit), compiled blocks: recompiles"
+  "qlora        5 min  tests/test_gpu.py -k host_offload (1 min); qlora_gpu.py: Llama-3-70B widths, 8 and 4 layers, QLoRA vs bf16 LoRA r16 vs plan (4 min)"
 )
 if [ "${1:-}" = --list ]; then printf '%s\n' "${STAGES[@]}"; exit 0; fi
 set -uo pipefail
@@ -74,7 +75,7 @@ varlen|evalcompile|opac|flce)
 tests-a|tests-b|tests-c)
   cuda $s || continue
   k=$(case $s in tests-a) echo "varlen_and_flex or auto_defaults";; tests-b) echo kernels_and_compile;;
-      *) echo "bench or offload";; esac)
+      *) echo "bench or ac_offload";; esac)
   python3 -m pytest -q -x tests/test_gpu.py -k "$k" -p no:cacheprovider 2>&1 | tee -a $OUT/$s.log | tail -15;;
 sft)
   cuda $s || continue
@@ -125,5 +126,15 @@ offload)
       model.compile=$comp ac.offload=$off -o /tmp/offload-$comp-$off 2>&1 | tee -a $OUT/offload.log | tail -4
     cp /tmp/offload-$comp-$off/bench.md $OUT/offload-compile_$comp-offload_$off.md 2>/dev/null
   done; done;;
+qlora)
+  # pytest: 2 spawned processes, each building a 4-layer 256-wide model twice (~30 s with CUDA and imports). The
+  # script: 8 layers of 70B widths written once (18 GB of bf16: 8 x 1.7 GB + 4.2 GB embedding and lm_head, ~30 s),
+  # 4 plans on the CPU meanwhile, then 2 rounds of 4 builds (QLoRA, LoRA at 8 and 4 layers: 18 and 11 GB read from
+  # the page cache and put on the GPU, ~10 s a build at 2 GB/s) of 8 steps of 2,048 tokens (~1 s each, dequantizing)
+  cuda $s || continue
+  python3 -m pytest -q -x tests/test_gpu.py -k host_offload -p no:cacheprovider 2>&1 | tee -a $OUT/qlora.log | tail -8
+  HF_DATASETS_DISABLE_PROGRESS_BARS=1 python3 benchmarks/qlora_gpu.py --layers ${QLORA_LAYERS:-8} \
+    --out $OUT/qlora_gpu.json --work /tmp/qlora_gpu 2>&1 | tee -a $OUT/qlora.log \
+    | grep --line-buffered -vE "^(kernels: |lora: rank|qlora: [0-9]+ frozen|W[0-9]{4} )";;
 *) echo "unknown stage '$s' (bash benchmarks/gpu_check.sh --list)"; exit 2;;
 esac; done

@@ -1,6 +1,7 @@
 """The GPU path (CUDA only; skipped without a GPU): packed rows through torch's varlen kernel (and flex, and flash-attn
 where installed) train as the same samples unpacked; the auto defaults (varlen, Liger's fused loss, regional compile)
-learn and give the losses of the plain path; `bench` measures a compiled checkpointed sweep.
+learn and give the losses of the plain path; `bench` measures a compiled checkpointed sweep; parallel.cpu_offload
+(LoRA, QLoRA) trains as on the device with its shards in pinned host memory.
 On a machine without PyPI access the missing wheels travel in .whl/ (benchmarks/gpu_check.sh installs them)."""
 from __future__ import annotations
 
@@ -94,3 +95,74 @@ def test_ac_offload_on_streams_gives_the_gradients_without_it(llama_dir):
     offloaded, grads_off, taken = fresh_process(offload_saved, str(llama_dir), True)
     assert grads_off == pytest.approx(grads, rel=1e-5) and offloaded < plain
     assert [f for _, f in taken].count(False) == len(taken) // 4  # only the last block's were not on their way
+
+
+def offload_steps(model_dir: str, data: str, overrides: list[str], steps: int = 4) -> dict:
+    """One rank (CUDA where there is one), the LoRA model `overrides` configure: the losses of `steps` train_steps on
+    one fixed batch; the device's peak bytes over them and the bytes still allocated after them (over what was
+    allocated before the build: an earlier call's leftovers do not count); FSDP's parameters,
+    those whose shards (every inner tensor of a subclass) are in host memory, pinned, and their bytes; the AdamW
+    states in host memory, of all; the NF4 weights and those on the device."""
+    import gc
+
+    from finetune.adapters.qlora import is_nf4
+    from finetune.build import transforms
+    from finetune.compat import fsdp_param_group, local_tensor
+    from finetune.distributed import init_distributed
+    from finetune.loss import label_targets
+    from finetune.train import build_model_and_optimizer, train_step
+    from helpers import sft_config
+    cfg = sft_config(model_dir, data, "unused", *overrides)
+    device, dims = init_distributed()
+    cuda = device.type == "cuda"
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    torch.manual_seed(0)
+    model, optimizer, _ = build_model_and_optimizer(cfg, device, dims, transforms(cfg, dims, device))
+    ids = torch.randint(model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = {k: v.to(device) for k, v in {"input_ids": ids, **label_targets(ids, None)}.items()}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    got = [float(train_step(model, optimizer, [batch], num_input_tokens=ids.numel(), max_grad_norm=1.0)[0]["loss"])
+           for _ in range(steps)]
+
+    def inner(t):  # a subclass's (NF4's) tensors, else the tensor
+        return [getattr(t, n) for n in t.__tensor_flatten__()[0]] if hasattr(t, "__tensor_flatten__") else [t]
+    fsdp = [fp for m in model.modules() if (group := fsdp_param_group(m)) for fp in group.fsdp_params]
+    host = [inner(local_tensor(fp.sharded_param)) for fp in fsdp]
+    host = [ts for ts in host if all(t.device.type == "cpu" for t in ts)]
+    states = [s for st in optimizer.state.values() for s in st.values() if torch.is_tensor(s) and s.dim()]
+    nf4 = [p for p in model.parameters() if is_nf4(p)]
+    result = {"losses": got, "peak": torch.cuda.max_memory_allocated(device) - base if cuda else None,
+              "allocated": torch.cuda.memory_allocated(device) - base if cuda else None, "fsdp": len(fsdp),
+              "on_host": len(host), "pinned": sum(all(t.is_pinned() for t in ts) for ts in host),
+              "host_bytes": sum(t.nbytes for ts in host for t in ts), "states": len(states),
+              "states_on_host": sum(s.device.type == "cpu" for s in states), "nf4": len(nf4),
+              "nf4_on_device": sum(all(t.device == device for t in inner(local_tensor(p))) for p in nf4)}
+    del model, optimizer, batch
+    gc.collect()
+    return result
+
+
+def offload_pair(model_dir: str, data: str, overrides: list[str]) -> tuple[dict, dict]:
+    """offload_steps without and with parallel.cpu_offload, one after the other in this process."""
+    return (offload_steps(model_dir, data, overrides),
+            offload_steps(model_dir, data, [*overrides, "parallel.cpu_offload=true"]))
+
+
+@pytest.mark.parametrize("quantize_base", ["none", "nf4"], ids=["lora", "qlora"])
+def test_host_offload_trains_as_on_the_device_from_pinned_shards_with_less_gpu_memory(quantize_base, chat_file,
+                                                                                      tmp_path):
+    """parallel.cpu_offload on one GPU: the same losses (the optimizer steps on the CPU), every FSDP shard and AdamW
+    state in pinned host memory (on one rank QLoRA's NF4 weights stay outside FSDP, on the device), and the device
+    no longer holds them: its bytes after the steps lower by at least the shards', its peak lower."""
+    from conftest import make_model_dir
+    from test_qlora import SIZES
+    model_dir = make_model_dir(tmp_path / "model", "llama3", "llama", tied=False, num_layers=4, **SIZES)
+    overrides = [*PLAIN, "train.mixed_precision=bf16", "lora.rank=4", "lora.alpha=8", "train.lr=1e-2",
+                 f"lora.quantize_base={quantize_base}"]
+    plain, host = fresh_process(offload_pair, str(model_dir), str(chat_file), overrides)
+    assert host["losses"] == pytest.approx(plain["losses"], rel=1e-3), (plain["losses"], host["losses"])
+    assert plain["on_host"] == 0 and host["fsdp"] == host["on_host"] == host["pinned"] > 0, host
+    assert host["states"] == host["states_on_host"] > 0 and plain["states_on_host"] == 0, (plain, host)
+    assert host["nf4"] == host["nf4_on_device"] == (4 * 7 if quantize_base == "nf4" else 0), host
+    assert host["allocated"] <= plain["allocated"] - host["host_bytes"] and host["peak"] < plain["peak"], (plain, host)
