@@ -66,12 +66,13 @@ def test_two_ranks_train_like_one_process_and_checkpoints_hold_only_the_adapters
 
 def offloaded(model_dir, data):
     """On each rank: (FSDP's parameters, those it keeps in host memory, NF4 ones among them, the bytes of its largest
-    unit's shards and of the largest unit's gradient shards) of the QLoRA model built with parallel.cpu_offload."""
+    unit's shards and of the largest unit's gradient shards, those of the first block's shards) of the QLoRA model
+    built with parallel.cpu_offload."""
     from finetune.adapters.qlora import is_nf4
     from finetune.build import transforms
     from finetune.compat import fsdp_param_group
     from finetune.distributed import build_parallel_dims
-    from finetune.model import build_model
+    from finetune.model import build_model, find_layers
     cfg = helpers.sft_config(model_dir, data, "unused", *QLORA, "parallel.cpu_offload=true")
     dims = build_parallel_dims("cpu")
     model, _ = build_model(cfg.model.path, torch.device("cpu"), dims.mesh, transforms(cfg, dims, torch.device("cpu")),
@@ -85,14 +86,15 @@ def offloaded(model_dir, data):
     shards = max(sum(nbytes(fp.sharded_param.to_local()) for fp in unit) for unit in units)
     grads = max(sum(fp.sharded_param.to_local().nbytes for fp in unit if fp.sharded_param.requires_grad)
                 for unit in units)
+    first = sum(nbytes(fp.sharded_param.to_local()) for fp in fsdp_param_group(find_layers(model)[0]).fsdp_params)
     return (len(params), sum(fp.offload_to_cpu for fp in params),
-            sum(fp.offload_to_cpu and is_nf4(fp.sharded_param) for fp in params), shards, grads)
+            sum(fp.offload_to_cpu and is_nf4(fp.sharded_param) for fp in params), shards, grads, first)
 
 
 def test_host_offload_holds_every_shard_there_and_trains_as_on_the_device(runs, qlora_dir, chat_file):
     """parallel.cpu_offload: FSDP offloads each parameter (the NF4 base's too); 4 ranks so == 1 process."""
     assert losses(runs / "host") == pytest.approx(losses(runs / "one")[:2], rel=1e-5, abs=1e-5)
-    num, on_host, nf4, shards, grads = helpers.run_ranks(offloaded, 2, qlora_dir, chat_file)[0]
+    num, on_host, nf4, shards, grads, _ = helpers.run_ranks(offloaded, 2, qlora_dir, chat_file)[0]
     assert num == on_host and nf4 == 2 * 7, (num, on_host, nf4)  # 2 blocks of 7 linear weights
     # plan: the state moves to host memory; on the GPU the shards of two units (gathered, prefetched) and one
     # unit's gradient shards, copied over; on one rank FSDP leaves the NF4 weights on the device
@@ -106,6 +108,10 @@ def test_host_offload_holds_every_shard_there_and_trains_as_on_the_device(runs, 
     assert host["points"][0]["total"] == pytest.approx(device["points"][0]["total"] + added)
     one = planned(qlora_dir, "fp32", [0.0], 1, 64, nproc=1, **qlora, **{"parallel.cpu_offload": True})
     assert set(one["state"]) == {"params nf4"} and "params nf4" not in one["host"]
+    num, on_host, nf4, shards, grads, first = helpers.run_ranks(offloaded, 1, qlora_dir, chat_file)[0]
+    assert num == on_host and nf4 == 0  # nor are they all-gathered: plan's block in flight leaves them out
+    assert one["in_flight"]["current+next"] == pytest.approx(first, rel=1e-2)  # the last block is held
+    assert one["in_flight"]["offload copies"] == pytest.approx(2 * shards + grads, rel=1e-2)
 
 
 def test_resume_on_one_rank_from_two_continues_exactly(runs, qlora_dir, chat_file, tmp_path):

@@ -104,10 +104,11 @@ def measure_micro_batch(model, micro_batch_size: int, seq_len: int) -> dict:
     return {"activations": marks["activations"], "logits_loss": head.peak, "saved": marks["saved"]}
 
 
-def measure_state(model, nf4: dict | None = None) -> dict:
+def measure_state(model, nf4: dict | None = None, nf4_gathered: bool = True) -> dict:
     """Bytes per GPU of the sharded parameters, their gradients and AdamW state by dtype; each parameter's (rows,
     numel, bytes per element) to re-shard for another world size; the units in flight (after a forward). `nf4`:
-    plan_nf4's bytes per element of the weights QLoRA holds as NF4."""
+    plan_nf4's bytes per element of the weights QLoRA holds as NF4 (on one rank FSDP leaves them alone: not
+    `nf4_gathered`)."""
     state, params, nf4 = {}, [], nf4 or {}
     for p in model.parameters():
         local = p.to_local()
@@ -127,7 +128,7 @@ def measure_state(model, nf4: dict | None = None) -> dict:
             if not hasattr(fp, "param_dtype"):
                 fp.init_dtype_attrs(fp.mp_policy)
         fps = [(math.prod(fp._orig_size), fp.param_dtype or fp.orig_dtype, fp.reduce_dtype, fp.sharded_param)
-               for fp in group.fsdp_params]
+               for fp in group.fsdp_params if nf4_gathered or id(fp.sharded_param) not in nf4]
         unit = sum(n * nf4.get(id(p), dt.itemsize) for n, dt, _, p in fps)
         unit_grads = max(unit_grads, sum(n * (dt.itemsize + (rd.itemsize if rd not in (None, dt) else 0))
                                          for n, dt, rd, p in fps if p.requires_grad))
@@ -197,7 +198,7 @@ def measure_fixed(hf_config, cfg: Config, dims, fake_mode, model, liger: bool) -
     def state(m) -> dict:  # parallel.cpu_offload: on one rank FSDP leaves the NF4 weights on the device
         nf4 = plan_nf4(m, cfg.lora.quantize_base, shards, LivePeak)  # real tensors: outside the fake mode
         with fake_mode:
-            measured = measure_state(m, nf4)
+            measured = measure_state(m, nf4, nf4_gathered=shards > 1)
         return offload_state(measured, ("params nf4",) * (shards == 1)) if cfg.parallel.cpu_offload else measured
     measured = state(model)
     if dims.ep == 1:
