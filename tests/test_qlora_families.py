@@ -1,8 +1,10 @@
 """QLoRA beyond Llama: an MoE stored expert by expert (transformers fuses the experts on load, so rank 0 reads the
-model and each rank quantizes its rows with the whole tensor's scales, as where each rank reads its slices)."""
+model and each rank quantizes its rows with the whole tensor's scales, as where each rank reads its slices); a router
+that subclasses Linear with its own forward (Llama 4's) is neither adapted by "all-linear" nor held as NF4."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import helpers
 from test_qlora import SIZES, built_shards
@@ -38,3 +40,29 @@ def test_an_moe_stored_expert_by_expert_is_read_on_rank_0_and_each_rank_holds_th
     out = capfd.readouterr().out
     assert "loading on rank 0 and scattering: Qwen3MoeForCausalLM stores model.layers.0.mlp.experts.0." in out, out
     assert "note: the MoE experts (2 layers of fused 3-D weights) are not NF4" in out, out
+
+
+def test_a_router_subclassing_linear_is_neither_adapted_nor_quantized(capsys):
+    """Llama 4's router is a Linear with its own forward (scores and logits): peft's wrapper cannot add a delta to
+    its output and NF4's matmul would replace its top-k; it stays as it is, and naming it is refused in one line."""
+    from functools import partial
+    from transformers import Llama4TextConfig
+    from finetune.adapters.lora import apply_lora
+    from finetune.adapters.qlora import apply_nf4, is_nf4
+    from finetune.config import ConfigError
+    from finetune.model import build_skeleton, find_layers
+    config = Llama4TextConfig(vocab_size=512, num_hidden_layers=1, num_local_experts=2, intermediate_size_mlp=512,
+                              head_dim=64, **SIZES)
+    lora = dict(rank=4, alpha=8.0, dropout=0.0, modules_to_save=[], base_dtype=torch.bfloat16,
+                quantize=partial(apply_nf4, shards=1))
+    skeleton = build_skeleton(config)
+    apply_lora(skeleton, find_layers(skeleton), target_modules="all-linear", **lora)
+    router = skeleton.model.layers[0].feed_forward.router
+    assert type(router).__name__ == "Llama4Router" and not is_nf4(router.weight)
+    assert is_nf4(skeleton.model.layers[0].self_attn.q_proj.base_layer.weight)
+    assert "layers.0.feed_forward.router.weight belongs to a Llama4Router, a Linear with its own forward" in \
+        capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"'router' names model.layers.0.feed_forward.router \(Llama4Router\), a "
+                                          r"Linear with its own forward: LoRA here adapts plain Linear layers only"):
+        skeleton = build_skeleton(config)
+        apply_lora(skeleton, find_layers(skeleton), target_modules=["router"], **lora)

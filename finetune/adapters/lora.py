@@ -27,7 +27,7 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
-                         if isinstance(m, nn.Linear)})
+                         if is_plain_linear(m)})
         return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})", [f"{m}.{p}" for m, ps in experts.items()
                                                                          for p in ps]
     if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
@@ -39,12 +39,19 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     modules = [(n, m) for n, m in model.named_modules() if n not in experts]
     linear_names = [t for t in target_modules if any(ends(n, t) for n, _ in modules)]
     other = next(((t, n, m) for t in linear_names for n, m in modules
-                  if ends(n, t) and not isinstance(m, nn.Linear)), None)
+                  if ends(n, t) and not is_plain_linear(m)), None)
     if other:  # peft's embedding adapters (lora_embedding_A/B) have no load, merge or adapter-export path here
-        raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), not a "
-                          f"Linear layer: LoRA here adapts Linear layers only; to train it in full, name it in "
+        kind = "a Linear with its own forward" if isinstance(other[2], nn.Linear) else "not a Linear layer"
+        raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), {kind}: "
+                          f"LoRA here adapts plain Linear layers only; to train it in full, name it in "
                           f"lora.modules_to_save instead (lora.modules_to_save=['{other[0]}'])")
     return linear_names, expert_targets
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """A Linear whose forward is Linear's: what peft's LoRA layer wraps (Llama 4's router, a Linear subclass, returns
+    scores and logits, which the wrapper cannot add its delta to)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:

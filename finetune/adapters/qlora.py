@@ -21,8 +21,12 @@ NF4_BYTES = 0.5 + 1 / BLOCK + 2 / GRANULE  # per element: a 4-bit code, an int8 
 CHUNK = 2**24
 
 
-def nf4_misfit(shape, shards: int) -> str | None:
-    """Why a weight of `shape` cannot be held as NF4 over `shards` ranks (dim-0 shards of whole factors), or None."""
+def nf4_misfit(module: nn.Linear, shards: int) -> str | None:
+    """Why `module`'s weight cannot be held as NF4 over `shards` ranks (dim-0 shards of whole factors), or None."""
+    # a subclass with its own forward (Llama 4's router returns scores and logits) is no matmul to replace
+    if type(module).forward is not nn.Linear.forward:
+        return f"belongs to a {type(module).__name__}, a Linear with its own forward (a router's)"
+    shape = module.weight.shape
     if len(shape) != 2:
         return f"is {len(shape)}-D"
     if shape[0] % shards or (shape[0] // shards * shape[1]) % GRANULE:
@@ -39,7 +43,7 @@ def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch
     from ..kernels.moe import find_experts
     kept, num_quantized = [], 0
     for name, mod in frozen_linears(layers):
-        if why := nf4_misfit(mod.weight.shape, shards):
+        if why := nf4_misfit(mod, shards):
             kept.append(f"{name}.weight {why}")
             continue
         meta = torch.empty(mod.weight.shape, dtype=dtype, device="meta")
@@ -108,7 +112,7 @@ def plan_nf4(model: nn.Module, quantize_base: str, shards: int, meter) -> dict |
         return None
     from torchao.quantization import to_nf4
     from ..model import find_layers
-    weights = [m.weight for _, m in frozen_linears(find_layers(model)) if nf4_misfit(m.weight.shape, shards) is None]
+    weights = [m.weight for _, m in frozen_linears(find_layers(model)) if nf4_misfit(m, shards) is None]
     dtype = weights[0].dtype if weights else torch.bfloat16
     peaks = []
     for rows in (1, 2):
