@@ -106,6 +106,9 @@ class LoraSettings(dict):
 
     def check(self, path, saved: dict, hf_config) -> None:
         """The LoRA checkpoint `path` (its settings `saved`) has these settings and trained on this run's base."""
+        # how the base was held: its config's, for a checkpoint whose settings do not record it (none before QLoRA)
+        held = read_marker(path).get("config", {}).get("lora", {}).get("quantize_base", "none")
+        saved = {"quantize_base": held, **saved}
         diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {self.get(k)!r}" for k in saved
                  if k != "base_fingerprint" and saved[k] != self.get(k)]
         if diffs:
@@ -188,11 +191,14 @@ def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: st
         from .qlora import apply_nf4, fill_nf4, nf4_params
         quantize, fill, unsharded = partial(apply_nf4, shards=shards, dtype=base_dtype), fill_nf4, nf4_params
     return [Transform("adapters", partial(apply_lora, **settings, base_dtype=base_dtype, quantize=quantize),
-                      after_load=partial(init_adapters, seed=seed, path=path), fill=fill, unsharded=unsharded)]
+                      after_load=partial(init_adapters, seed=seed, path=path, quantize_base=quantize_base), fill=fill,
+                      unsharded=unsharded)]
 
 
-def init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
-    """After the load: the adapters initialised from `seed`, the base weights' fingerprint recorded in `settings`."""
+def init_adapters(model, settings: dict, *, seed: int, path: str, quantize_base: str = "none") -> None:
+    """After the load: the adapters initialised from `seed`; the base they train on recorded in `settings`: its
+    weights' fingerprint and how it is held (a resume onto another, e.g. NF4 then bf16, is refused as a change of
+    settings)."""
     from ..hf.fingerprint import base_fingerprint
     init_lora_weights(model, seed)
-    settings["base_fingerprint"] = base_fingerprint(path)
+    settings["base_fingerprint"], settings["quantize_base"] = base_fingerprint(path), quantize_base
