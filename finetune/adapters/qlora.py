@@ -30,8 +30,8 @@ def nf4_misfit(module: nn.Linear, shards: int) -> str | None:
     if len(shape) != 2:
         return f"is {len(shape)}-D"
     if shape[0] % shards or (shape[0] // shards * shape[1]) % GRANULE:
-        return (f"{list(shape)} does not split into {shards} row shards of whole NF4 factor blocks "
-                f"({GRANULE} elements each)")
+        whole = f"does not split into {shards} row shards of whole" if shards > 1 else "is not a whole number of"
+        return f"{list(shape)} {whole} NF4 factor blocks ({GRANULE} elements each)"
     return None
 
 
