@@ -22,21 +22,23 @@ def moe_dir(tmp_path_factory):
 
 def test_an_moe_stored_expert_by_expert_is_read_on_rank_0_and_each_rank_holds_the_whole_tensor_s_nf4_rows(
         moe_dir, chat_file, capfd):
-    """On 1 process (the NF4 weights outside FSDP, whole) and on 2 ranks: each rank's bytes those of the whole tensor
-    quantized at once, as the slice reader's (the attention's; the experts stay unquantized, with a note)."""
+    """On 1 process, 2 ranks and HSDP 2 x 1 (the NF4 weights outside FSDP, whole): each rank's bytes those of the whole
+    tensor quantized at once, as the slice reader's (the attention's; the experts stay unquantized, with a note)."""
     from torchao.quantization import to_nf4
     from test_lora import read_weights
     stored = read_weights(moe_dir)
-    for world in (1, 2):
-        for rank, (shards, _, _) in enumerate(helpers.run_ranks(built_shards, world, moe_dir, chat_file)):
+    # HSDP 2 x 1: the NF4 weights outside FSDP on 2 ranks, rank 0's tensors broadcast
+    for world, replicas in ((1, 1), (2, 1), (2, 2)):
+        num_shards = world // replicas
+        for rank, (shards, _, _) in enumerate(helpers.run_ranks(built_shards, world, moe_dir, chat_file, replicas)):
             assert len(shards) == 2 * 4, sorted(shards)  # q, k, v, o of 2 blocks; the experts stay unquantized
             for name, inner in shards.items():
                 whole = to_nf4(stored[name.replace(".base_layer", "")].float())
                 for attr, mine in inner.items():
                     theirs = getattr(whole, attr).numpy()
-                    n = theirs.size // world if attr != "scaler_mean" else 0
-                    theirs = theirs[rank * n:(rank + 1) * n] if n else theirs
-                    assert mine.dtype == theirs.dtype and (mine == theirs).all(), (world, rank, name, attr)
+                    n = theirs.size // num_shards if attr != "scaler_mean" else 0
+                    theirs = theirs[rank % num_shards * n:(rank % num_shards + 1) * n] if n else theirs
+                    assert mine.dtype == theirs.dtype and (mine == theirs).all(), (world, replicas, rank, name, attr)
     out = capfd.readouterr().out
     assert "loading on rank 0 and scattering: Qwen3MoeForCausalLM stores model.layers.0.mlp.experts.0." in out, out
     assert "note: the MoE experts (2 layers of fused 3-D weights) are not NF4" in out, out
