@@ -1,6 +1,6 @@
 """QLoRA beyond Llama: an MoE stored expert by expert (transformers fuses the experts on load, so rank 0 reads the
 model and each rank quantizes its rows with the whole tensor's scales, as where each rank reads its slices); a router
-that subclasses Linear with its own forward (Llama 4's) is neither adapted by "all-linear" nor held as NF4."""
+that subclasses Linear with another forward (Llama 4's) is neither adapted by "all-linear" nor held as NF4."""
 from __future__ import annotations
 
 import pytest
@@ -45,12 +45,17 @@ def test_an_moe_stored_expert_by_expert_is_read_on_rank_0_and_each_rank_holds_th
 
 
 def test_a_router_subclassing_linear_is_neither_adapted_nor_quantized(capsys):
-    """Llama 4's router is a Linear with its own forward (scores and logits): peft's wrapper cannot add a delta to
-    its output and NF4's matmul would replace its top-k; it stays as it is, and naming it is refused in one line."""
+    """Llama 4's router is a Linear returning scores and logits: peft's wrapper cannot add a delta to its output and
+    NF4's matmul would replace its top-k; it stays as it is, and naming it is refused in one line. Falcon's Linear
+    (x @ W.T + b in a forward of its own) is a plain one; DeepSeek-V4's grouped projection is not."""
     from functools import partial
     from transformers import Llama4TextConfig
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
+    from transformers.models.falcon.modeling_falcon import FalconLinear
     from finetune.adapters.lora import apply_lora
-    from finetune.adapters.qlora import apply_nf4, is_nf4
+    from finetune.adapters.qlora import apply_nf4, is_nf4, is_plain_linear
+    with torch.device("meta"):
+        assert is_plain_linear(FalconLinear(64, 32)) and not is_plain_linear(DeepseekV4GroupedLinear(32, 64, 2))
     from finetune.config import ConfigError
     from finetune.model import build_skeleton, find_layers
     config = Llama4TextConfig(vocab_size=512, num_hidden_layers=1, num_local_experts=2, intermediate_size_mlp=512,
@@ -62,9 +67,9 @@ def test_a_router_subclassing_linear_is_neither_adapted_nor_quantized(capsys):
     router = skeleton.model.layers[0].feed_forward.router
     assert type(router).__name__ == "Llama4Router" and not is_nf4(router.weight)
     assert is_nf4(skeleton.model.layers[0].self_attn.q_proj.base_layer.weight)
-    assert "layers.0.feed_forward.router.weight belongs to a Llama4Router, a Linear with its own forward" in \
-        capsys.readouterr().out
+    assert "layers.0.feed_forward.router.weight belongs to a Llama4Router, a Linear whose forward is not a Linear's" \
+        in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"'router' names model.layers.0.feed_forward.router \(Llama4Router\), a "
-                                          r"Linear with its own forward: LoRA here adapts plain Linear layers only"):
+                                          r"Linear whose forward is not a Linear's: LoRA here adapts plain Linear"):
         skeleton = build_skeleton(config)
         apply_lora(skeleton, find_layers(skeleton), target_modules=["router"], **lora)

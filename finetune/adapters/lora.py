@@ -24,6 +24,8 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     the output layer), and every expert parameter. A list of names: each matches Linear layers, experts modules
     ("experts") or expert parameters ("gate_up_proj"), at least one."""
     from .expert_lora import ends, match_expert_params
+    # peft's layer adds its delta to a Linear's output: Llama 4's router (a Linear subclass) returns scores and logits
+    from .qlora import is_plain_linear
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
@@ -41,17 +43,11 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     other = next(((t, n, m) for t in linear_names for n, m in modules
                   if ends(n, t) and not is_plain_linear(m)), None)
     if other:  # peft's embedding adapters (lora_embedding_A/B) have no load, merge or adapter-export path here
-        kind = "a Linear with its own forward" if isinstance(other[2], nn.Linear) else "not a Linear layer"
+        kind = "a Linear whose forward is not a Linear's" if isinstance(other[2], nn.Linear) else "not a Linear layer"
         raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), {kind}: "
                           f"LoRA here adapts plain Linear layers only; to train it in full, name it in "
                           f"lora.modules_to_save instead (lora.modules_to_save=['{other[0]}'])")
     return linear_names, expert_targets
-
-
-def is_plain_linear(module: nn.Module) -> bool:
-    """A Linear whose forward is Linear's: what peft's LoRA layer wraps (Llama 4's router, a Linear subclass, returns
-    scores and logits, which the wrapper cannot add its delta to)."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def check_names_match(model: nn.Module, key: str, names: list[str]) -> None:

@@ -23,9 +23,8 @@ CHUNK = 2**24
 
 def nf4_misfit(module: nn.Linear, shards: int) -> str | None:
     """Why `module`'s weight cannot be held as NF4 over `shards` ranks (dim-0 shards of whole factors), or None."""
-    # a subclass with its own forward (Llama 4's router returns scores and logits) is no matmul to replace
-    if type(module).forward is not nn.Linear.forward:
-        return f"belongs to a {type(module).__name__}, a Linear with its own forward (a router's)"
+    if not is_plain_linear(module):
+        return f"belongs to a {type(module).__name__}, a Linear whose forward is not a Linear's (a router's)"
     shape = module.weight.shape
     if len(shape) != 2:
         return f"is {len(shape)}-D"
@@ -33,6 +32,20 @@ def nf4_misfit(module: nn.Linear, shards: int) -> str | None:
         whole = f"does not split into {shards} row shards of whole" if shards > 1 else "is not a whole number of"
         return f"{list(shape)} {whole} NF4 factor blocks ({GRANULE} elements each)"
     return None
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """A Linear whose forward computes a Linear's output (Linear's own, or Falcon's x @ W.T + b): what NF4's matmul
+    and peft's LoRA layer stand in for. Not Llama 4's router (a Linear returning scores and logits) nor DeepSeek-V4's
+    grouped projection: their forward is run once on a meta input of leading shape (2, 3) to see."""
+    if not isinstance(module, nn.Linear) or type(module).forward is nn.Linear.forward:
+        return isinstance(module, nn.Linear)
+    x = torch.empty(2, 3, module.in_features, dtype=module.weight.dtype, device="meta")
+    try:
+        out = type(module).forward(module, x)
+    except Exception:  # noqa: BLE001 - an input a Linear takes that this forward does not: not a plain one
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, 3, module.out_features)
 
 
 def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch.dtype = torch.bfloat16) -> list[str]:
