@@ -54,6 +54,8 @@ def test_a_router_subclassing_linear_is_neither_adapted_nor_quantized(capsys):
     from transformers.models.falcon.modeling_falcon import FalconLinear
     from finetune.adapters.lora import apply_lora
     from finetune.adapters.qlora import apply_nf4, is_nf4, is_plain_linear
+    # on meta (a skeleton) and with real weights (plan's are fake): the forward is tried on meta stand-ins
+    assert is_plain_linear(FalconLinear(64, 32)) and not is_plain_linear(DeepseekV4GroupedLinear(32, 64, 2))
     with torch.device("meta"):
         assert is_plain_linear(FalconLinear(64, 32)) and not is_plain_linear(DeepseekV4GroupedLinear(32, 64, 2))
     from finetune.config import ConfigError

@@ -2,6 +2,7 @@
 quantized shard by shard while the weights load, each rank's bytes those of the whole tensor quantized at once."""
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -37,12 +38,16 @@ def nf4_misfit(module: nn.Linear, shards: int) -> str | None:
 def is_plain_linear(module: nn.Module) -> bool:
     """A Linear whose forward computes a Linear's output (Linear's own, or Falcon's x @ W.T + b): what NF4's matmul
     and peft's LoRA layer stand in for. Not Llama 4's router (a Linear returning scores and logits) nor DeepSeek-V4's
-    grouped projection: their forward is run once on a meta input of leading shape (2, 3) to see."""
+    grouped projection: their forward is run once to see, on meta tensors (a copy of the module holding meta
+    parameters of its parameters' shapes: plan's are fake, sharded ones) and an input of leading shape (2, 3)."""
     if not isinstance(module, nn.Linear) or type(module).forward is nn.Linear.forward:
         return isinstance(module, nn.Linear)
+    stand_in = copy.copy(module)
+    stand_in._parameters = {n: p if p is None else torch.empty(p.shape, dtype=p.dtype, device="meta")
+                            for n, p in module._parameters.items()}
     x = torch.empty(2, 3, module.in_features, dtype=module.weight.dtype, device="meta")
     try:
-        out = type(module).forward(module, x)
+        out = type(module).forward(stand_in, x)
     except Exception:  # noqa: BLE001 - an input a Linear takes that this forward does not: not a plain one
         return False
     return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, 3, module.out_features)
