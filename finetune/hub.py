@@ -38,8 +38,9 @@ def local_dir(path: str) -> Path:
 
 
 @torch.no_grad()
-def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards."""
+def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool = False, fill=None) -> None:
+    """Rank 0 reads the HF checkpoint; each tensor is cast to its parameter's dtype and scattered to its shards
+    (`fill`: QLoRA's, which quantizes each rank's rows of a base weight held as NF4)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     full, problem = None, None
     params, buffers = hf_params(model), hf_buffers(model)
@@ -71,9 +72,17 @@ def load_hf_weights_rank0(model: nn.Module, path: str, trust_remote_code: bool =
             src_t = (full.pop(key) if uses[key] == 0 else full[key]).to(param.device, param.dtype)
         else:
             src_t = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        assert isinstance(param, DTensor), key  # fully_shard at the root makes every parameter a DTensor
+        # fully_shard at the root makes every parameter a DTensor, but those it leaves alone (QLoRA's NF4 weights on
+        # one shard): whole on every rank
+        if not isinstance(param, DTensor):
+            assert fill is not None, key
+            if world_size() > 1:
+                dist.broadcast(src_t, src=0)
+            fill(param, src_t)
+            continue
         shard = distribute_tensor(src_t, param.device_mesh, param.placements, src_data_rank=0)
-        param.to_local().copy_(shard.to_local())
+        if fill is None or not fill(param, shard.to_local()):
+            param.to_local().copy_(shard.to_local())
         del src_t
     for key, buf in buffers:  # whole on every rank
         if is_main():

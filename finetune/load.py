@@ -94,7 +94,7 @@ def load_slices(model: nn.Module, located: dict[str, Entry], fill=None) -> None:
 def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remote_code: bool = False,
                     fill=None) -> None:
     """Each rank reads its own slices (locate_slices), or hub.py loads a prepared dir, or on rank 0 what the slices
-    cannot give; `fill` (QLoRA's) writes the slices of a base held quantized: only the slice reader loads one."""
+    cannot give; `fill` (QLoRA's) writes the slices of a base held quantized (not from a prepared dir)."""
     if is_prepared(path) and fill is None:
         from . import hub
         return hub.load_prepared_weights(model, path)
@@ -103,12 +103,12 @@ def load_hf_weights(model: nn.Module, skeleton: nn.Module, path: str, trust_remo
     else:
         from . import hub
         located = locate_slices(model, skeleton, path, hub.local_dir)
-    if isinstance(located, str) and fill is not None:
+    if isinstance(located, str) and fill is not None and is_prepared(path):
         raise ModelError(f"{located}: lora.quantize_base quantizes the base as each rank reads its slices of the "
                          f"safetensors files, which this base cannot give; pass the HF model directory")
     if isinstance(located, str):
         from . import hub
         print0(f"loading on rank 0 and scattering: {located}")
-        return hub.load_hf_weights_rank0(model, path, trust_remote_code)
+        return hub.load_hf_weights_rank0(model, path, trust_remote_code, fill)
     load_slices(model, located, fill)
 

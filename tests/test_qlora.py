@@ -124,6 +124,15 @@ def test_resume_on_one_rank_from_two_continues_exactly(runs, qlora_dir, chat_fil
     assert losses(resumed)[2:] == pytest.approx(losses(runs / "one")[2:], rel=1e-5, abs=1e-5)
 
 
+def test_a_resume_onto_a_base_held_otherwise_is_refused(runs, qlora_dir, chat_file, tmp_path):
+    """The adapters fit the 4-bit base they trained on: resuming them on LoRA's bf16 base is a change of settings."""
+    from finetune.checkpoint import CheckpointError
+    shutil.copytree(runs / "two", tmp_path / "resumed")
+    with pytest.raises(CheckpointError, match=r"has other LoRA settings than this run: lora.quantize_base: "
+                                              r"checkpoint 'nf4', run 'none'"):
+        sft(qlora_dir, chat_file, tmp_path / "resumed", *RUN, "train.max_steps=6", "lora.quantize_base=none")
+
+
 def test_exports_merge_into_the_original_base_and_peft_loads_the_adapter_onto_it(runs, qlora_dir, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file

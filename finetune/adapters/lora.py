@@ -24,10 +24,12 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     the output layer), and every expert parameter. A list of names: each matches Linear layers, experts modules
     ("experts") or expert parameters ("gate_up_proj"), at least one."""
     from .expert_lora import ends, match_expert_params
+    # peft's layer adds its delta to a Linear's output: Llama 4's router (a Linear subclass) returns scores and logits
+    from .qlora import is_plain_linear
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
-                         if isinstance(m, nn.Linear)})
+                         if is_plain_linear(m)})
         return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})", [f"{m}.{p}" for m, ps in experts.items()
                                                                          for p in ps]
     if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
@@ -39,10 +41,11 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     modules = [(n, m) for n, m in model.named_modules() if n not in experts]
     linear_names = [t for t in target_modules if any(ends(n, t) for n, _ in modules)]
     other = next(((t, n, m) for t in linear_names for n, m in modules
-                  if ends(n, t) and not isinstance(m, nn.Linear)), None)
+                  if ends(n, t) and not is_plain_linear(m)), None)
     if other:  # peft's embedding adapters (lora_embedding_A/B) have no load, merge or adapter-export path here
-        raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), not a "
-                          f"Linear layer: LoRA here adapts Linear layers only; to train it in full, name it in "
+        kind = "a Linear whose forward is not a Linear's" if isinstance(other[2], nn.Linear) else "not a Linear layer"
+        raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), {kind}: "
+                          f"LoRA here adapts plain Linear layers only; to train it in full, name it in "
                           f"lora.modules_to_save instead (lora.modules_to_save=['{other[0]}'])")
     return linear_names, expert_targets
 
@@ -99,6 +102,9 @@ class LoraSettings(dict):
 
     def check(self, path, saved: dict, hf_config) -> None:
         """The LoRA checkpoint `path` (its settings `saved`) has these settings and trained on this run's base."""
+        # how the base was held: its config's, for a checkpoint whose settings do not record it (none before QLoRA)
+        held = read_marker(path).get("config", {}).get("lora", {}).get("quantize_base", "none")
+        saved = {"quantize_base": held, **saved}
         diffs = [f"lora.{k}: checkpoint {saved[k]!r}, run {self.get(k)!r}" for k in saved
                  if k != "base_fingerprint" and saved[k] != self.get(k)]
         if diffs:
@@ -181,11 +187,14 @@ def lora_transforms(settings: dict, *, seed: int, path: str, mixed_precision: st
         from .qlora import apply_nf4, fill_nf4, nf4_params
         quantize, fill, unsharded = partial(apply_nf4, shards=shards, dtype=base_dtype), fill_nf4, nf4_params
     return [Transform("adapters", partial(apply_lora, **settings, base_dtype=base_dtype, quantize=quantize),
-                      after_load=partial(init_adapters, seed=seed, path=path), fill=fill, unsharded=unsharded)]
+                      after_load=partial(init_adapters, seed=seed, path=path, quantize_base=quantize_base), fill=fill,
+                      unsharded=unsharded)]
 
 
-def init_adapters(model, settings: dict, *, seed: int, path: str) -> None:
-    """After the load: the adapters initialised from `seed`, the base weights' fingerprint recorded in `settings`."""
+def init_adapters(model, settings: dict, *, seed: int, path: str, quantize_base: str = "none") -> None:
+    """After the load: the adapters initialised from `seed`; the base they train on recorded in `settings`: its
+    weights' fingerprint and how it is held (a resume onto another, e.g. NF4 then bf16, is refused as a change of
+    settings)."""
     from ..hf.fingerprint import base_fingerprint
     init_lora_weights(model, seed)
-    settings["base_fingerprint"] = base_fingerprint(path)
+    settings["base_fingerprint"], settings["quantize_base"] = base_fingerprint(path), quantize_base

@@ -2,6 +2,7 @@
 quantized shard by shard while the weights load, each rank's bytes those of the whole tensor quantized at once."""
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -21,14 +22,35 @@ NF4_BYTES = 0.5 + 1 / BLOCK + 2 / GRANULE  # per element: a 4-bit code, an int8 
 CHUNK = 2**24
 
 
-def nf4_misfit(shape, shards: int) -> str | None:
-    """Why a weight of `shape` cannot be held as NF4 over `shards` ranks (dim-0 shards of whole factors), or None."""
+def nf4_misfit(module: nn.Linear, shards: int) -> str | None:
+    """Why `module`'s weight cannot be held as NF4 over `shards` ranks (dim-0 shards of whole factors), or None."""
+    if not is_plain_linear(module):
+        return f"belongs to a {type(module).__name__}, a Linear whose forward is not a Linear's (a router's)"
+    shape = module.weight.shape
     if len(shape) != 2:
         return f"is {len(shape)}-D"
     if shape[0] % shards or (shape[0] // shards * shape[1]) % GRANULE:
-        return (f"{list(shape)} does not split into {shards} row shards of whole NF4 factor blocks "
-                f"({GRANULE} elements each)")
+        whole = f"does not split into {shards} row shards of whole" if shards > 1 else "is not a whole number of"
+        return f"{list(shape)} {whole} NF4 factor blocks ({GRANULE} elements each)"
     return None
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """A Linear whose forward computes a Linear's output (Linear's own, or Falcon's x @ W.T + b): what NF4's matmul
+    and peft's LoRA layer stand in for. Not Llama 4's router (a Linear returning scores and logits) nor DeepSeek-V4's
+    grouped projection: their forward is run once to see, on meta tensors (a copy of the module holding meta
+    parameters of its parameters' shapes: plan's are fake, sharded ones) and an input of leading shape (2, 3)."""
+    if not isinstance(module, nn.Linear) or type(module).forward is nn.Linear.forward:
+        return isinstance(module, nn.Linear)
+    stand_in = copy.copy(module)
+    stand_in._parameters = {n: p if p is None else torch.empty(p.shape, dtype=p.dtype, device="meta")
+                            for n, p in module._parameters.items()}
+    x = torch.empty(2, 3, module.in_features, dtype=module.weight.dtype, device="meta")
+    try:
+        out = type(module).forward(stand_in, x)
+    except Exception:  # noqa: BLE001 - an input a Linear takes that this forward does not: not a plain one
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, 3, module.out_features)
 
 
 def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch.dtype = torch.bfloat16) -> list[str]:
@@ -39,7 +61,7 @@ def apply_nf4(model: nn.Module, layers: nn.ModuleList, shards: int, dtype: torch
     from ..kernels.moe import find_experts
     kept, num_quantized = [], 0
     for name, mod in frozen_linears(layers):
-        if why := nf4_misfit(mod.weight.shape, shards):
+        if why := nf4_misfit(mod, shards):
             kept.append(f"{name}.weight {why}")
             continue
         meta = torch.empty(mod.weight.shape, dtype=dtype, device="meta")
@@ -108,7 +130,7 @@ def plan_nf4(model: nn.Module, quantize_base: str, shards: int, meter) -> dict |
         return None
     from torchao.quantization import to_nf4
     from ..model import find_layers
-    weights = [m.weight for _, m in frozen_linears(find_layers(model)) if nf4_misfit(m.weight.shape, shards) is None]
+    weights = [m.weight for _, m in frozen_linears(find_layers(model)) if nf4_misfit(m, shards) is None]
     dtype = weights[0].dtype if weights else torch.bfloat16
     peaks = []
     for rows in (1, 2):
