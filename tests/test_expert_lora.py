@@ -174,6 +174,47 @@ def test_target_modules_name_the_experts_by_module_or_parameter_and_dropout_on_t
         apply_lora(model, find_layers(model), 4, 8.0, 0.0, ["experts"], ["lm_head"], torch.float32)
 
 
+def test_shared_expert_linears_that_peft_remaps_onto_the_experts_are_left_out_of_all_linear_or_refused(capsys):
+    """DeepSeek-V3: peft 0.21 turns targets named gate_proj/up_proj/down_proj into the fused experts' parameters
+    (huggingface/peft#3711) and then failed (AttributeError); all-linear leaves those Linears out with a note and
+    adapts the rest, the experts by our own LoRA; naming them is refused in one line."""
+    from families import FAMILIES, family_kwargs
+    from finetune.adapters.lora import apply_lora
+    from finetune.config import ConfigError
+    from finetune.model import build_skeleton, find_layers
+    config_cls, _, _ = FAMILIES["deepseek_v3"]
+
+    def adapt(target_modules):
+        model = build_skeleton(config_cls(**family_kwargs("deepseek_v3")))
+        apply_lora(model, find_layers(model), 4, 8.0, 0.0, target_modules, [], torch.float32)
+        return {n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad}
+    adapted = adapt("all-linear")
+    assert "note: all-linear leaves out the Linear layers named ['down_proj', 'gate_proj', 'up_proj']: peft" in \
+        capsys.readouterr().out
+    assert not any(n.endswith(("gate_proj", "up_proj", "down_proj")) and ".experts" not in n for n in adapted), adapted
+    assert any(n.endswith("self_attn.o_proj") for n in adapted) and any(".mlp.experts" in n for n in adapted)
+    with pytest.raises(ConfigError, match=r"^lora.target_modules: \['gate_proj'\]: peft .* turns LoRA targets with "
+                                          r"these names of a deepseek_v3 model into its fused experts' parameters .*"
+                                          r"leave them out \(lora.target_modules=\['o_proj'\]\)$"):
+        adapt(["o_proj", "gate_proj"])
+
+
+def test_deepseek_v3_lora_trains_and_its_adapter_export_holds_the_adapters_only(chat_file, tmp_path):
+    """The run the remap broke (AttributeError at the build) trains; the checkpoint also holds the routing biases (the
+    base's persistent buffers), which the adapter dir leaves out (peft loads exactly its tensors: export's check)."""
+    from families import FAMILIES, family_kwargs, make_family_dir
+    from helpers import export_hf, sft
+    config_cls, _, _ = FAMILIES["deepseek_v3"]
+    model_dir = make_family_dir(tmp_path / "m", config_cls, family_kwargs("deepseek_v3"))
+    records = sft(model_dir, chat_file, tmp_path / "run", "lora.rank=4", "train.max_steps=2", "train.lr=1e-2")
+    assert len(records) == 2 and records[1]["loss"] < records[0]["loss"]
+    out = export_hf(str(tmp_path / "run"), str(tmp_path / "adapter"), adapter=True)  # raises if peft loads others
+    from safetensors import safe_open
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(".lora_" in k for k in keys) and any(".mlp.experts." in k for k in keys), keys
+
+
 def test_dpo_trains_the_experts_adapters(qwen3_moe_dir, tmp_path):
     """2 dpo steps with LoRA on the attention and the experts (reference: the adapters off): the second step's
     policy differs from the reference (rewards non-zero) and the experts' B factors left zero."""

@@ -30,6 +30,26 @@ def ends(fqn: str, name: str) -> bool:
     return fqn == name or fqn.endswith("." + name)
 
 
+def peft_remapped(model: nn.Module, names: list[str]) -> tuple[list[str], str]:
+    """(those of the Linear targets `names` that peft turns into the fused experts' parameters, why): its conversion
+    of transformers-v4 MoE adapters remaps names like gate_proj in some model types (DeepSeek-V3, GLM-4.5, Qwen3-Next:
+    their shared experts or dense MLPs), and its layer then fails on our expert LoRA."""
+    import peft
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    def remapped(name: str) -> bool:
+        config = LoraConfig(target_modules=[name])
+        try:
+            convert_peft_config_for_transformers(config, model, None)
+        except ValueError:  # one of a fused pair alone (gate_proj without up_proj): it would remap the pair
+            return True
+        return bool(config.target_parameters)
+    return [n for n in names if remapped(n)], (f"peft {peft.__version__} turns LoRA targets with these names of a "
+                                               f"{model.config.model_type} model into its fused experts' parameters "
+                                               f"(its conversion of transformers-v4 adapters, huggingface/peft#3711)")
+
+
 def match_expert_params(params: dict[str, list[str]], names: list[str]) -> list[str]:
     """The "module.param" names of the expert parameters `names` (lora.target_modules) name: one ending an experts
     module's name names all its parameters ("experts"), one ending a parameter's name that one ("down_proj")."""

@@ -23,13 +23,16 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
     "all-linear": a regex naming every Linear inside the decoder blocks (peft's "all-linear" would adapt any Linear but
     the output layer), and every expert parameter. A list of names: each matches Linear layers, experts modules
     ("experts") or expert parameters ("gate_up_proj"), at least one."""
-    from .expert_lora import ends, match_expert_params
+    from .expert_lora import ends, match_expert_params, peft_remapped
     # peft's layer adds its delta to a Linear's output: Llama 4's router (a Linear subclass) returns scores and logits
     from .qlora import is_plain_linear
     if target_modules == "all-linear":
         prefix = next(n for n, m in model.named_modules() if m is layers)
         leaves = sorted({n.rsplit(".", 1)[-1] for layer in layers for n, m in layer.named_modules()
                          if is_plain_linear(m)})
+        if (moved := peft_remapped(model, leaves))[0]:
+            leaves = [n for n in leaves if n not in moved[0]]
+            print0(f"note: all-linear leaves out the Linear layers named {moved[0]}: {moved[1]}")
         return rf"{re.escape(prefix)}\.\d+\.(.*\.)?({'|'.join(leaves)})", [f"{m}.{p}" for m, ps in experts.items()
                                                                          for p in ps]
     if isinstance(target_modules, str) or not target_modules or not all(isinstance(t, str) for t in target_modules):
@@ -47,6 +50,10 @@ def resolve_targets(model: nn.Module, layers: nn.ModuleList, target_modules,
         raise ConfigError(f"lora.target_modules: '{other[0]}' names {other[1]} ({type(other[2]).__name__}), {kind}: "
                           f"LoRA here adapts plain Linear layers only; to train it in full, name it in "
                           f"lora.modules_to_save instead (lora.modules_to_save=['{other[0]}'])")
+    if (moved := peft_remapped(model, linear_names))[0]:
+        keep = [n for n in target_modules if n not in moved[0]]
+        raise ConfigError(f"lora.target_modules: {moved[0]}: {moved[1]}, and then fails; leave them out "
+                          f"(lora.target_modules={keep})")
     return linear_names, expert_targets
 
 

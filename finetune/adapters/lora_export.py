@@ -12,7 +12,7 @@ from ..hf.files import Source, find_source, open_dcp
 from ..config import ConfigError
 from ..distributed import print0, world_size
 from ..errors import ModelError
-from ..weights import is_prepared
+from ..weights import is_adapter, is_prepared
 from ..model import build_skeleton
 from ..weights import arch_diffs, disk_to_memory
 from ..hf.fingerprint import base_fingerprint
@@ -96,8 +96,10 @@ def save_adapter(out: Path, source: Source, adapters: dict, load, hf_config, dty
     from safetensors.torch import save_file
     from ..hf.verify import check_adapter
     from .expert_lora import peft_tensor
-    # LoRA on the experts: peft's layout of its factors (peft's target_parameters)
-    tensors = dict(peft_tensor(k, load(k), source.lora.get("target_parameters", [])) for k in adapters)
+    # LoRA on the experts: peft's layout of its factors (peft's target_parameters); the base's persistent buffers
+    # that the checkpoint holds too (DeepSeek-V3's routing biases) are not the adapter's
+    tensors = dict(peft_tensor(k, load(k), source.lora.get("target_parameters", [])) for k in adapters
+                   if is_adapter(k) or ".modules_to_save." in k)
     peft_config(source.lora, task_type="CAUSAL_LM", base_model_name_or_path=source.model_path).save_pretrained(str(out))
     save_file({peft_key(k): t.to(dtype).contiguous() for k, t in tensors.items()},
               str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
