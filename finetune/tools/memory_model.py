@@ -119,7 +119,7 @@ def measure_state(model, nf4: dict | None = None, nf4_gathered: bool = True) -> 
         params.append((tuple(p.shape), p.numel(), nf4.get(id(p), sum(t.element_size() for _, t in tensors))))
     from ..model import find_layers
     block_of = {id(m): i for i, layer in enumerate(find_layers(model)) for m in layer.modules()}
-    held, blocks, others, unit_grads, shards = 0, {}, [0], 0, {}
+    held, blocks, others, unit_grads, unit_shards, unit_grad_shards = 0, {}, [0], 0, 0, 0
     for m in model.modules():
         group = fsdp_param_group(m)
         if group is None:
@@ -133,8 +133,9 @@ def measure_state(model, nf4: dict | None = None, nf4_gathered: bool = True) -> 
         unit_grads = max(unit_grads, sum(n * (dt.itemsize + (rd.itemsize if rd not in (None, dt) else 0))
                                          for n, dt, rd, p in fps if p.requires_grad))
         # this rank's shards of the unit and of its gradients (what host offload copies over for a unit)
-        shards[m] = (sum(p.to_local().numel() * nf4.get(id(p), p.element_size()) for *_, p in fps),
-                     sum(p.to_local().numel() * p.element_size() for *_, p in fps if p.requires_grad))
+        unit_shards = max(unit_shards, sum(p.to_local().numel() * nf4.get(id(p), p.element_size()) for *_, p in fps))
+        unit_grad_shards = max(unit_grad_shards, sum(p.to_local().numel() * p.element_size()
+                                                     for *_, p in fps if p.requires_grad))
         # not resharded after forward: unsharded until its backward (the root too, before its lazy init)
         if group.post_forward_mesh_info is None or m is model:
             held += unit
@@ -149,8 +150,7 @@ def measure_state(model, nf4: dict | None = None, nf4_gathered: bool = True) -> 
                  **({"nf4 dequantized": nf4["dequantized"]} if nf4 else {})}
     return {"state": state, "params": params, "in_flight": in_flight,
             "forward_start": max(others) + max(largest, default=0),
-            "unit_shards": max((p for p, _ in shards.values()), default=0),
-            "unit_grad_shards": max((g for _, g in shards.values()), default=0)}
+            "unit_shards": unit_shards, "unit_grad_shards": unit_grad_shards}
 
 
 def offload_state(measured: dict, on_device: tuple = ()) -> dict:

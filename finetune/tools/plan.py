@@ -211,5 +211,5 @@ def format_plan(r: dict) -> str:
                         f"nodes x {r['nproc_per_node']}" + (f"; parallel.dp_shard={world // pc['dp_replicate']}"
                                                             if pc["dp_shard"] else "") + ")" if world else
                         "no world size fits: a smaller micro-batch, a higher ac.ratio or a shorter sequence"
-                        + ("" if "host" in r or r["state"] == {} else ", or parallel.cpu_offload=true")))
+                        + ("" if "host" in r else ", or parallel.cpu_offload=true")))
     return "\n".join(lines)
